@@ -1,0 +1,167 @@
+// Implementations of the shared host-side checks declared in common.h.
+#include "common.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace paged_attn {
+
+namespace {
+std::atomic<bool>& validation_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* env = std::getenv("PAGED_ATTN_VALIDATE");
+    return env != nullptr && std::strcmp(env, "") != 0 && std::strcmp(env, "0") != 0;
+  }()};
+  return flag;
+}
+}  // namespace
+
+bool validation_enabled() { return validation_flag().load(std::memory_order_relaxed); }
+void set_validation_enabled(bool enabled) { validation_flag().store(enabled, std::memory_order_relaxed); }
+
+void check_kv_dtype(const at::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, name,
+              " must be float32, float16 or bfloat16, got ", dtype);
+}
+
+void check_cache(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
+              cache.sizes());
+  check_kv_dtype(cache, name);
+  const int64_t num_kv_heads = cache.size(2), head_dim = cache.size(3);
+  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == head_dim && cache.stride(1) == num_kv_heads * head_dim,
+              name, ": the last three dimensions [block_size, num_kv_heads, head_dim] must be contiguous, got shape ",
+              cache.sizes(), " with strides ", cache.strides());
+  TORCH_CHECK(cache.size(0) <= 1 || cache.stride(0) >= cache.size(1) * num_kv_heads * head_dim, name,
+              ": blocks must not overlap (block stride >= block_size * num_kv_heads * head_dim), got shape ",
+              cache.sizes(), " with strides ", cache.strides());
+}
+
+void check_same_layout(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
+  TORCH_CHECK(a.device() == b.device(), a_name, " and ", b_name, " must be on the same device, got ", a.device(),
+              " and ", b.device());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), a_name, " and ", b_name, " must have the same dtype, got ",
+              a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK(a.sizes() == b.sizes(), a_name, " and ", b_name, " must have the same shape, got ", a.sizes(), " and ",
+              b.sizes());
+}
+
+void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
+                        const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimension(s), got shape ", t.sizes());
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
+}
+
+void check_block_mapping_shape(const at::Tensor& block_mapping, const at::Device& device) {
+  check_index_tensor(block_mapping, "block_mapping", at::kLong, 2, device);
+  TORCH_CHECK(block_mapping.size(1) == 2, "block_mapping must have shape [num_pairs, 2] of (src_block, dst_block), got ",
+              block_mapping.sizes());
+}
+
+void check_slot_range(const at::Tensor& slot_mapping_cpu, int64_t num_slots) {
+  const auto slots = slot_mapping_cpu.contiguous();
+  const int64_t* data = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK(data[i] < num_slots, "slot_mapping[", i, "] = ", data[i], " is out of range: slots are in [0, ",
+                num_slots, ") (num_blocks * block_size), and negative slots mark padding");
+  }
+}
+
+void check_block_mapping_range(const at::Tensor& block_mapping_cpu, int64_t num_src_blocks,
+                               int64_t num_dst_blocks, bool same_cache) {
+  const auto mapping = block_mapping_cpu.contiguous();
+  const int64_t* pairs = mapping.data_ptr<int64_t>();
+  const int64_t num_pairs = mapping.size(0);
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    const int64_t src = pairs[2 * i], dst = pairs[2 * i + 1];
+    TORCH_CHECK(src >= 0 && src < num_src_blocks, "block_mapping[", i, "] = (", src, ", ", dst,
+                "): source block ", src, " is out of range [0, ", num_src_blocks, ")");
+    TORCH_CHECK(dst >= 0 && dst < num_dst_blocks, "block_mapping[", i, "] = (", src, ", ", dst,
+                "): destination block ", dst, " is out of range [0, ", num_dst_blocks, ")");
+  }
+  // Destinations must be distinct (two writers to one block would race), and within one cache a destination
+  // must not also be read as a source (the result would depend on the copy order).
+  std::vector<int64_t> dsts(num_pairs);
+  for (int64_t i = 0; i < num_pairs; ++i) dsts[i] = pairs[2 * i + 1];
+  std::sort(dsts.begin(), dsts.end());
+  const auto dup = std::adjacent_find(dsts.begin(), dsts.end());
+  TORCH_CHECK(dup == dsts.end(), "block_mapping: destination block ", dup == dsts.end() ? 0 : *dup,
+              " appears more than once; destinations must be distinct");
+  if (same_cache) {
+    for (int64_t i = 0; i < num_pairs; ++i) {
+      const int64_t src = pairs[2 * i];
+      TORCH_CHECK(!std::binary_search(dsts.begin(), dsts.end(), src), "block_mapping: block ", src,
+                  " is both a source and a destination; destinations must never be sources");
+    }
+  }
+}
+
+void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  check_same_layout(key_cache, "key_cache", value_cache, "value_cache");
+  TORCH_CHECK(key.dim() == 3, "key must have shape [num_tokens, num_kv_heads, head_dim], got ", key.sizes());
+  check_same_layout(key, "key", value, "value");
+  TORCH_CHECK(key.device() == key_cache.device(), "key and key_cache must be on the same device, got ", key.device(),
+              " and ", key_cache.device());
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "key and key_cache must have the same dtype, got ",
+              key.scalar_type(), " and ", key_cache.scalar_type());
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "key is [num_tokens, num_kv_heads, head_dim] = ", key.sizes(),
+              " but the cache holds [num_kv_heads, head_dim] = [", key_cache.size(2), ", ", key_cache.size(3), "]");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value must be contiguous in their last dimension (head_dim), got strides ", key.strides(),
+              " and ", value.strides());
+  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, key_cache.device());
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping must have num_tokens = ", key.size(0),
+              " entries, got ", slot_mapping.size(0));
+}
+
+void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
+                            const at::Tensor& block_mapping) {
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "key_caches and value_caches must have the same number ",
+              "of layers, got ", key_caches.size(), " and ", value_caches.size());
+  if (key_caches.empty()) return;
+  const at::Tensor& first = key_caches[0];
+  for (size_t layer = 0; layer < key_caches.size(); ++layer) {
+    const std::string key_name = "key_caches[" + std::to_string(layer) + "]";
+    const std::string value_name = "value_caches[" + std::to_string(layer) + "]";
+    check_cache(key_caches[layer], key_name.c_str());
+    check_cache(value_caches[layer], value_name.c_str());
+    check_same_layout(first, "key_caches[0]", key_caches[layer], key_name.c_str());
+    check_same_layout(first, "key_caches[0]", value_caches[layer], value_name.c_str());
+  }
+  TORCH_CHECK(block_mapping.device().is_cpu() || block_mapping.device() == first.device(),
+              "block_mapping must be on the CPU or on the caches' device ", first.device(), ", got ",
+              block_mapping.device());
+  check_block_mapping_shape(block_mapping, block_mapping.device());
+}
+
+void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping) {
+  TORCH_CHECK(src.dim() >= 1 && dst.dim() >= 1, "src and dst must be caches with a leading block dimension");
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "src and dst must have the same dtype, got ",
+              src.scalar_type(), " and ", dst.scalar_type());
+  TORCH_CHECK(src.sizes().slice(1) == dst.sizes().slice(1), "src and dst must have the same per-block shape, got ",
+              src.sizes(), " and ", dst.sizes());
+  for (const at::Tensor* t : {&src, &dst}) {
+    TORCH_CHECK(t->device().is_cpu() || t->device().is_cuda(), "swap_blocks supports CPU and CUDA tensors, got ",
+                t->device());
+    // Each block must be one contiguous run of bytes; the block dimension may have any stride.
+    TORCH_CHECK(t->size(0) == 0 || t->select(0, 0).is_contiguous(),
+                "src and dst must be contiguous within each block (all dimensions after the first), got strides ",
+                t->strides());
+    TORCH_CHECK(t->size(0) <= 1 || t->stride(0) >= t->select(0, 0).numel(),
+                "src and dst blocks must not overlap (block stride >= elements per block), got shape ", t->sizes(),
+                " with strides ", t->strides());
+  }
+  check_block_mapping_shape(block_mapping, at::Device(at::kCPU));
+}
+
+}  // namespace paged_attn

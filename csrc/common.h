@@ -1,0 +1,64 @@
+// Host-side helpers shared by every backend: argument checks, index range checks, and the opt-in
+// validation switch. Kernels never validate; host entry points call these before anything is written.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+namespace paged_attn {
+
+// Index validation on CUDA copies index tensors to the host, which synchronizes with the device, so it is
+// opt-in there: PAGED_ATTN_VALIDATE=1 in the environment, or paged_attn.set_validation(True) from Python.
+// CPU kernels always validate indices (it is free there).
+bool validation_enabled();
+void set_validation_enabled(bool enabled);
+
+// float32, float16 or bfloat16, with a message naming the argument.
+void check_kv_dtype(const at::Tensor& t, const char* name);
+
+// A paged cache: [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims contiguous
+// (the block dimension may have any stride, e.g. one half of a [num_blocks, 2, ...] allocation).
+void check_cache(const at::Tensor& cache, const char* name);
+
+// Two tensors that must agree in shape, dtype and device (e.g. key_cache and value_cache).
+void check_same_layout(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
+
+// An index tensor: given dtype and rank, on the given device.
+void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
+                        const at::Device& device);
+
+// block_mapping: int64 [num_pairs, 2] of (src_block, dst_block).
+void check_block_mapping_shape(const at::Tensor& block_mapping, const at::Device& device);
+
+// Every slot_mapping[i] is negative (padding) or in [0, num_slots). Takes a CPU tensor.
+void check_slot_range(const at::Tensor& slot_mapping_cpu, int64_t num_slots);
+
+// Every source block id is in [0, num_src_blocks), every destination in [0, num_dst_blocks), destinations
+// are distinct, and (when the copy stays within one cache) no destination is also a source. Takes a CPU tensor.
+void check_block_mapping_range(const at::Tensor& block_mapping_cpu, int64_t num_src_blocks,
+                               int64_t num_dst_blocks, bool same_cache);
+
+// The shape, dtype and device checks of each op, shared by its CPU and CUDA entry points (index ranges are
+// checked separately, since on CUDA that needs the opt-in synchronization).
+void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
+                            const at::Tensor& block_mapping);
+void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
+
+// Widest access in bytes (16, 8, 4, 2 or 1) that divides every byte count and address given: the kernels
+// that only move data use it to pick their load/store width without dispatching on dtype.
+inline int64_t access_width(std::initializer_list<uint64_t> byte_values) {
+  uint64_t bits = 16;
+  for (uint64_t v : byte_values) bits |= v;
+  return static_cast<int64_t>(bits & (~bits + 1));  // lowest set bit
+}
+
+inline uint64_t address_of(const at::Tensor& t) {
+  return reinterpret_cast<uint64_t>(t.data_ptr());
+}
+
+}  // namespace paged_attn

@@ -1,0 +1,18 @@
+// The table of contents: every op of the paged_attn library, declared once. Each backend file
+// (csrc/cpu/*.cpp, csrc/cuda/*.cu) registers its kernels at its bottom with TORCH_LIBRARY_IMPL, so a
+// CPU-only build simply leaves the .cu files out. Fake (meta) kernels for torch.compile live in
+// paged_attn/ops.py.
+//
+// Cache layout (every op): key_cache, value_cache are [num_blocks, block_size, num_kv_heads, head_dim] with the
+// last three dimensions contiguous and any stride on the block dimension. Slot = block * block_size + offset.
+#include <torch/library.h>
+
+TORCH_LIBRARY(paged_attn, m) {
+  // Write token i's key/value ([num_tokens, num_kv_heads, head_dim]) into cache slot slot_mapping[i]; slot < 0 skips.
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+  // Copy block src -> dst for every (src, dst) row of block_mapping [num_pairs, 2], in every layer (copy-on-write).
+  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  // Copy blocks between caches on any pair of devices (swap out / in); block_mapping [num_pairs, 2] lives on the CPU.
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+}

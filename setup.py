@@ -1,0 +1,86 @@
+"""Builds paged_attn._C with torch.utils.cpp_extension.
+
+CPU kernels are always built. CUDA kernels are built when torch has CUDA and a CUDA toolkit is found; no GPU is
+needed. Environment switches:
+  PAGED_ATTN_NO_CUDA=1      skip the CUDA kernels
+  PAGED_ATTN_FORCE_CUDA=1   fail unless the CUDA kernels can be built
+  TORCH_CUDA_ARCH_LIST      GPU architectures; without a visible GPU it defaults to DEFAULT_ARCH_LIST
+  MAX_JOBS                  parallel compile jobs (ninja)
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0+PTX"  # Ampere, Ada, Hopper (+PTX for newer GPUs)
+
+
+def find_cuda_home():
+    """CUDA_HOME as torch would infer it, but following symlinks (a /usr/local/bin/nvcc link would give /usr/local)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    return None
+
+
+def want_cuda():
+    if os.environ.get("PAGED_ATTN_NO_CUDA", "0") == "1":
+        return False
+    import torch
+
+    cuda_home = find_cuda_home()
+    ok = torch.version.cuda is not None and cuda_home is not None
+    if os.environ.get("PAGED_ATTN_FORCE_CUDA", "0") == "1" and not ok:
+        raise RuntimeError(
+            f"PAGED_ATTN_FORCE_CUDA=1 but the CUDA kernels cannot be built: torch.version.cuda={torch.version.cuda}, "
+            f"CUDA toolkit={cuda_home} (set CUDA_HOME)"
+        )
+    if ok:
+        os.environ["CUDA_HOME"] = cuda_home  # read when torch.utils.cpp_extension is imported
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    return ok
+
+
+def extensions():
+    with_cuda = want_cuda()
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    sources = ["csrc/torch_bindings.cpp", "csrc/common.cpp", "csrc/python_module.cpp"]
+    sources += sorted(glob.glob("csrc/cpu/*.cpp"))
+    cxx_flags = ["-O3", "-fopenmp"]
+    kwargs = dict(
+        name="paged_attn._C",
+        sources=sources,
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=["-fopenmp"],
+        py_limited_api=False,
+    )
+    if not with_cuda:
+        print("paged_attn: building the CPU kernels only")
+        return [CppExtension(**kwargs)]
+    print(f"paged_attn: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}")
+    kwargs["sources"] += sorted(glob.glob("csrc/cuda/*.cu"))
+    kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    return [CUDAExtension(**kwargs)]
+
+
+def cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+setup(
+    packages=find_packages(include=["paged_attn", "paged_attn.*"]),
+    ext_modules=extensions(),
+    cmdclass=cmdclass(),
+)
