@@ -1,0 +1,28 @@
+"""paged-attn: PagedAttention for PyTorch.
+
+The kernels are registered as ``torch.ops.paged_attn.*`` when ``paged_attn._C`` is imported; this package wraps
+them with typed functions (``paged_attn.ops``) and keeps pure-PyTorch references beside them
+(``paged_attn.reference``).
+"""
+
+import torch  # noqa: F401  (load libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers torch.ops.paged_attn.*)
+from .ops import (
+    copy_blocks,
+    has_cuda_kernels,
+    reshape_and_cache,
+    set_validation,
+    swap_blocks,
+    validation_enabled,
+)
+
+__all__ = [
+    "copy_blocks",
+    "has_cuda_kernels",
+    "reshape_and_cache",
+    "set_validation",
+    "swap_blocks",
+    "validation_enabled",
+]
+__version__ = "0.1.0"

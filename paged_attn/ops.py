@@ -1,0 +1,117 @@
+"""Typed wrappers over ``torch.ops.paged_attn.*``, with the fake (meta) kernels that ``torch.compile`` needs.
+
+The paged KV cache, for every op: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` tensors (float32, float16 or bfloat16) whose last three dimensions are contiguous; the block dimension
+may have any stride (e.g. the two halves of one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
+allocation). Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``; its *slot* is ``block * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from . import _C
+
+BlockMapping = Union[torch.Tensor, Sequence[Sequence[int]]]
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new keys and values into their cache slots, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the caches; any strides as long as the
+            last dimension is contiguous (e.g. slices of a fused QKV projection).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, modified in place.
+        slot_mapping: int64 ``[num_tokens]`` on the caches' device; token ``i`` goes to slot ``slot_mapping[i]``;
+            a negative slot marks a padding token, which is skipped.
+
+    Example::
+
+        key_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_dim)
+        value_cache = torch.empty_like(key_cache)
+        paged_attn.reshape_and_cache(k, v, key_cache, value_cache, torch.tensor([0, 1, 17]))
+    """
+    torch.ops.paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_mapping: BlockMapping,
+) -> None:
+    """Copy whole blocks within each layer's caches (copy-on-write), in place.
+
+    Args:
+        key_caches, value_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache per layer, all of
+            the same shape, dtype and device.
+        block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` (or a list of pairs), on the CPU or
+            the caches' device. Every pair is copied in every layer; destinations are distinct and never sources.
+            On CUDA all layers and pairs take one kernel launch and the host never waits for the device.
+    """
+    torch.ops.paged_attn.copy_blocks(list(key_caches), list(value_caches), _as_block_mapping(block_mapping))
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: BlockMapping) -> None:
+    """Copy blocks from one cache to another, on any pair of devices (swap out GPU->CPU, swap in CPU->GPU).
+
+    Args:
+        src, dst: caches ``[num_blocks, ...]`` with the same per-block shape and dtype, each contiguous within a
+            block (the block dimension may have any stride). ``dst`` is modified in place.
+        block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` on the CPU (or a list of pairs);
+            destinations are distinct.
+
+    On CUDA the copies run on the current stream, one copy per run of consecutive block ids, and are asynchronous
+    with respect to the host when the CPU side is pinned memory.
+    """
+    torch.ops.paged_attn.swap_blocks(src, dst, _as_block_mapping(block_mapping))
+
+
+def set_validation(enabled: bool) -> None:
+    """Turn on (or off) index validation for CUDA ops.
+
+    Checking slot and block ids on CUDA copies them to the host, which synchronizes, so it is off by default; when
+    on, an out-of-range index raises the same clear error as on the CPU (where indices are always checked) before
+    anything is written. The environment variable ``PAGED_ATTN_VALIDATE=1`` turns it on at import.
+    """
+    _C.set_validation(bool(enabled))
+
+
+def validation_enabled() -> bool:
+    """Whether CUDA index validation is on (see :func:`set_validation`)."""
+    return _C.validation_enabled()
+
+
+def has_cuda_kernels() -> bool:
+    """Whether this build of the extension contains the CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("paged_attn::reshape_and_cache", "CUDA")
+
+
+def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:
+    if isinstance(block_mapping, torch.Tensor):
+        return block_mapping
+    return torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
+
+
+# Fake kernels: the cache ops only mutate their arguments and return nothing.
+@torch.library.register_fake("paged_attn::reshape_and_cache")
+def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.register_fake("paged_attn::copy_blocks")
+def _(key_caches, value_caches, block_mapping) -> None:
+    return None
+
+
+@torch.library.register_fake("paged_attn::swap_blocks")
+def _(src, dst, block_mapping) -> None:
+    return None
