@@ -1,0 +1,54 @@
+"""The built extension: registered ops, and CUDA machine code for the requested architectures."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import paged_attn
+
+OPS = ["reshape_and_cache", "copy_blocks", "swap_blocks"]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_ops_registered_for_cpu(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"paged_attn::{op}", "CPU")
+
+
+def cuobjdump():
+    """cuobjdump from the CUDA toolkit, or the copy that Triton's package ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(path) if path.exists() else None
+
+
+def expected_archs():
+    """sm_XY for each architecture in TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0+PTX" -> sm_80, sm_90)."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    return ["sm_" + a.split("+")[0].replace(".", "") for a in archs.replace(" ", ";").split(";") if a[:1].isdigit()]
+
+
+@pytest.mark.skipif(
+    os.environ.get("PAGED_ATTN_FORCE_CUDA") != "1" and not paged_attn.has_cuda_kernels(),
+    reason="built without CUDA kernels (set PAGED_ATTN_FORCE_CUDA=1 to require them)",
+)
+def test_cuda_kernels_built():
+    assert paged_attn.has_cuda_kernels(), "PAGED_ATTN_FORCE_CUDA=1 but the extension has no CUDA kernels"
+    for op in OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"paged_attn::{op}", "CUDA")
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton) to list the machine code")
+    listing = subprocess.run([tool, "--list-elf", paged_attn._C.__file__], capture_output=True, text=True, check=True)
+    archs = expected_archs() or ["sm_"]
+    for arch in archs:
+        assert arch in listing.stdout, f"no {arch} machine code in {paged_attn._C.__file__}:\n{listing.stdout}"
