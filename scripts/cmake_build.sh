@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Configures and builds the C++ library with CMakeLists.txt against the virtualenv's libtorch (scripts/setup.sh
+# makes it), then runs the C++ test with ctest. Build tree: build-cmake/.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY=.venv/bin/python
+PREFIX="$($PY -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+SITE="$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+ARGS=(-S . -B build-cmake -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX")
+
+# A CUDA build of torch: point CMake at the toolkit, and at the NVRTC library that the pip wheel ships.
+if [ "$($PY -c 'import torch; print(torch.version.cuda is not None)')" = True ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+  CUDA_ROOT="${CUDA_HOME:-/usr/local/cuda}"
+  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"  # no GPU to probe here
+  ARGS+=(-DPAGED_ATTN_CUDA=ON -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_ROOT" -DCMAKE_CUDA_COMPILER="$CUDA_ROOT/bin/nvcc")
+  NVRTC="$(ls "$SITE"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1 || true)"
+  [ -n "$NVRTC" ] && ARGS+=(-DCUDA_nvrtc_LIBRARY="$NVRTC")
+else
+  ARGS+=(-DPAGED_ATTN_CUDA=OFF)
+fi
+
+PATH="$ROOT/.venv/bin:$PATH"  # the cmake from requirements-dev.txt (knows nvcc 13)
+cmake "${ARGS[@]}"
+cmake --build build-cmake -j "$(nproc)"
+ctest --test-dir build-cmake --output-on-failure

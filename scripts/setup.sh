@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets up everything, idempotently: a virtualenv in .venv with requirements-dev.txt, then an incremental in-place
+# build of paged_attn._C (CPU kernels always; CUDA kernels when a CUDA toolkit is found, no GPU needed), and makes
+# the checkout importable from the virtualenv. Re-running rebuilds only what changed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -r requirements-dev.txt
+
+# The CUDA toolkit: torch would infer /usr/local from a /usr/local/bin/nvcc link, so name it when it is there.
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDA_HOME=/usr/local/cuda
+fi
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+mkdir -p build
+echo "building paged_attn._C (log: build/build.log)"
+if ! .venv/bin/python setup.py build_ext --inplace > build/build.log 2>&1; then
+  tail -n 60 build/build.log
+  echo "build failed; the whole log is in build/build.log" >&2
+  exit 1
+fi
+grep '^paged_attn:' build/build.log || true
+
+# Make the checkout importable (like an editable install, without a rebuild on every run).
+SITE="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "$ROOT" > "$SITE/paged_attn_checkout.pth"
+.venv/bin/python -c 'import paged_attn; print("paged_attn ready: CUDA kernels", "built" if paged_attn.has_cuda_kernels() else "not built")'
