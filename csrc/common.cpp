@@ -164,4 +164,64 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
   check_block_mapping_shape(block_mapping, at::Device(at::kCPU));
 }
 
+void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const std::optional<at::Tensor>& alibi_slopes,
+                                int64_t sliding_window, double logits_soft_cap) {
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  check_same_layout(key_cache, "key_cache", value_cache, "value_cache");
+  TORCH_CHECK(query.dim() == 3, "query must have shape [num_seqs, num_heads, head_dim], got ", query.sizes());
+  TORCH_CHECK(query.device() == key_cache.device(), "query and key_cache must be on the same device, got ",
+              query.device(), " and ", key_cache.device());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and key_cache must have the same dtype, got ",
+              query.scalar_type(), " and ", key_cache.scalar_type());
+  TORCH_CHECK(query.stride(2) == 1, "query must be contiguous in its last dimension (head_dim), got strides ",
+              query.strides());
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "query has head_dim ", head_dim, " but the cache has head_dim ",
+              key_cache.size(3));
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
+                  out.device() == query.device(),
+              "out must be a ", query.scalar_type(), " tensor of shape ", query.sizes(), " on ", query.device(),
+              ", got ", out.scalar_type(), " ", out.sizes(), " on ", out.device());
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  check_index_tensor(block_tables, "block_tables", at::kInt, 2, query.device());
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs = ", num_seqs, " rows, got ",
+              block_tables.size(0));
+  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, query.device());
+  TORCH_CHECK(seq_lens.size(0) == num_seqs, "seq_lens must have num_seqs = ", num_seqs, " entries, got ",
+              seq_lens.size(0));
+  if (alibi_slopes.has_value()) {
+    check_index_tensor(*alibi_slopes, "alibi_slopes", at::kFloat, 1, query.device());
+    TORCH_CHECK(alibi_slopes->size(0) == num_heads, "alibi_slopes must have num_heads = ", num_heads,
+                " entries, got ", alibi_slopes->size(0));
+  }
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be positive (or 0 for none), got ", sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be positive (or 0 for none), got ", logits_soft_cap);
+}
+
+void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu, int64_t num_blocks,
+                             int64_t block_size) {
+  const auto tables = block_tables_cpu.contiguous();
+  const auto lens = seq_lens_cpu.contiguous();
+  const int32_t* table = tables.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  const int64_t max_blocks_per_seq = tables.size(1);
+  for (int64_t s = 0; s < lens.size(0); ++s) {
+    TORCH_CHECK(len[s] >= 0 && len[s] <= max_blocks_per_seq * block_size, "seq_lens[", s, "] = ", len[s],
+                " is out of range [0, ", max_blocks_per_seq * block_size,
+                "] (max_blocks_per_seq * block_size)");
+    const int64_t used_blocks = (len[s] + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int32_t block = table[s * max_blocks_per_seq + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
+                  " is out of range [0, ", num_blocks, ") (sequence ", s, " has ", len[s], " tokens)");
+    }
+  }
+}
+
 }  // namespace paged_attn

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <vector>
 
 namespace paged_attn {
@@ -48,6 +49,15 @@ void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value
 void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
                             const at::Tensor& block_mapping);
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
+void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const std::optional<at::Tensor>& alibi_slopes,
+                                int64_t sliding_window, double logits_soft_cap);
+
+// Every seq_lens[s] is in [0, max_blocks_per_seq * block_size], and the block-table entries that sequence s
+// reads (the first ceil(seq_lens[s] / block_size)) are in [0, num_blocks). Takes CPU tensors.
+void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu, int64_t num_blocks,
+                             int64_t block_size);
 
 // Widest access in bytes (16, 8, 4, 2 or 1) that divides every byte count and address given: the kernels
 // that only move data use it to pick their load/store width without dispatching on dtype.

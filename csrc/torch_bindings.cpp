@@ -15,4 +15,8 @@ TORCH_LIBRARY(paged_attn, m) {
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   // Copy blocks between caches on any pair of devices (swap out / in); block_mapping [num_pairs, 2] lives on the CPU.
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  // Decode attention: out[s, h] = softmax(scale * q[s, h] . K_s) V_s over the paged keys/values of sequence s.
+  // sliding_window = 0 and logits_soft_cap = 0 turn those features off.
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor? alibi_slopes, int sliding_window, float logits_soft_cap) -> ()");
 }
