@@ -9,7 +9,7 @@ allocation). Token ``t`` of a sequence lives in block ``block_table[t // block_s
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -75,6 +75,59 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: BlockMappin
     torch.ops.paged_attn.swap_blocks(src, dst, _as_block_mapping(block_mapping))
 
 
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache: one query token per sequence.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]`` (last dimension contiguous), same dtype as the caches.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``num_heads`` must be a
+            multiple of ``num_kv_heads`` (query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past ``ceil(seq_lens[s] / block_size)`` are
+            never read and may hold anything (e.g. -1).
+        seq_lens: int32 ``[num_seqs]``; a sequence of length 0 gets a zero output row.
+        scale: logit scale, default ``head_dim ** -0.5``.
+        alibi_slopes: float32 ``[num_heads]``: adds ``slope[h] * (t - (seq_len - 1))`` to the logit of token ``t``.
+        sliding_window: only the last ``sliding_window`` tokens take part.
+        logits_soft_cap: ``c``: logits become ``c * tanh(logit / c)`` (before ALiBi).
+        out: optional ``[num_seqs, num_heads, head_dim]`` contiguous output to write into.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in the query dtype (``out`` when given). Softmax and the weighted sum
+        are accumulated in float32.
+
+    Example::
+
+        out = paged_attn.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
+    """
+    if query.dim() != 3:
+        raise ValueError(f"query must have shape [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    torch.ops.paged_attn.paged_attention(
+        out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
+        int(sliding_window or 0), float(logits_soft_cap or 0.0),
+    )
+    return out
+
+
 def set_validation(enabled: bool) -> None:
     """Turn on (or off) index validation for CUDA ops.
 
@@ -114,4 +167,10 @@ def _(key_caches, value_caches, block_mapping) -> None:
 
 @torch.library.register_fake("paged_attn::swap_blocks")
 def _(src, dst, block_mapping) -> None:
+    return None
+
+
+@torch.library.register_fake("paged_attn::paged_attention")
+def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
+      logits_soft_cap) -> None:
     return None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import torch
 
@@ -39,3 +40,105 @@ def swap_blocks(
 ) -> None:
     for src_block, dst_block in block_mapping.tolist():
         dst[dst_block] = src[src_block].to(dst.device)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32
+    *,
+    scale: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,  # [num_heads], float32
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query dtype
+    """Vectorized paged decode attention: gather each sequence's keys/values through its block table (padded to
+    the longest sequence), then masked softmax attention in compute_dtype."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    device = query.device
+    seq_lens = seq_lens.long().to(device)
+    max_len = int(seq_lens.max()) if num_seqs > 0 else 0
+    positions = torch.arange(max_len, device=device)  # [max_len]
+    valid = positions[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
+    if sliding_window is not None:
+        valid &= positions[None, :] >= seq_lens[:, None] - sliding_window
+    # Block-table entries past a sequence's end may be garbage: read block 0 there, then mask.
+    blocks = torch.where(valid, block_tables.long().to(device)[:, positions // block_size], 0)
+    offsets = (positions % block_size).expand(num_seqs, max_len)
+    keys = key_cache[blocks, offsets].to(compute_dtype)  # [num_seqs, max_len, num_kv_heads, head_dim]
+    values = value_cache[blocks, offsets].to(compute_dtype)
+    values = torch.where(valid[:, :, None, None], values, 0)  # masked slots may hold NaN
+    group = num_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=2)  # [num_seqs, max_len, num_heads, head_dim]
+    values = values.repeat_interleave(group, dim=2)
+
+    logits = torch.einsum("shd,sthd->sht", query.to(compute_dtype), keys) * scale  # [num_seqs, num_heads, max_len]
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    if alibi_slopes is not None:
+        distance = positions[None, :] - (seq_lens[:, None] - 1)  # [num_seqs, max_len], <= 0
+        logits = logits + alibi_slopes.to(device, compute_dtype)[None, :, None] * distance[:, None, :]
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # an empty sequence has only -inf logits
+    out = torch.einsum("sht,sthd->shd", probs, values)
+    return out.to(query.dtype)
+
+
+class PagedAttentionExecutor:
+    """Teaching reference: PagedAttention as the paper describes it, one sequence and one head at a time, walking
+    the sequence's blocks in order with an online softmax.
+
+    It keeps its own cache layout, the one of the paper's (and vLLM's original) kernel: keys as
+    ``[num_blocks, num_kv_heads, head_dim, block_size]``, so that one block of keys for a head is a matrix the query
+    multiplies directly, and values as ``[num_blocks, num_kv_heads, block_size, head_dim]``. ``from_nhd`` converts
+    this project's cache layout. Slow on purpose: read it, don't run it in production.
+    """
+
+    def __init__(self, key_blocks: torch.Tensor, value_blocks: torch.Tensor):
+        self.key_blocks = key_blocks  # [num_blocks, num_kv_heads, head_dim, block_size]
+        self.value_blocks = value_blocks  # [num_blocks, num_kv_heads, block_size, head_dim]
+        self.block_size = key_blocks.shape[3]
+
+    @classmethod
+    def from_nhd(cls, key_cache: torch.Tensor, value_cache: torch.Tensor) -> "PagedAttentionExecutor":
+        """From caches in this project's layout, [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return cls(key_cache.permute(0, 2, 3, 1).contiguous(), value_cache.permute(0, 2, 1, 3).contiguous())
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+        seq_lens: torch.Tensor,  # [num_seqs]
+        scale: Optional[float] = None,
+    ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+        num_seqs, num_heads, head_dim = query.shape
+        group = num_heads // self.key_blocks.shape[1]
+        scale = head_dim**-0.5 if scale is None else scale
+        out = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float32)
+        for seq in range(num_seqs):
+            seq_len = int(seq_lens[seq])
+            for head in range(num_heads):
+                kv_head = head // group
+                q = query[seq, head].float()
+                running_max, running_sum = float("-inf"), 0.0
+                acc = torch.zeros(head_dim)
+                for logical_block in range((seq_len + self.block_size - 1) // self.block_size):
+                    physical_block = int(block_tables[seq, logical_block])
+                    n = min(self.block_size, seq_len - logical_block * self.block_size)  # tokens in this block
+                    keys = self.key_blocks[physical_block, kv_head, :, :n].float()  # [head_dim, n]
+                    values = self.value_blocks[physical_block, kv_head, :n].float()  # [n, head_dim]
+                    logits = (q @ keys) * scale  # [n]
+                    new_max = max(running_max, float(logits.max()))
+                    rescale = math.exp(running_max - new_max)  # exp(-inf) = 0 on the first block
+                    weights = torch.exp(logits - new_max)
+                    running_sum = running_sum * rescale + float(weights.sum())
+                    acc = acc * rescale + weights @ values
+                    running_max = new_max
+                if running_sum > 0:
+                    out[seq, head] = acc / running_sum
+        return out.to(query.dtype)

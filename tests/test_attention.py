@@ -1,0 +1,312 @@
+"""paged_attention against paged_attn.reference.paged_attention, and the reference against dense float64 attention.
+
+Tolerances (stated once, used everywhere): float32 within rtol = atol = 1e-5; float16 and bfloat16 within
+rtol = atol = 2e-2 (the kernels accumulate in float32 like the reference; the rest is the output's rounding).
+Inputs are random normal; cache slots that no sequence reads, and whole unused blocks, are NaN; block-table
+entries past a sequence's end hold garbage (-1 and huge ids).
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICES, HAS_CUDA_OPS, requires_cuda
+
+import paged_attn
+from paged_attn import reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [32, 64, 80, 96, 112, 120, 128, 192, 256]
+NAN = float("nan")
+GARBAGE = [-1, 10**6]  # written into unused block-table entries
+
+
+def tolerance(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def make_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, *, layout="contiguous",
+              repeat_blocks=False, spare_blocks=3):
+    """A paged KV cache holding len(seq_lens) sequences in random, scattered blocks, and one query per sequence.
+
+    layout="strided": the caches are the [:, 0] and [:, 1] halves of one [num_blocks, 2, ...] allocation and the
+    query is a slice of a fused QKV tensor. repeat_blocks: some full blocks are shared between two sequences and
+    one sequence holds the same block twice.
+    """
+    num_seqs = len(seq_lens)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    max_blocks_per_seq = max(blocks_per_seq + [1]) + 2
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if layout == "contiguous":
+        key_cache = torch.full(shape, NAN, dtype=dtype, device=device)
+        value_cache = torch.full(shape, NAN, dtype=dtype, device=device)
+        query = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device=device)
+    else:
+        alloc = torch.full((num_blocks, 2) + shape[1:], NAN, dtype=dtype, device=device)
+        key_cache, value_cache = alloc[:, 0], alloc[:, 1]
+        qkv = torch.randn(num_seqs, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+        query = qkv[:, :num_heads]
+
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in blocks_per_seq]
+    if repeat_blocks:
+        full = [i for i, n in enumerate(seq_lens) if n >= 2 * block_size]  # sequences whose first block is full
+        if len(full) >= 2:
+            tables[full[1]][0] = tables[full[0]][0]  # two sequences share a block
+        long = [i for i, n in enumerate(seq_lens) if n >= 3 * block_size]
+        if long:
+            tables[long[0]][1] = tables[long[0]][0]  # one sequence holds a block twice
+    block_tables = torch.tensor(
+        [table + [GARBAGE[i % 2]] * (max_blocks_per_seq - len(table)) for i, table in enumerate(tables)],
+        dtype=torch.int32,
+    ).reshape(num_seqs, max_blocks_per_seq)
+    for table, n in zip(tables, seq_lens):
+        for i, block in enumerate(table):
+            filled = min(block_size, n - i * block_size)
+            if key_cache[block, 0, 0, 0].isnan():  # a shared block is filled once
+                key_cache[block, :filled] = torch.randn(filled, num_kv_heads, head_dim, dtype=dtype)
+                value_cache[block, :filled] = torch.randn(filled, num_kv_heads, head_dim, dtype=dtype)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return query, key_cache, value_cache, block_tables.to(device), seq_lens_t.to(device)
+
+
+def dense_attention_float64(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None,
+                            alibi_slopes=None, sliding_window=None, logits_soft_cap=None):
+    """Attention written out per sequence and per head, in float64, on keys/values gathered token by token."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    out = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float64)
+    for s in range(num_seqs):
+        length = int(seq_lens[s])
+        first = 0 if sliding_window is None else max(0, length - sliding_window)
+        tokens = list(range(first, length))
+        if not tokens:
+            continue
+        for h in range(num_heads):
+            kv_head = h // (num_heads // num_kv_heads)
+            keys = torch.stack([key_cache[int(block_tables[s, t // block_size]), t % block_size, kv_head]
+                                for t in tokens]).cpu().double()
+            values = torch.stack([value_cache[int(block_tables[s, t // block_size]), t % block_size, kv_head]
+                                  for t in tokens]).cpu().double()
+            logits = keys @ query[s, h].cpu().double() * scale
+            if logits_soft_cap is not None:
+                logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+            if alibi_slopes is not None:
+                logits += float(alibi_slopes[h]) * (torch.tensor(tokens, dtype=torch.float64) - (length - 1))
+            out[s, h] = torch.softmax(logits, dim=0) @ values
+    return out
+
+
+def check(case, dtype, **kwargs):
+    expected = reference.paged_attention(*case, **kwargs)
+    actual = paged_attn.paged_attention(*case, **kwargs)
+    assert actual.dtype == dtype and actual.shape == case[0].shape
+    assert not actual.isnan().any(), "NaN in the output: an unused (poisoned) slot leaked in"
+    torch.testing.assert_close(actual, expected, **tolerance(dtype))
+    return actual
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reference itself
+
+
+@pytest.mark.parametrize(
+    "features",
+    [{}, {"alibi": True}, {"sliding_window": 7}, {"logits_soft_cap": 5.0}, {"alibi": True, "sliding_window": 20,
+                                                                            "logits_soft_cap": 30.0, "scale": 0.3}],
+)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_reference_matches_dense_float64(num_heads, num_kv_heads, features):
+    case = make_case([1, 16, 37, 0, 50], num_heads, num_kv_heads, 32, 16, torch.float64, "cpu", repeat_blocks=True)
+    kwargs = dict(features)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(num_heads) * 0.5
+    expected = dense_attention_float64(*case, **kwargs)
+    actual = reference.paged_attention(*case, **kwargs, compute_dtype=torch.float64)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The kernels
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_dims_and_dtypes(dtype, head_dim, device):
+    case = make_case([1, 16, 45, 130], 8, 2, head_dim, 16, dtype, device)
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [1, 5, 8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_sizes_and_lengths(dtype, block_size, device):
+    if device == "cuda" and block_size not in (8, 16, 32):
+        pytest.skip("CUDA supports block sizes 8, 16 and 32")
+    # Length 1, exact multiples of the block size, partial last blocks, and lengths around 512-token partitions.
+    seq_lens = [1, block_size, 3 * block_size, 3 * block_size + 1, 511, 512, 513, 1100]
+    check(make_case(seq_lens, 4, 2, 64, block_size, dtype, device), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (32, 8), (9, 3), (8, 1), (16, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mha_gqa_mqa(dtype, num_heads, num_kv_heads, device):
+    check(make_case([3, 64, 100], num_heads, num_kv_heads, 64, 16, dtype, device), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("sliding_window", [None, 1, 7, 100, 5000])
+@pytest.mark.parametrize("logits_soft_cap", [None, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alibi_window_soft_cap(dtype, logits_soft_cap, sliding_window, alibi, device):
+    num_heads = 8
+    case = make_case([1, 9, 150, 700], num_heads, 4, 128, 16, dtype, device)
+    alibi_slopes = torch.rand(num_heads, device=device) * 0.2 if alibi else None
+    # A large scale makes the soft cap bite.
+    check(case, dtype, scale=1.0 if logits_soft_cap else None, alibi_slopes=alibi_slopes,
+          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views_repeated_blocks_and_empty_sequences(dtype, device):
+    case = make_case([40, 0, 64, 1, 0, 333], 12, 4, 80, 16, dtype, device, layout="strided", repeat_blocks=True)
+    out = check(case, dtype)
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[4]) == 0, "seq_len 0 must give zeros"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_single_sequence_and_out_argument(device):
+    # One sequence, long context: the kernels split it across threads / thread blocks and merge the parts.
+    case = make_case([4099], 32, 8, 128, 16, torch.bfloat16, device)
+    out = torch.full_like(case[0], NAN)
+    result = paged_attn.paged_attention(*case, out=out)
+    assert result is out
+    torch.testing.assert_close(out, reference.paged_attention(*case), **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_batch(device):
+    seq_lens = torch.randint(1, 300, (70,)).tolist()
+    check(make_case(seq_lens, 8, 2, 128, 16, torch.float16, device), torch.float16)
+
+
+def test_no_sequences():
+    case = make_case([], 4, 2, 64, 16, torch.float32, "cpu")
+    assert paged_attn.paged_attention(*case).shape == (0, 4, 64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The teaching reference
+
+
+def test_teaching_executor_agrees_after_layout_conversion():
+    case = make_case([1, 17, 64, 90], 6, 3, 64, 16, torch.float32, "cpu")
+    query, key_cache, value_cache, block_tables, seq_lens = case
+    executor = reference.PagedAttentionExecutor.from_nhd(key_cache, value_cache)
+    expected = paged_attn.paged_attention(*case)
+    actual = executor.forward(query, block_tables, seq_lens)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library, torch.compile and CUDA graphs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    query, key_cache, value_cache, block_tables, seq_lens = make_case([5, 20], 4, 2, 64, 16, torch.float32, device)
+    for cache in (key_cache, value_cache):
+        cache.nan_to_num_(0.5)  # opcheck compares whole tensors, NaN != NaN
+    out = torch.empty_like(query)
+    alibi = torch.rand(4, device=device)
+    torch.library.opcheck(
+        torch.ops.paged_attn.paged_attention.default,
+        (out, query, key_cache, value_cache, block_tables, seq_lens, 0.125, alibi, 0, 0.0),
+    )
+
+
+def test_torch_compile_fullgraph():
+    case = make_case([5, 33], 4, 2, 64, 16, torch.float32, "cpu")
+
+    def attend(query, key_cache, value_cache, block_tables, seq_lens):
+        return paged_attn.paged_attention(query * 2, key_cache, value_cache, block_tables, seq_lens).sum(-1)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    expected = reference.paged_attention(case[0] * 2, *case[1:]).sum(-1)
+    torch.testing.assert_close(compiled(*case), expected, rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+def test_cuda_graph_capture_and_replay():
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        [1, 700, 3000], 8, 2, 128, 16, torch.bfloat16, "cuda")
+    out = torch.empty_like(query)
+    paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out)
+    query.copy_(torch.randn_like(query))
+    seq_lens.copy_(torch.tensor([1, 650, 2999], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+    torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+def error_case(device="cpu"):
+    return make_case([5, 20], 4, 2, 64, 16, torch.float32, device)
+
+
+ERRORS = {
+    "query rank": (lambda q, k, v, t, s: (q[0], k, v, t, s), {}, ValueError, "query must have shape"),
+    "query dtype": (lambda q, k, v, t, s: (q.half(), k, v, t, s), {}, RuntimeError, "same dtype"),
+    "head_dim": (lambda q, k, v, t, s: (q[..., :32], k, v, t, s), {}, RuntimeError, "head_dim 32 but the cache"),
+    "head ratio": (lambda q, k, v, t, s: (q[:, :3], k, v, t, s), {}, RuntimeError,
+                   r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    "cache pair": (lambda q, k, v, t, s: (q, k, v[:, :8], t, s), {}, RuntimeError, "must have the same shape"),
+    "table dtype": (lambda q, k, v, t, s: (q, k, v, t.long(), s), {}, RuntimeError, "block_tables must be Int"),
+    "table rows": (lambda q, k, v, t, s: (q, k, v, t[:1], s), {}, RuntimeError, "block_tables must have num_seqs"),
+    "lens dtype": (lambda q, k, v, t, s: (q, k, v, t, s.long()), {}, RuntimeError, "seq_lens must be Int"),
+    "lens count": (lambda q, k, v, t, s: (q, k, v, t, s[:1]), {}, RuntimeError, "seq_lens must have num_seqs"),
+    "seq too long": (lambda q, k, v, t, s: (q, k, v, t, torch.full_like(s, 10**4)), {}, RuntimeError,
+                     r"seq_lens\[0\] = 10000 is out of range"),
+    "negative length": (lambda q, k, v, t, s: (q, k, v, t, -s), {}, RuntimeError, r"seq_lens\[0\] = -5"),
+    "block id": (lambda q, k, v, t, s: (q, k, v, torch.full_like(t, 999), s), {}, RuntimeError,
+                 r"block_tables\[0, 0\] = 999 is out of range"),
+    "alibi shape": (lambda q, k, v, t, s: (q, k, v, t, s), {"alibi_slopes": torch.ones(3)}, RuntimeError,
+                    "alibi_slopes must have num_heads = 4"),
+    "alibi dtype": (lambda q, k, v, t, s: (q, k, v, t, s), {"alibi_slopes": torch.ones(4).double()}, RuntimeError,
+                    "alibi_slopes must be Float"),
+    "window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": 0}, ValueError, "sliding_window"),
+    "soft cap": (lambda q, k, v, t, s: (q, k, v, t, s), {"logits_soft_cap": -1.0}, ValueError, "logits_soft_cap"),
+    "out shape": (lambda q, k, v, t, s: (q, k, v, t, s), {"out": torch.empty(2, 4, 32)}, RuntimeError,
+                  "out must be a Float tensor of shape"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ERRORS)
+def test_errors(case, device, validation):
+    make_args, kwargs, error, message = ERRORS[case]
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises(error, match=message):
+        paged_attn.paged_attention(*make_args(*error_case(device)), **kwargs)
+
+
+@requires_cuda
+@pytest.mark.parametrize("head_dim,block_size,message", [(48, 16, "head_dim 48 is not supported"),
+                                                          (64, 5, "block_size 5 is not supported")])
+def test_cuda_unsupported_sizes(head_dim, block_size, message):
+    case = make_case([5], 4, 2, head_dim, block_size, torch.float16, "cuda")
+    with pytest.raises(RuntimeError, match=message):
+        paged_attn.paged_attention(*case)
