@@ -1,0 +1,192 @@
+"""CPU paged decode attention: our kernel against the reference, dense SDPA and the machine's memory bandwidth.
+
+Decode attention reads the whole KV cache once per step and does little arithmetic per byte, so the figure of merit
+is the effective KV bandwidth: bytes of keys and values read / time. This script reports, side by side and measured
+in the same run (methods take turns round by round; each timed run but the reference's follows an untimed one of
+the same method; medians of the repeats):
+
+  * ``paged_attn.paged_attention`` (this project's CPU kernel) on a paged cache whose blocks are shuffled;
+  * (a) ``paged_attn.reference.paged_attention``, the vectorized pure-PyTorch reference (gather, then attend);
+  * (b) ``torch.nn.functional.scaled_dot_product_attention`` on the same keys/values laid out contiguously,
+    ``[num_seqs, num_kv_heads, seq_len, head_dim]`` with ``enable_gqa=True`` (what a user would do without paging;
+    the layout conversion is not timed);
+  * (c) the machine's memory bandwidth: ``x.sum()`` over a 1 GiB float32 tensor (bytes read / time) and
+    ``y.copy_(x)`` (bytes read / time; the bytes written are not counted).
+
+The KV cache must be far larger than the last-level cache for the figures to mean memory bandwidth (the default case
+is 512 MiB of keys and values in bfloat16). The outputs are checked against the reference before anything is timed.
+
+Usage::
+
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py            # the default case (Llama-3-8B-like)
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --quick    # a small smoke run
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --dtype float32 --num-seqs 8
+
+GOMP_SPINCOUNT=0 is recommended: by default OpenMP worker threads spin for a while after each parallel region,
+which steals cycles from whatever runs next on a machine with few cores and makes the timings noisy. Other
+processes running at the same time skew every figure; ratios within one run are more stable than absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from typing import Callable, Dict, List, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import paged_attn
+from paged_attn import reference
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+OURS = "paged_attn.paged_attention (ours)"
+REFERENCE = "(a) paged_attn.reference.paged_attention"
+SDPA = "(b) F.scaled_dot_product_attention, contiguous KV"
+READ = "(c) memory read: x.sum(), float32"
+COPY = "(c) memory copy: y.copy_(x), bytes read"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--num-heads", type=int, default=32, help="query heads")
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (all sequences alike)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each method (medians reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs of each method first")
+    parser.add_argument("--reference-repeats", type=int, default=3,
+                        help="timed repeats of the (slow) reference; 0 skips timing it")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth-test tensor")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="small smoke run: 4 sequences x 512 tokens, 3 repeats, 256 MiB bandwidth test")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_seqs, args.seq_len, args.repeats, args.warmup = 4, 512, 3, 1
+        args.reference_repeats, args.bandwidth_gib = min(args.reference_repeats, 2), 0.25
+    return args
+
+
+def make_paged_cache(args: argparse.Namespace, dtype: torch.dtype, generator: torch.Generator):
+    """Keys/values of every sequence in a paged cache whose blocks are handed out in random order."""
+    blocks_per_seq = math.ceil(args.seq_len / args.block_size)
+    num_blocks = args.num_seqs * blocks_per_seq
+    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    block_ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    block_tables = block_ids.view(args.num_seqs, blocks_per_seq)
+    seq_lens = torch.full((args.num_seqs,), args.seq_len, dtype=torch.int32)
+    if args.seq_len % args.block_size:  # poison the unused tail slots of each sequence's last block
+        last_blocks = block_tables[:, -1].long()
+        key_cache[last_blocks, args.seq_len % args.block_size:] = float("nan")
+        value_cache[last_blocks, args.seq_len % args.block_size:] = float("nan")
+    query = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=generator).to(dtype)
+    return query, key_cache, value_cache, block_tables, seq_lens
+
+
+def dense_layout(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[num_blocks, block_size, num_kv_heads, head_dim] paged -> [num_seqs, num_kv_heads, seq_len, head_dim]."""
+    num_seqs = block_tables.shape[0]
+    gathered = cache[block_tables.long()]  # [num_seqs, blocks_per_seq, block_size, num_kv_heads, head_dim]
+    gathered = gathered.flatten(1, 2)[:, :seq_len]  # [num_seqs, seq_len, num_kv_heads, head_dim]
+    return gathered.transpose(1, 2).contiguous().view(num_seqs, cache.shape[2], seq_len, cache.shape[3])
+
+
+def time_interleaved(methods: Dict[str, Callable[[], object]], repeats: Dict[str, int], warmup: int,
+                     settle: Sequence[str] = ()):
+    """Median seconds of each method. The methods take turns within each round, so that a change in machine load
+    hits them all alike; a method named in `settle` runs once untimed right before each timed run, so that it is
+    not timed in the wake of the previous method (e.g. SDPA slows the next few milliseconds of work down)."""
+    for fn in methods.values():
+        for _ in range(warmup):
+            fn()
+    times: Dict[str, List[float]] = {name: [] for name in methods}
+    for round_index in range(max(repeats.values())):
+        for name, fn in methods.items():
+            if round_index >= repeats[name]:
+                continue
+            if name in settle:
+                fn()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items() if ts}
+
+
+def check_close(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> float:
+    err = (actual.double() - expected.double()).abs().max().item()
+    tol = 1e-5 * max(1.0, expected.double().abs().max().item()) if dtype == torch.float32 else 2e-2
+    if not (err <= tol):
+        raise SystemExit(f"{name} disagrees with the reference: max abs error {err:.3g} > {tol:.3g}")
+    return err
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    generator = torch.Generator().manual_seed(args.seed)
+    query, key_cache, value_cache, block_tables, seq_lens = make_paged_cache(args, dtype, generator)
+    keys = dense_layout(key_cache, block_tables, args.seq_len)
+    values = dense_layout(value_cache, block_tables, args.seq_len)
+    query_4d = query.unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]
+    out = torch.empty_like(query)
+    kv_bytes = 2 * args.num_seqs * args.seq_len * args.num_kv_heads * args.head_dim * key_cache.element_size()
+
+    # Correctness first: the kernel against the reference on a few sequences (the reference on the whole batch
+    # is timed below, but comparing is enough on a slice) and against SDPA on all of them.
+    check = slice(0, min(args.num_seqs, 2))
+    ours = paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out)
+    expected = reference.paged_attention(query[check], key_cache, value_cache, block_tables[check], seq_lens[check])
+    err_ref = check_close("paged_attn.paged_attention", ours[check], expected, dtype)
+    sdpa_out = F.scaled_dot_product_attention(query_4d, keys, values, enable_gqa=True).squeeze(2)
+    err_sdpa = check_close("scaled_dot_product_attention", sdpa_out, ours, dtype)
+
+    numel = int(args.bandwidth_gib * 2**30) // 4
+    big = torch.randn(numel, generator=generator)
+    big_copy = torch.empty_like(big)
+    methods = {
+        OURS: lambda: paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out),
+        REFERENCE: lambda: reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens),
+        SDPA: lambda: F.scaled_dot_product_attention(query_4d, keys, values, enable_gqa=True),
+        READ: lambda: big.sum(),
+        COPY: lambda: big_copy.copy_(big),
+    }
+    repeats = {name: args.repeats for name in methods}
+    repeats[REFERENCE] = args.reference_repeats
+    if args.reference_repeats == 0:
+        del methods[REFERENCE]
+    seconds = time_interleaved(methods, repeats, args.warmup, settle=[name for name in methods if name != REFERENCE])
+
+    bytes_read = {name: kv_bytes for name in methods}
+    bytes_read[READ] = bytes_read[COPY] = numel * 4
+    bandwidth = {name: bytes_read[name] / seconds[name] / 1e9 for name in seconds}
+
+    print(f"## CPU paged decode attention: {args.num_seqs} seqs x {args.seq_len} tokens, {args.num_heads} query heads"
+          f" / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, block {args.block_size}, {args.dtype}")
+    print(f"\n{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+          f"KV cache {kv_bytes / 2**20:.0f} MiB, bandwidth tensor {numel * 4 / 2**20:.0f} MiB; "
+          f"medians of {args.repeats} repeats ({args.reference_repeats} for the reference); "
+          f"max abs error vs reference {err_ref:.2g}, vs SDPA {err_sdpa:.2g}\n")
+    print("| method | time (ms) | GB/s (KV bytes, or bytes read, / time) | % of read bandwidth (c, sum) "
+          "| % of copy bandwidth (c, copy) | ours is ... x faster |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in seconds:
+        speedup = f"{seconds[name] / seconds[OURS]:.1f}" if name in (REFERENCE, SDPA) else ""
+        print(f"| {name} | {seconds[name] * 1e3:.2f} | {bandwidth[name]:.1f} "
+              f"| {100 * bandwidth[name] / bandwidth[READ]:.0f}% | {100 * bandwidth[name] / bandwidth[COPY]:.0f}% "
+              f"| {speedup} |")
+
+if __name__ == "__main__":
+    main()

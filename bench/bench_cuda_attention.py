@@ -1,0 +1,139 @@
+"""Paged decode attention on CUDA: effective KV bandwidth against the device's own copy bandwidth.
+
+For Llama-3-8B-like shapes (32 query heads, 8 kv heads, head dim 128, bf16, block 16) at several batch sizes and
+context lengths, it reports the kernel's time, its effective bandwidth (bytes of K and V read / time), that as a
+fraction of the device-to-device copy bandwidth measured in the same run, and the time of
+torch.nn.functional.scaled_dot_product_attention on the same keys/values laid out contiguously (what a user would
+do without paging; the layout conversion is not timed). The L2 cache is flushed before every timed call.
+Correctness is checked against paged_attn.reference on a few sequences of each case before timing.
+
+    python bench/bench_cuda_attention.py                    # the full grid (H200: about a minute)
+    python bench/bench_cuda_attention.py --quick            # a small smoke run
+    python bench/bench_cuda_attention.py --device cpu --quick   # runs the same code on the CPU (no GPU needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import paged_attn
+from paged_attn import reference
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,8,64,256")
+    parser.add_argument("--contexts", default="512,2048,8192,32768")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--max-kv-gib", type=float, default=40.0, help="skip cases whose KV cache is larger")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="batch 1,8 x context 512,2048, 5 repeats")
+    args = parser.parse_args()
+    if args.quick:
+        args.batch_sizes, args.contexts, args.repeats = "1,8", "512,2048", 5
+    return args
+
+
+class Timer:
+    """Median wall time of a callable, flushing the L2 cache (CUDA) before each repeat."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+
+    def __call__(self, fn, repeats: int) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            if self.device.type == "cuda":
+                self.flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                begin = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - begin)
+        return statistics.median(times)
+
+
+def copy_bandwidth(timer: Timer, device: torch.device, repeats: int) -> float:
+    """Device-to-device copy of 2 GiB (1 GiB on the CPU), counted as bytes read + bytes written per second."""
+    size = (2 if device.type == "cuda" else 1) * 2**30
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timer(lambda: dst.copy_(src), repeats)
+    return 2 * size / seconds
+
+
+def make_case(batch, context, args, device, dtype):
+    blocks_per_seq = math.ceil(context / args.block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int64).to(torch.int32)
+    block_tables = block_tables.view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, args.num_heads, args.head_dim, dtype=dtype, device=device)
+    return query, key_cache, value_cache, block_tables, seq_lens
+
+
+def main():
+    args = parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    timer = Timer(device)
+    copy_bw = copy_bandwidth(timer, device, args.repeats)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"# paged_attention on {name}: {args.num_heads} heads, {args.num_kv_heads} kv heads, head dim "
+          f"{args.head_dim}, block {args.block_size}, {args.dtype}")
+    print(f"# device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
+    print("| batch | context | KV MiB | paged_attention us | GB/s | % of copy | SDPA (contiguous) us | speed-up |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in map(int, args.batch_sizes.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            elem = torch.tensor([], dtype=dtype).element_size()
+            kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * elem
+            if kv_bytes > args.max_kv_gib * 2**30:
+                print(f"| {batch} | {context} | {kv_bytes / 2**20:.0f} | skipped (> --max-kv-gib) | | | | |")
+                continue
+            case = make_case(batch, context, args, device, dtype)
+            few = tuple(t[:2] if i in (0, 3, 4) else t for i, t in enumerate(case))
+            torch.testing.assert_close(paged_attn.paged_attention(*few), reference.paged_attention(*few),
+                                       rtol=2e-2, atol=2e-2)
+            out = torch.empty_like(case[0])
+            seconds = timer(lambda: paged_attn.paged_attention(*case, out=out), args.repeats)
+
+            # The peer: SDPA over the same keys/values gathered into contiguous [batch, heads, context, dim].
+            query, key_cache, value_cache, block_tables, _ = case
+            gather = lambda cache: cache[block_tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
+            keys, values = gather(key_cache), gather(value_cache)
+            del case, key_cache, value_cache
+            q = query[:, :, None, :]
+            sdpa_seconds = timer(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
+                                 args.repeats)
+            del keys, values
+            bandwidth = kv_bytes / seconds
+            print(f"| {batch} | {context} | {kv_bytes / 2**20:.0f} | {seconds * 1e6:.1f} | {bandwidth / 1e9:.0f} | "
+                  f"{100 * bandwidth / copy_bw:.0f}% | {sdpa_seconds * 1e6:.1f} | {sdpa_seconds / seconds:.2f}x |")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

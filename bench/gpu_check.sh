@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One-call GPU check: on a machine with an NVIDIA GPU, a CUDA build of torch and nvcc, and nothing of this
+# package pre-built, it builds the extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), runs
+# the test suite (the CUDA tests run there), compute-sanitizer on a small case of every op, and the kernel
+# benchmarks, and writes a short summary plus the full logs into the folder given as its argument.
+#
+#   bash bench/gpu_check.sh OUT_DIR
+#
+# It uses the python3 on the PATH as it is (no virtualenv, no downloads), so it runs on an offline GPU machine
+# whose image already has torch and pytest. Exit status: non-zero when the build or the tests fail.
+set -uo pipefail
+OUT="${1:?usage: bash bench/gpu_check.sh OUT_DIR}"
+mkdir -p "$OUT"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" PAGED_ATTN_FORCE_CUDA=1 PYTHONPATH="$ROOT"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}" PYTHONUNBUFFERED=1
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+SUMMARY="$OUT/summary.md"
+status=0
+step() {  # step NAME LOG COMMAND...: runs COMMAND, logs it, records pass/fail and seconds in the summary
+  local name="$1" log="$OUT/$2"; shift 2
+  local start=$SECONDS
+  if "$@" > "$log" 2>&1; then result=ok; else result="FAILED (exit $?)"; status=1; fi
+  echo "- $name: $result in $((SECONDS - start)) s (log: $(basename "$log"))" >> "$SUMMARY"
+  tail -n 3 "$log" | sed 's/^/    /' >> "$SUMMARY"
+}
+
+{
+  echo "# paged-attn GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/- GPU: /'
+  echo "- torch $($PY -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
+  echo "- nvcc: $(nvcc --version 2>/dev/null | tail -n 1)"
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo
+} > "$SUMMARY"
+
+step "build (setup.py build_ext --inplace)" build.log "$PY" setup.py build_ext --inplace
+if [ $status -ne 0 ]; then cat "$SUMMARY"; exit 1; fi
+step "tests (pytest)" tests.log "$PY" -m pytest tests -q -ra -p no:cacheprovider
+step "compute-sanitizer (memcheck) on small cases" sanitizer.log \
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
+step "compute-sanitizer (racecheck) on small cases" racecheck.log \
+  compute-sanitizer --tool racecheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
+step "benchmark: paged_attention on CUDA" bench_cuda_attention.log "$PY" bench/bench_cuda_attention.py
+{
+  echo
+  echo "## paged_attention benchmark"
+  grep '^[|#]' "$OUT/bench_cuda_attention.log"
+} >> "$SUMMARY"
+cat "$SUMMARY"
+exit $status

@@ -1,0 +1,60 @@
+"""Small CUDA cases of every op, for compute-sanitizer (bench/gpu_check.sh runs it under memcheck and racecheck).
+
+Each case is checked against paged_attn.reference, so the run also fails on a wrong result. Covers both
+paged_attention paths (single pass: many sequences; split-KV: one long sequence), GQA groups above and below the
+8 query heads a thread block serves, every dtype, a strided cache view, padding slots and copy/swap of blocks.
+"""
+
+import torch
+
+import paged_attn
+from paged_attn import reference
+
+
+def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    alloc = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    key_cache, value_cache = alloc[:, 0], alloc[:, 1]
+    perm = torch.randperm(num_blocks).tolist()
+    width = max(blocks_per_seq) + 1
+    tables = [[perm.pop() for _ in range(n)] + [-1] * (width - n) for n in blocks_per_seq]
+    block_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    query = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device="cuda")
+    return query, key_cache, value_cache, block_tables, seq_lens_t
+
+
+def main():
+    torch.manual_seed(0)
+    tolerance = dict(rtol=2e-2, atol=2e-2)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # (seq_lens, num_heads, num_kv_heads): single pass with an empty sequence; split-KV with a 16-head group
+        # (two thread blocks per kv head); an odd GQA ratio.
+        for seq_lens, num_heads, num_kv_heads in (([1, 17, 300, 0], 8, 2), ([5000], 16, 1), ([40, 600], 9, 3)):
+            case = attention_case(seq_lens, num_heads, num_kv_heads, 128, 16, dtype)
+            slopes = torch.rand(num_heads, device="cuda") * 0.1
+            for kwargs in ({}, {"alibi_slopes": slopes, "sliding_window": 1000, "logits_soft_cap": 30.0}):
+                torch.testing.assert_close(paged_attn.paged_attention(*case, **kwargs),
+                                           reference.paged_attention(*case, **kwargs), **tolerance)
+
+        key = torch.randn(7, 2, 64, dtype=dtype, device="cuda")
+        key_cache = torch.randn(6, 16, 2, 64, dtype=dtype, device="cuda")
+        value_cache = torch.randn_like(key_cache)
+        slots = torch.tensor([0, 5, -1, 40, 17, 95, 3], device="cuda")
+        expected = [key_cache.clone(), value_cache.clone()]
+        reference.reshape_and_cache(key, key, *expected, slots)
+        paged_attn.reshape_and_cache(key, key, key_cache, value_cache, slots)
+        torch.testing.assert_close(key_cache, expected[0], rtol=0, atol=0)
+        reference.copy_blocks([expected[0]], [expected[1]], torch.tensor([[0, 4], [2, 5]]))
+        paged_attn.copy_blocks([key_cache], [value_cache], torch.tensor([[0, 4], [2, 5]], device="cuda"))
+        torch.testing.assert_close(value_cache, expected[1], rtol=0, atol=0)
+        cpu_cache = torch.zeros(4, 16, 2, 64, dtype=dtype).pin_memory()
+        paged_attn.swap_blocks(key_cache, cpu_cache, [(1, 0), (2, 1), (3, 2)])
+        torch.cuda.synchronize()
+        torch.testing.assert_close(cpu_cache[:3], key_cache[1:4].cpu(), rtol=0, atol=0)
+    print("all sanitizer cases match the reference")
+
+
+if __name__ == "__main__":
+    main()
