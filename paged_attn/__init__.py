@@ -8,9 +8,11 @@ them with typed functions (``paged_attn.ops``) and keeps pure-PyTorch references
 import torch  # noqa: F401  (load libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.paged_attn.*)
+from .block_manager import BlockManager, OutOfBlocksError
 from .ops import (
     copy_blocks,
     has_cuda_kernels,
+    paged_attention,
     reshape_and_cache,
     set_validation,
     swap_blocks,
@@ -18,8 +20,11 @@ from .ops import (
 )
 
 __all__ = [
+    "BlockManager",
+    "OutOfBlocksError",
     "copy_blocks",
     "has_cuda_kernels",
+    "paged_attention",
     "reshape_and_cache",
     "set_validation",
     "swap_blocks",

@@ -1,0 +1,452 @@
+"""The block manager: paged KV-cache memory, handed out like an operating system hands out pages.
+
+The KV cache is cut into *blocks* of ``block_size`` token *slots*. Each sequence keeps a *block table*, the
+list of physical block ids that hold its tokens in order, so token ``i`` (prompt and generated alike) lives at
+slot ``block_table[i // block_size] * block_size + i % block_size``. Only the last block of a sequence is ever
+partly empty. The manager does the bookkeeping only; the caller moves the data with the cache ops
+(``reshape_and_cache``, ``copy_blocks``, ``swap_blocks``) using the slots and block pairs it returns.
+
+Vocabulary:
+
+- *physical block*: one page of GPU (or CPU) memory, a ``Block`` with a *reference count*: the number of
+  block-table entries pointing at it. A block is free exactly when its reference count is 0.
+- *logical block*: one entry of a block table. ``fork`` (parallel sampling, beam search) and the prefix cache
+  map several logical blocks onto one physical block.
+- *copy-on-write*: before a sequence writes into a shared block, ``append_slot`` moves it onto a private copy
+  and returns the ``(src_block, dst_block)`` pair the caller must copy first. A block being written to always
+  has exactly one owner.
+- *prefix cache* (``enable_prefix_caching``): every full GPU block is registered under a hash chained over its
+  parent block's hash and its own tokens, whether it was filled by a prompt or by generated tokens. A new
+  sequence reuses the cached blocks of its longest cached prefix. A hit is accepted only if the candidate's
+  tokens are equal and it was registered right after the very cache entry matched one block earlier (a
+  ``content_id`` that is never reused), so no hash collision can hand out wrong KV. A cached block whose
+  reference count drops to 0 stays *evictable*: it counts as free, keeps its content for later hits, and is
+  recycled least recently used first, only once no plain free block is left. A block is registered as soon
+  as its tokens are known, before its KV is written: the engine writes the KV of every token of a step
+  (``reshape_and_cache``) before attention reads any, so a hit in the same step is safe.
+- *swapping*: preemption moves a group of sequences (the beams of one request) to CPU blocks and back; a
+  block shared inside the group is moved once and stays shared.
+
+Allocating, freeing and copying-on-write a block is O(1): free ids sit in a deque, evictable ones in an
+``OrderedDict`` kept in LRU order; no operation scans the pool of blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+PAD_BLOCK_ID = -1  # fills the rows of block_tables_tensor past a sequence's last block
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free blocks for a request. The manager is left exactly as it was."""
+
+
+def _block_hash(parent_hash: Optional[int], token_ids: tuple[int, ...]) -> int:
+    """Prefix-cache key of a full block, chained over its parent's key (None for the first block)."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(eq=False)
+class Block:
+    """One physical block of ``block_size`` slots, on the GPU or on the CPU."""
+
+    block_id: int
+    ref_count: int = 0
+    # Prefix cache (GPU blocks only); set exactly while the block is registered in hash_to_block_id.
+    hash: Optional[int] = None
+    token_ids: tuple[int, ...] = ()
+    content_id: Optional[int] = None  # never reused, so a child entry can name its exact parent
+    parent_content_id: Optional[int] = None
+
+
+@dataclass(eq=False)
+class SeqState:
+    """What the manager knows about one sequence."""
+
+    token_ids: list[int]
+    block_table: list[int]  # GPU block ids, or CPU block ids while swapped out
+    swapped_out: bool = False
+    # End of the prefix-cache chain: hash and content id of the cache entry matching the last full block.
+    prefix_hash: Optional[int] = None
+    prefix_content_id: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class BlockManagerStats:
+    """Memory accounting; the token and block counts cover the sequences resident on the GPU."""
+
+    num_gpu_blocks: int  # GPU blocks in total
+    gpu_blocks_used: int  # physical GPU blocks referenced by at least one sequence
+    gpu_blocks_free: int  # blocks an allocation could use now: free + evictable cached (= num_free_blocks)
+    gpu_blocks_cached: int  # free blocks still holding a cached prefix block (part of gpu_blocks_free)
+    cpu_blocks_used: int  # CPU blocks holding swapped-out sequences
+    num_tokens: int  # tokens stored, summed over sequences (a shared token counts once per sequence)
+    logical_blocks: int  # block-table entries, summed over sequences
+    blocks_saved_by_sharing: int  # logical_blocks - gpu_blocks_used: blocks that fork / prefix hits saved
+    internal_fragmentation: int  # empty slots in the (distinct) last blocks: the only wasted slots
+    utilization: float  # slots holding a token / slots in used blocks (0.0 when nothing is stored)
+
+
+class BlockManager:
+    """Paged KV memory: block tables with reference counts, copy-on-write, fork, prefix caching, swapping.
+
+    Sequence ids are any hashable values. Every method validates its arguments before changing anything:
+    an unknown id raises ``KeyError``; a duplicate id, a swapped-out sequence where a GPU one is needed (or the
+    reverse) or a bad range raises ``ValueError``; lack of memory raises ``OutOfBlocksError``. In each case
+    the manager is unchanged. The ``can_*`` methods raise the same caller errors and return False only for
+    lack of memory.
+
+    Example (parallel sampling)::
+
+        bm = BlockManager(num_gpu_blocks=64, block_size=16)
+        bm.allocate(0, prompt_ids)                # prefill writes the prompt at bm.slot_mapping(0, 0, n)
+        bm.fork(0, 1)                             # a second sample shares every block
+        slot, cow = bm.append_slot(1, token_id)   # the last block was shared: cow == (old, new)
+        if cow:
+            paged_attn.copy_blocks(key_caches, value_caches, [cow])  # before writing at `slot`
+        bm.free(0); bm.free(1)
+    """
+
+    def __init__(self, num_gpu_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = False):
+        if num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.gpu_blocks = [Block(i) for i in range(num_gpu_blocks)]
+        self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
+        self.free_gpu_block_ids: deque[int] = deque(range(num_gpu_blocks))  # free and holding nothing cached
+        self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
+        self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.seqs: dict[Hashable, SeqState] = {}
+        self._content_ids = itertools.count()
+
+    # ---- capacity ----
+
+    @property
+    def num_free_blocks(self) -> int:
+        """GPU blocks an allocation could use now: free ones plus evictable cached ones."""
+        return len(self.free_gpu_block_ids) + len(self.evictable_block_ids)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.free_cpu_block_ids)
+
+    # ---- new sequences ----
+
+    def can_allocate(self, token_ids: Iterable[int]) -> bool:
+        token_ids = self._prompt(token_ids)
+        return self._blocks_needed(token_ids, self._prefix_hits(token_ids)) <= self.num_free_blocks
+
+    def allocate(self, seq_id: Hashable, token_ids: Iterable[int]) -> int:
+        """Create sequence ``seq_id`` holding ``token_ids``; return how many leading tokens are already cached.
+
+        The caller computes the KV of tokens ``[cached, len(token_ids))`` only. A cache hit never covers the
+        block that holds the last prompt token, so at most ``len(token_ids) - 1`` tokens are reported cached
+        and the last token's logits are always computed: when a prompt is entirely cached, its last block is
+        recomputed into a fresh block rather than written into a shared one (which would break "a block being
+        written has one owner" and could race with readers). That costs at most one block of recomputation.
+        """
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        token_ids = self._prompt(token_ids)
+        hits = self._prefix_hits(token_ids)
+        self._check_gpu_capacity(self._blocks_needed(token_ids, hits), f"allocating sequence {seq_id!r}")
+        for block in hits:
+            if block.ref_count == 0:
+                del self.evictable_block_ids[block.block_id]
+            block.ref_count += 1
+        num_blocks = -(-len(token_ids) // self.block_size)
+        seq = SeqState(token_ids, [block.block_id for block in hits])
+        seq.block_table += [self._take_gpu_block() for _ in range(num_blocks - len(hits))]
+        if hits:
+            seq.prefix_hash, seq.prefix_content_id = hits[-1].hash, hits[-1].content_id
+        for index in range(len(hits), len(token_ids) // self.block_size):
+            self._cache_full_block(seq, index)
+        self.seqs[seq_id] = seq
+        return len(hits) * self.block_size
+
+    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
+        """Make ``child_seq_id`` share every block of ``parent_seq_id`` (on whichever device it is)."""
+        parent = self._seq(parent_seq_id)
+        if child_seq_id in self.seqs:
+            raise ValueError(f"cannot fork onto sequence {child_seq_id!r}: it already exists")
+        blocks = self.cpu_blocks if parent.swapped_out else self.gpu_blocks
+        for block_id in parent.block_table:
+            blocks[block_id].ref_count += 1
+        self.seqs[child_seq_id] = dataclasses.replace(
+            parent, token_ids=list(parent.token_ids), block_table=list(parent.block_table))
+
+    # ---- decoding ----
+
+    def can_append_slot(self, seq_id: Hashable) -> bool:
+        seq = self._gpu_seq(seq_id)
+        return not self._append_needs_block(seq) or self.num_free_blocks >= 1
+
+    def append_slot(self, seq_id: Hashable, token_id: int) -> tuple[int, Optional[tuple[int, int]]]:
+        """Reserve the slot of one more token; return ``(slot, cow)``.
+
+        ``cow`` is None, or ``(src_block, dst_block)`` when the last block was shared: the caller copies
+        ``src_block`` into ``dst_block`` (``copy_blocks``) before writing the new token at ``slot``. The block
+        holding ``slot`` then has exactly one owner.
+        """
+        seq = self._gpu_seq(seq_id)
+        position = len(seq.token_ids)
+        cow = None
+        if self._append_needs_block(seq):
+            self._check_gpu_capacity(1, f"appending to sequence {seq_id!r}")
+            if position % self.block_size == 0:
+                seq.block_table.append(self._take_gpu_block())
+            else:
+                src_block_id, dst_block_id = seq.block_table[-1], self._take_gpu_block()
+                self.gpu_blocks[src_block_id].ref_count -= 1  # still >= 1: others hold it
+                seq.block_table[-1] = dst_block_id
+                cow = (src_block_id, dst_block_id)
+        seq.token_ids.append(token_id)
+        if len(seq.token_ids) % self.block_size == 0:
+            self._cache_full_block(seq, len(seq.block_table) - 1)
+        return seq.block_table[-1] * self.block_size + position % self.block_size, cow
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop the sequence (on the GPU or swapped out) and release its blocks."""
+        seq = self._seq(seq_id)
+        release = self._release_cpu_block if seq.swapped_out else self._release_gpu_block
+        for block_id in reversed(seq.block_table):  # tail first, so a prefix outlives its suffix in the LRU
+            release(block_id)
+        del self.seqs[seq_id]
+
+    # ---- paged metadata for the kernels ----
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of the block table (CPU block ids while the sequence is swapped out)."""
+        return list(self._seq(seq_id).block_table)
+
+    def is_swapped_out(self, seq_id: Hashable) -> bool:
+        return self._seq(seq_id).swapped_out
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """GPU cache slots of the token positions ``[start, end)`` of a sequence resident on the GPU."""
+        seq = self._gpu_seq(seq_id)
+        if not 0 <= start <= end <= len(seq.token_ids):
+            raise ValueError(f"positions [{start}, {end}) are out of range for sequence {seq_id!r} "
+                             f"of {len(seq.token_ids)} tokens")
+        table, block_size = seq.block_table, self.block_size
+        return [table[i // block_size] * block_size + i % block_size for i in range(start, end)]
+
+    def block_tables_tensor(self, seq_ids: Iterable[Hashable],
+                            device: Union[torch.device, str] = "cpu") -> torch.Tensor:
+        """int32 ``[len(seq_ids), max_blocks]`` block tables, padded with ``PAD_BLOCK_ID``, for paged_attention."""
+        tables = [self._gpu_seq(seq_id).block_table for seq_id in seq_ids]
+        max_blocks = max(map(len, tables), default=0)
+        rows = [table + [PAD_BLOCK_ID] * (max_blocks - len(table)) for table in tables]
+        return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), max_blocks)
+
+    # ---- swapping ----
+
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        group = self._group(seq_ids, swapped_out=False)
+        return len(self._distinct_block_ids(group)) <= self.num_free_cpu_blocks
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Move a group of GPU sequences to CPU blocks; return the ``(gpu_block, cpu_block)`` copies to make.
+
+        A block shared inside the group is moved once and stays shared. The GPU blocks are released like on
+        ``free``: a cached full block keeps its (still valid) content in the prefix cache as an evictable
+        block, so other sequences can still hit it until its memory is needed.
+        """
+        group = self._group(seq_ids, swapped_out=False)
+        gpu_block_ids = self._distinct_block_ids(group)
+        if len(gpu_block_ids) > self.num_free_cpu_blocks:
+            raise OutOfBlocksError(f"swapping out {len(group)} sequences needs {len(gpu_block_ids)} free CPU "
+                                   f"blocks, but only {self.num_free_cpu_blocks} are free")
+        mapping = {gpu_block_id: self.free_cpu_block_ids.popleft() for gpu_block_id in gpu_block_ids}
+        for seq in group:
+            for block_id in reversed(seq.block_table):
+                self._release_gpu_block(block_id)
+            seq.block_table = [mapping[block_id] for block_id in seq.block_table]
+            for block_id in seq.block_table:
+                self.cpu_blocks[block_id].ref_count += 1
+            seq.swapped_out = True
+        return list(mapping.items())
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
+        group = self._group(seq_ids, swapped_out=True)
+        return len(self._distinct_block_ids(group)) <= self.num_free_blocks
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Move a swapped-out group back to fresh GPU blocks; return the ``(cpu_block, gpu_block)`` copies.
+
+        With prefix caching, the full blocks are registered again (or chained onto equal entries still cached).
+        """
+        group = self._group(seq_ids, swapped_out=True)
+        cpu_block_ids = self._distinct_block_ids(group)
+        self._check_gpu_capacity(len(cpu_block_ids), f"swapping in {len(group)} sequences")
+        mapping = {cpu_block_id: self._take_gpu_block(ref_count=0) for cpu_block_id in cpu_block_ids}
+        for seq in group:
+            for block_id in reversed(seq.block_table):
+                self._release_cpu_block(block_id)
+            seq.block_table = [mapping[block_id] for block_id in seq.block_table]
+            for block_id in seq.block_table:
+                self.gpu_blocks[block_id].ref_count += 1
+            seq.swapped_out = False
+            seq.prefix_hash = seq.prefix_content_id = None
+            for index in range(len(seq.token_ids) // self.block_size):
+                self._cache_full_block(seq, index)
+        return list(mapping.items())
+
+    # ---- accounting ----
+
+    def stats(self) -> BlockManagerStats:
+        gpu_seqs = [seq for seq in self.seqs.values() if not seq.swapped_out]
+        block_size = self.block_size
+        last_block_fill = {seq.block_table[-1]: (len(seq.token_ids) - 1) % block_size + 1 for seq in gpu_seqs}
+        fragmentation = sum(block_size - fill for fill in last_block_fill.values())
+        used = self.num_gpu_blocks - self.num_free_blocks
+        logical = sum(len(seq.block_table) for seq in gpu_seqs)
+        return BlockManagerStats(
+            num_gpu_blocks=self.num_gpu_blocks,
+            gpu_blocks_used=used,
+            gpu_blocks_free=self.num_free_blocks,
+            gpu_blocks_cached=len(self.evictable_block_ids),
+            cpu_blocks_used=self.num_cpu_blocks - self.num_free_cpu_blocks,
+            num_tokens=sum(len(seq.token_ids) for seq in gpu_seqs),
+            logical_blocks=logical,
+            blocks_saved_by_sharing=logical - used,
+            internal_fragmentation=fragmentation,
+            utilization=(used * block_size - fragmentation) / (used * block_size) if used else 0.0,
+        )
+
+    # ---- helpers ----
+
+    def _seq(self, seq_id: Hashable) -> SeqState:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def _gpu_seq(self, seq_id: Hashable) -> SeqState:
+        seq = self._seq(seq_id)
+        if seq.swapped_out:
+            raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
+        return seq
+
+    def _group(self, seq_ids: Iterable[Hashable], swapped_out: bool) -> list[SeqState]:
+        seq_ids = list(seq_ids)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"duplicate sequence ids in swap group {seq_ids!r}")
+        group = [self._seq(seq_id) for seq_id in seq_ids]
+        for seq_id, seq in zip(seq_ids, group):
+            if seq.swapped_out != swapped_out:
+                where = "already swapped out" if seq.swapped_out else "not swapped out"
+                raise ValueError(f"sequence {seq_id!r} is {where}")
+        return group
+
+    @staticmethod
+    def _distinct_block_ids(group: list[SeqState]) -> list[int]:
+        return list(dict.fromkeys(block_id for seq in group for block_id in seq.block_table))
+
+    @staticmethod
+    def _prompt(token_ids: Iterable[int]) -> list[int]:
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("a sequence needs at least one token")
+        return token_ids
+
+    def _check_gpu_capacity(self, needed: int, action: str) -> None:
+        if needed > self.num_free_blocks:
+            raise OutOfBlocksError(f"{action} needs {needed} free GPU blocks, but only {self.num_free_blocks} "
+                                   f"are free ({len(self.evictable_block_ids)} of them evictable cached blocks)")
+
+    def _blocks_needed(self, token_ids: list[int], hits: list[Block]) -> int:
+        """Free blocks an allocation takes: fresh blocks plus the hits that are now evictable."""
+        num_blocks = -(-len(token_ids) // self.block_size)
+        return num_blocks - len(hits) + sum(block.ref_count == 0 for block in hits)
+
+    def _append_needs_block(self, seq: SeqState) -> bool:
+        return (len(seq.token_ids) % self.block_size == 0
+                or self.gpu_blocks[seq.block_table[-1]].ref_count > 1)
+
+    def _take_gpu_block(self, ref_count: int = 1) -> int:
+        if self.free_gpu_block_ids:
+            block = self.gpu_blocks[self.free_gpu_block_ids.popleft()]
+        else:  # recycle the least recently used cached block
+            block = self.gpu_blocks[self.evictable_block_ids.popitem(last=False)[0]]
+            del self.hash_to_block_id[block.hash]
+            block.hash = block.content_id = block.parent_content_id = None
+            block.token_ids = ()
+        block.ref_count = ref_count
+        return block.block_id
+
+    def _release_gpu_block(self, block_id: int) -> None:
+        block = self.gpu_blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is None:
+                self.free_gpu_block_ids.append(block_id)
+            else:
+                self.evictable_block_ids[block_id] = None  # most recently used end
+
+    def _release_cpu_block(self, block_id: int) -> None:
+        block = self.cpu_blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_cpu_block_ids.append(block_id)
+
+    def _cached_block(self, block_hash: int, token_ids: tuple[int, ...],
+                      parent_content_id: Optional[int]) -> Optional[Block]:
+        """The cached block with exactly this content after this parent entry, or None (collisions miss)."""
+        block_id = self.hash_to_block_id.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.gpu_blocks[block_id]
+        if block.token_ids != token_ids or block.parent_content_id != parent_content_id:
+            return None
+        return block
+
+    def _prefix_hits(self, token_ids: list[int]) -> list[Block]:
+        """Cached blocks of the longest cached prefix, never the block holding the last token."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        parent_hash = parent_content_id = None
+        for index in range((len(token_ids) - 1) // self.block_size):
+            block_tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            block = self._cached_block(_block_hash(parent_hash, block_tokens), block_tokens, parent_content_id)
+            if block is None:
+                break
+            hits.append(block)
+            parent_hash, parent_content_id = block.hash, block.content_id
+        return hits
+
+    def _cache_full_block(self, seq: SeqState, index: int) -> None:
+        """Register the full block ``index`` of ``seq`` in the prefix cache and extend the seq's chain."""
+        if not self.enable_prefix_caching:
+            return
+        block_tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+        block_hash = _block_hash(seq.prefix_hash, block_tokens)
+        twin = self._cached_block(block_hash, block_tokens, seq.prefix_content_id)
+        if twin is not None:  # this content is already cached (maybe in this very block): chain onto it
+            content_id = twin.content_id
+        else:
+            content_id = next(self._content_ids)
+            if block_hash not in self.hash_to_block_id:  # else a collision: the block stays uncached
+                block = self.gpu_blocks[seq.block_table[index]]
+                block.hash, block.token_ids = block_hash, block_tokens
+                block.content_id, block.parent_content_id = content_id, seq.prefix_content_id
+                self.hash_to_block_id[block_hash] = block.block_id
+        seq.prefix_hash, seq.prefix_content_id = block_hash, content_id

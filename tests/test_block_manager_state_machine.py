@@ -1,0 +1,257 @@
+"""Random interleavings of every BlockManager operation against a simulated KV cache.
+
+The simulated cache holds, in each slot, a stand-in for the KV of a token: the tuple of the tokens up to and
+including it (real KV depends on the whole prefix, so a prefix-cache hit on equal tokens after a different
+prefix must show up as wrong data). The machine writes each new token's stand-in into the slot the manager
+hands out, performs the returned copy-on-write and swap copies block by block, and after every step checks that
+each sequence reads back exactly its own tokens through its block table, that every cached block really holds
+its tokens, and that the reference counts and free lists agree with the block tables.
+"""
+
+from collections import Counter
+
+import pytest
+from conftest import snapshot
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from paged_attn import block_manager
+from paged_attn.block_manager import BlockManager, OutOfBlocksError
+
+EMPTY = None  # a simulated slot that no token was ever written to
+tokens_strategy = st.lists(st.integers(0, 2), min_size=1, max_size=8)  # tiny vocabulary: prefixes repeat
+
+
+def kv(tokens, position):
+    """What the simulated cache stores for token ``position`` of a sequence."""
+    return tuple(tokens[:position + 1])
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(num_gpu_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 3, 4]),
+                num_cpu_blocks=st.integers(0, 8), enable_prefix_caching=st.booleans(),
+                hash_kind=st.sampled_from(["chained", "chained", "weak", "constant"]))
+    def setup(self, num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching, hash_kind):
+        # "weak" drops the parent from the hash and "constant" makes every block collide: neither may ever
+        # produce a wrong hit, which the read-back invariant would catch.
+        self.real_hash = block_manager._block_hash
+        if hash_kind == "weak":
+            block_manager._block_hash = lambda parent_hash, token_ids: hash(token_ids) % 5
+        elif hash_kind == "constant":
+            block_manager._block_hash = lambda parent_hash, token_ids: 0
+        self.bm = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                               enable_prefix_caching=enable_prefix_caching)
+        self.gpu_cache = [EMPTY] * (num_gpu_blocks * block_size)
+        self.cpu_cache = [EMPTY] * (num_cpu_blocks * block_size)
+        self.expected = {}  # seq_id -> the tokens the sequence must read back
+        self.past_prompts = []  # token lists of current and earlier sequences, to draw shared prefixes from
+        self.next_seq_id = 0
+
+    def teardown(self):
+        if hasattr(self, "real_hash"):
+            block_manager._block_hash = self.real_hash
+
+    # ---- helpers ----
+
+    def seq_ids(self, swapped_out):
+        return [s for s in sorted(self.expected) if self.bm.is_swapped_out(s) == swapped_out]
+
+    # Rules that need a sequence do nothing when there is none (preconditions would make hypothesis give up).
+    def pick(self, index, swapped_out=None):
+        candidates = sorted(self.expected) if swapped_out is None else self.seq_ids(swapped_out)
+        return candidates[index % len(candidates)] if candidates else None
+
+    def pick_group(self, indices, swapped_out):
+        candidates = self.seq_ids(swapped_out)
+        return list(dict.fromkeys(candidates[i % len(candidates)] for i in indices)) if candidates else None
+
+    def expect_unchanged(self, error, call, *args):
+        before = snapshot(self.bm)
+        try:
+            call(*args)
+        except error:
+            pass
+        else:
+            raise AssertionError(f"{call.__name__}{args} did not raise {error.__name__}")
+        assert snapshot(self.bm) == before
+
+    def write(self, slot, value):
+        # Whoever writes a slot must be the only owner of its block.
+        assert self.bm.gpu_blocks[slot // self.bm.block_size].ref_count == 1
+        self.gpu_cache[slot] = value
+
+    def copy_block(self, src_cache, src, dst_cache, dst):
+        bs = self.bm.block_size
+        dst_cache[dst * bs:(dst + 1) * bs] = src_cache[src * bs:(src + 1) * bs]
+
+    # ---- rules ----
+
+    @rule(tail=tokens_strategy, base=st.integers(0, 1000), cut=st.integers(0, 12))
+    def allocate(self, tail, base, cut):
+        prefix = self.past_prompts[base % len(self.past_prompts)][:cut] if self.past_prompts and base % 3 else []
+        prompt = prefix + tail
+        seq_id, self.next_seq_id = self.next_seq_id, self.next_seq_id + 1
+        if not self.bm.can_allocate(prompt):
+            self.expect_unchanged(OutOfBlocksError, self.bm.allocate, seq_id, prompt)
+            return
+        cached = self.bm.allocate(seq_id, prompt)
+        assert 0 <= cached <= len(prompt) - 1 and cached % self.bm.block_size == 0
+        assert cached == 0 or self.bm.enable_prefix_caching
+        for position, slot in enumerate(self.bm.slot_mapping(seq_id, cached, len(prompt)), start=cached):
+            self.write(slot, kv(prompt, position))
+        self.expected[seq_id] = list(prompt)
+        self.past_prompts = (self.past_prompts + [prompt])[-16:]
+
+    @rule(index=st.integers(0, 1000), token=st.integers(0, 2))
+    def append_slot(self, index, token):
+        seq_id = self.pick(index, swapped_out=False)
+        if seq_id is None:
+            return
+        if not self.bm.can_append_slot(seq_id):
+            self.expect_unchanged(OutOfBlocksError, self.bm.append_slot, seq_id, token)
+            return
+        slot, cow = self.bm.append_slot(seq_id, token)
+        if cow is not None:
+            src, dst = cow
+            assert src != dst and self.bm.gpu_blocks[src].ref_count >= 1
+            self.copy_block(self.gpu_cache, src, self.gpu_cache, dst)
+        self.expected[seq_id].append(token)
+        self.write(slot, kv(self.expected[seq_id], len(self.expected[seq_id]) - 1))
+        if len(self.expected[seq_id]) % self.bm.block_size == 0:
+            self.past_prompts = (self.past_prompts + [list(self.expected[seq_id])])[-16:]
+
+    @rule(index=st.integers(0, 1000))
+    def fork(self, index):
+        parent = self.pick(index)
+        if parent is None:
+            return
+        child, self.next_seq_id = self.next_seq_id, self.next_seq_id + 1
+        self.bm.fork(parent, child)
+        self.expected[child] = list(self.expected[parent])
+
+    @rule(index=st.integers(0, 1000))
+    def free(self, index):
+        seq_id = self.pick(index)
+        if seq_id is None:
+            return
+        self.bm.free(seq_id)
+        del self.expected[seq_id]
+        self.expect_unchanged(KeyError, self.bm.free, seq_id)  # double free
+
+    @rule(indices=st.lists(st.integers(0, 1000), min_size=1, max_size=3))
+    def swap_out(self, indices):
+        group = self.pick_group(indices, swapped_out=False)
+        if group is None:
+            return
+        if not self.bm.can_swap_out(group):
+            self.expect_unchanged(OutOfBlocksError, self.bm.swap_out, group)
+            return
+        mapping = self.bm.swap_out(group)
+        assert len({gpu for gpu, _ in mapping}) == len({cpu for _, cpu in mapping}) == len(mapping)
+        for gpu_block, cpu_block in mapping:
+            self.copy_block(self.gpu_cache, gpu_block, self.cpu_cache, cpu_block)
+
+    @rule(indices=st.lists(st.integers(0, 1000), min_size=1, max_size=3))
+    def swap_in(self, indices):
+        group = self.pick_group(indices, swapped_out=True)
+        if group is None:
+            return
+        if not self.bm.can_swap_in(group):
+            self.expect_unchanged(OutOfBlocksError, self.bm.swap_in, group)
+            return
+        mapping = self.bm.swap_in(group)
+        assert len({cpu for cpu, _ in mapping}) == len({gpu for _, gpu in mapping}) == len(mapping)
+        for cpu_block, gpu_block in mapping:
+            self.copy_block(self.cpu_cache, cpu_block, self.gpu_cache, gpu_block)
+
+    @rule(index=st.integers(0, 1000))
+    def misuse(self, index):
+        seq_id = self.pick(index)
+        if seq_id is None:
+            return
+        unknown = self.next_seq_id
+        self.expect_unchanged(ValueError, self.bm.allocate, seq_id, [0])
+        self.expect_unchanged(KeyError, self.bm.append_slot, unknown, 0)
+        self.expect_unchanged(KeyError, self.bm.fork, unknown, unknown + 1)
+        self.expect_unchanged(ValueError, self.bm.fork, seq_id, seq_id)
+        self.expect_unchanged(KeyError, self.bm.swap_out, [unknown])
+        self.expect_unchanged(ValueError, self.bm.swap_out, [seq_id, seq_id])
+        if self.bm.is_swapped_out(seq_id):
+            self.expect_unchanged(ValueError, self.bm.swap_out, [seq_id])
+            self.expect_unchanged(ValueError, self.bm.append_slot, seq_id, 0)
+            self.expect_unchanged(ValueError, self.bm.slot_mapping, seq_id, 0, 1)
+        else:
+            self.expect_unchanged(ValueError, self.bm.swap_in, [seq_id])
+            self.expect_unchanged(ValueError, self.bm.slot_mapping, seq_id, 0, len(self.expected[seq_id]) + 1)
+
+    # ---- invariants ----
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        bm = self.bm
+        gpu_holders = Counter(b for s in bm.seqs.values() if not s.swapped_out for b in s.block_table)
+        cpu_holders = Counter(b for s in bm.seqs.values() if s.swapped_out for b in s.block_table)
+        assert [b.ref_count for b in bm.gpu_blocks] == [gpu_holders[i] for i in range(bm.num_gpu_blocks)]
+        assert [b.ref_count for b in bm.cpu_blocks] == [cpu_holders[i] for i in range(bm.num_cpu_blocks)]
+
+        free, evictable = list(bm.free_gpu_block_ids), list(bm.evictable_block_ids)
+        free_cpu = list(bm.free_cpu_block_ids)
+        assert len(set(free)) == len(free) and len(set(free_cpu)) == len(free_cpu)
+        assert not set(free) & set(evictable) and not set(free + evictable) & set(gpu_holders)
+        assert not set(free_cpu) & set(cpu_holders)
+        assert len(free) + len(evictable) + len(gpu_holders) == bm.num_gpu_blocks == len(bm.gpu_blocks)
+        assert len(free_cpu) + len(cpu_holders) == bm.num_cpu_blocks == len(bm.cpu_blocks)
+        assert bm.num_free_blocks == len(free) + len(evictable)
+
+        # The prefix cache: the dict and the blocks agree; plain free blocks are uncached, evictable ones cached.
+        assert all(bm.gpu_blocks[b].hash == h for h, b in bm.hash_to_block_id.items())
+        assert sorted(bm.hash_to_block_id.values()) == sorted(b.block_id for b in bm.gpu_blocks if b.hash is not None)
+        assert all(bm.gpu_blocks[b].hash is None for b in free)
+        assert all(bm.gpu_blocks[b].hash is not None for b in evictable)
+        if not bm.enable_prefix_caching:
+            assert not bm.hash_to_block_id
+
+    @invariant()
+    def sequences_read_back_their_tokens(self):
+        bm, bs = self.bm, self.bm.block_size
+        assert set(bm.seqs) == set(self.expected)
+        for seq_id, tokens in self.expected.items():
+            table = bm.block_table(seq_id)
+            assert len(table) == -(-len(tokens) // bs)
+            if bm.is_swapped_out(seq_id):
+                read = [self.cpu_cache[table[i // bs] * bs + i % bs] for i in range(len(tokens))]
+            else:
+                read = [self.gpu_cache[slot] for slot in bm.slot_mapping(seq_id, 0, len(tokens))]
+            assert read == [kv(tokens, i) for i in range(len(tokens))], seq_id
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self):
+        bs = self.bm.block_size
+        for block in self.bm.gpu_blocks:
+            if block.hash is not None:
+                stored = self.gpu_cache[block.block_id * bs:(block.block_id + 1) * bs]
+                assert tuple(value[-1] for value in stored) == block.token_ids
+
+    @invariant()
+    def stats_agree(self):
+        bm, bs = self.bm, self.bm.block_size
+        stats = bm.stats()
+        gpu_seqs = [s for s in self.expected if not bm.is_swapped_out(s)]
+        used = sum(b.ref_count > 0 for b in bm.gpu_blocks)
+        assert stats.gpu_blocks_used == used and stats.gpu_blocks_free == bm.num_gpu_blocks - used
+        assert stats.gpu_blocks_cached == len(bm.evictable_block_ids)
+        assert stats.cpu_blocks_used == sum(b.ref_count > 0 for b in bm.cpu_blocks)
+        assert stats.num_tokens == sum(len(self.expected[s]) for s in gpu_seqs)
+        assert stats.logical_blocks == sum(len(bm.block_table(s)) for s in gpu_seqs)
+        assert stats.blocks_saved_by_sharing == stats.logical_blocks - used >= 0
+        filled_slots = {slot for s in gpu_seqs for slot in bm.slot_mapping(s, 0, len(self.expected[s]))}
+        assert stats.internal_fragmentation == used * bs - len(filled_slots)
+        assert 0.0 <= stats.utilization <= 1.0
+        if used:
+            assert stats.utilization == pytest.approx(len(filled_slots) / (used * bs))
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestBlockManagerMachine = BlockManagerMachine.TestCase
