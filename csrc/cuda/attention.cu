@@ -100,17 +100,31 @@ struct PagedKV {
   const int32_t* block_tables;                   // [num_seqs, max_blocks_per_seq]
   int max_blocks_per_seq, block_size, num_kv_heads, head_dim;
 
-  __device__ const T* key_row(int seq, int token, int kv_head) const {
-    return row(key_cache, key_block_stride, seq, token, kv_head);
-  }
-  __device__ const T* value_row(int seq, int token, int kv_head) const {
-    return row(value_cache, value_block_stride, seq, token, kv_head);
-  }
   __device__ const T* row(const T* cache, int64_t block_stride, int seq, int token, int kv_head) const {
     const int64_t block = block_tables[static_cast<int64_t>(seq) * max_blocks_per_seq + token / block_size];
     return cache + block * block_stride + static_cast<int64_t>((token % block_size) * num_kv_heads + kv_head) * head_dim;
   }
 };
+
+// Loads this lane's 16-byte vectors (row_lane, row_lane + LANES, ...) of kUnroll rows of a tile of one cache: rows
+// first_row + u * row_stride (u < kUnroll). A row at or past n is not read (it may be a NaN-poisoned slot past the
+// sequence's end) and comes back as zeros. All loads are issued before any is used.
+template <typename T, int LANES, int VPL, int NVEC>
+__device__ inline void load_rows(uint4 (&rows)[kUnroll][VPL], const PagedKV<T>& kv, const T* cache,
+                                 int64_t block_stride, int seq, int kv_head, int tile_begin, int first_row,
+                                 int row_stride, int n, int row_lane) {
+  constexpr int VEC = VecTraits<T>::kElems;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int j = first_row + u * row_stride;
+    const T* row = j < n ? kv.row(cache, block_stride, seq, tile_begin + j, kv_head) : nullptr;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int v = row_lane + i * LANES;
+      rows[u][i] = (row != nullptr && v < NVEC) ? *reinterpret_cast<const uint4*>(row + v * VEC) : uint4{0, 0, 0, 0};
+    }
+  }
+}
 
 template <int LANES>
 __device__ inline float sum_over_lanes(float x) {
@@ -199,16 +213,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
     // 1. logits[g][j] for the tile's tokens.
     for (int j0 = warp_first_row; j0 < n; j0 += ROW_GROUPS * kUnroll) {
       uint4 k[kUnroll][VPL];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int j = j0 + row_in_warp + u * ROW_GROUPS;
-        const T* row = j < n ? kv.key_row(seq, tile_begin + j, kv_head) : nullptr;
-#pragma unroll
-        for (int i = 0; i < VPL; ++i) {
-          const int v = row_lane + i * LANES;
-          k[u][i] = (row != nullptr && v < NVEC) ? *reinterpret_cast<const uint4*>(row + v * VEC) : uint4{0, 0, 0, 0};
-        }
-      }
+      load_rows<T, LANES, VPL, NVEC>(k, kv, kv.key_cache, kv.key_block_stride, seq, kv_head, tile_begin,
+                                     j0 + row_in_warp, ROW_GROUPS, n, row_lane);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + row_in_warp + u * ROW_GROUPS;
@@ -268,16 +274,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(
     }
     for (int j0 = warp_first_row; j0 < n; j0 += ROW_GROUPS * kUnroll) {
       uint4 v[kUnroll][VPL];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int j = j0 + row_in_warp + u * ROW_GROUPS;
-        const T* row = j < n ? kv.value_row(seq, tile_begin + j, kv_head) : nullptr;
-#pragma unroll
-        for (int i = 0; i < VPL; ++i) {
-          const int vi = row_lane + i * LANES;
-          v[u][i] = (row != nullptr && vi < NVEC) ? *reinterpret_cast<const uint4*>(row + vi * VEC) : uint4{0, 0, 0, 0};
-        }
-      }
+      load_rows<T, LANES, VPL, NVEC>(v, kv, kv.value_cache, kv.value_block_stride, seq, kv_head, tile_begin,
+                                     j0 + row_in_warp, ROW_GROUPS, n, row_lane);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + row_in_warp + u * ROW_GROUPS;
