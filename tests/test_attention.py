@@ -7,6 +7,7 @@ entries past a sequence's end hold garbage (-1 and huge ids).
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -310,3 +311,24 @@ def test_cuda_unsupported_sizes(head_dim, block_size, message):
     case = make_case([5], 4, 2, head_dim, block_size, torch.float16, "cuda")
     with pytest.raises(RuntimeError, match=message):
         paged_attn.paged_attention(*case)
+
+
+def test_cpu_avx2_path_when_avx512_is_switched_off():
+    # On a CPU with AVX512_BF16, bfloat16 takes an AVX-512 path picked at run time; PAGED_ATTN_NO_AVX512=1 forces
+    # the AVX2 path (what CPUs without AVX-512 run), so both are tested here. The choice is made once per process.
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, paged_attn\n"
+        "from paged_attn import reference\n"
+        "from test_attention import make_case\n"
+        "torch.manual_seed(0)\n"
+        "for heads, kv_heads, head_dim, block_size in [(32, 8, 128, 16), (9, 3, 64, 5), (16, 1, 256, 8)]:\n"
+        "    case = make_case([1, 17, 300, 1100], heads, kv_heads, head_dim, block_size, torch.bfloat16, 'cpu')\n"
+        "    torch.testing.assert_close(paged_attn.paged_attention(*case), reference.paged_attention(*case),\n"
+        "                               rtol=2e-2, atol=2e-2)\n"
+    )
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PAGED_ATTN_NO_AVX512="1", PYTHONPATH=os.pathsep.join([tests_dir] + sys.path))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=tests_dir)

@@ -36,12 +36,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <type_traits>
 #include <vector>
 
 #include "../common.h"
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace paged_attn {
 namespace {
@@ -190,6 +195,7 @@ struct Problem {
   const float* alibi_slopes;    // [num_heads] or nullptr
   int64_t max_blocks_per_seq, block_size, num_heads, num_kv_heads, group_size, head_dim, sliding_window;
   float scale, logits_soft_cap;
+  int64_t split;  // accumulator in split order over chunks of `split` elements (0: natural order), see split_index
 
   int64_t window_start(int64_t seq) const {
     return sliding_window > 0 ? std::max<int64_t>(0, seq_lens[seq] - sliding_window) : 0;
@@ -233,18 +239,181 @@ struct Prefetcher {
   }
 };
 
+#if defined(CPU_CAPABILITY_AVX2)
+// Fast path for bfloat16 caches on CPUs with AVX-512 and AVX512_BF16 (head_dim a multiple of 32), used instead of
+// dot_heads and accumulate_values, chosen at run time (use_avx512). Only these functions are compiled for
+// AVX-512 (function target attribute), so no AVX-512 code can run on a CPU without it; elsewhere the portable
+// path above runs.
+//  - Logits: _mm512_dpbf16_ps on the bf16 query and keys as they are (products of two bf16 are exact in
+//    float32), then times scale.
+//  - Values: a bf16 value is the top half of a float32, so 32 bf16 loaded as one 512-bit vector widen in one
+//    instruction each into two float vectors: the even elements (shift left) and the odd ones (mask). The
+//    accumulator is element-wise, so the task's accumulator is kept in that "split" order (split_index) and put
+//    back in order only at the end.
+constexpr int64_t kSplitChunk512 = 32;  // bf16 elements per 512-bit load
+
+// Where element d of a head's row lives in split order, for chunks of `chunk` elements (0: no split order).
+inline int64_t split_index(int64_t d, int64_t chunk) {
+  if (chunk == 0) return d;
+  const int64_t r = d % chunk;
+  return d - r + (r % 2) * (chunk / 2) + r / 2;
+}
+
+// [sum of a[0]'s lanes, ..., sum of a[7]'s lanes].
+inline __m256 reduce8(const __m256 a[8]) {
+  const __m256 a0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 a4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a0123, a4567, 0x20), _mm256_permute2f128_ps(a0123, a4567, 0x31));
+}
+
+#define PAGED_ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+PAGED_ATTN_AVX512 inline __m256 sum_halves(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+}
+
+// logits[j * ld + i] = scale * (q_j . k_i) for kHeads bf16 query heads q_j = q + j * q_stride (natural order).
+template <int kHeads>
+PAGED_ATTN_AVX512 void dot_heads_avx512(const at::BFloat16* q, int64_t q_stride, const at::BFloat16* keys,
+                                        int64_t row_stride, int64_t num_tokens, int64_t head_dim, float scale,
+                                        float* logits, int64_t ld, Prefetcher* prefetcher) {
+  constexpr int kRows = kHeads == 1 ? 8 : kHeads == 2 ? 4 : 2;
+  for (int64_t i0 = 0; i0 < num_tokens; i0 += kRows) {
+    const at::BFloat16* k[kRows];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {  // rows past the end repeat the last one; their results are dropped
+      k[r] = keys + std::min<int64_t>(i0 + r, num_tokens - 1) * row_stride;
+      if (prefetcher) prefetcher->step();
+    }
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int a = 0; a < 8; ++a) acc[a] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += kSplitChunk512) {
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh key = (__m512bh)_mm512_loadu_si512(k[r] + d);
+#pragma GCC unroll 8
+        for (int j = 0; j < kHeads; ++j) {
+          const __m512bh qj = (__m512bh)_mm512_loadu_si512(q + j * q_stride + d);
+          acc[r * kHeads + j] = _mm512_dpbf16_ps(acc[r * kHeads + j], qj, key);
+        }
+      }
+    }
+    __m256 halves[8];
+#pragma GCC unroll 8
+    for (int a = 0; a < 8; ++a) halves[a] = sum_halves(acc[a]);
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, _mm256_mul_ps(reduce8(halves), _mm256_set1_ps(scale)));
+    for (int64_t r = 0; r < std::min<int64_t>(kRows, num_tokens - i0); ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < kHeads; ++j) logits[j * ld + i0 + r] = sums[r * kHeads + j];
+  }
+}
+
+// As accumulate_values, with 512-bit vectors and acc in split order. C chunks of 32 elements at a
+// time, for at least 8 independent accumulators; accumulate_values_avx512 below picks C.
+template <int kHeads, int C>
+PAGED_ATTN_AVX512 void accumulate_values_avx512_chunks(const float* p, int64_t ld, const at::BFloat16* v,
+                                                       int64_t row_stride, int64_t num_tokens, int64_t head_dim,
+                                                       int64_t d_begin, int64_t d_end, float* acc,
+                                                       Prefetcher* prefetcher) {
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t d = d_begin; d + C * kSplitChunk512 <= d_end; d += C * kSplitChunk512) {
+    __m512 sum[kHeads][C][2];
+#pragma GCC unroll 8
+    for (int j = 0; j < kHeads; ++j)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          sum[j][c][h] = _mm512_loadu_ps(acc + j * head_dim + d + c * kSplitChunk512 + h * 16);
+        }
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      if (prefetcher && d == d_begin) prefetcher->step();
+      __m512 row[C][2];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m512i x = _mm512_loadu_si512(v + i * row_stride + d + c * kSplitChunk512);
+        row[c][0] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        row[c][1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask));
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < kHeads; ++j) {
+        const __m512 weight = _mm512_set1_ps(p[j * ld + i]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) sum[j][c][h] = _mm512_fmadd_ps(weight, row[c][h], sum[j][c][h]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kHeads; ++j)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          _mm512_storeu_ps(acc + j * head_dim + d + c * kSplitChunk512 + h * 16, sum[j][c][h]);
+        }
+  }
+}
+
+template <int kHeads>
+PAGED_ATTN_AVX512 void accumulate_values_avx512(const float* p, int64_t ld, const at::BFloat16* v,
+                                                int64_t row_stride, int64_t num_tokens, int64_t head_dim,
+                                                float* acc, Prefetcher* prefetcher) {
+  constexpr int C = kHeads >= 4 ? 1 : 4 / kHeads;
+  const int64_t main = head_dim / (C * kSplitChunk512) * (C * kSplitChunk512);
+  accumulate_values_avx512_chunks<kHeads, C>(p, ld, v, row_stride, num_tokens, head_dim, 0, main, acc, prefetcher);
+  accumulate_values_avx512_chunks<kHeads, 1>(p, ld, v, row_stride, num_tokens, head_dim, main, head_dim, acc,
+                                                main == 0 ? prefetcher : nullptr);
+}
+
+// The AVX-512 path is used where the CPU has AVX512F/BW/VL/DQ and AVX512_BF16, unless the environment variable
+// PAGED_ATTN_NO_AVX512 is set (to test the AVX2 path on such a CPU).
+inline bool use_avx512() {
+  static const bool use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bf16") && std::getenv("PAGED_ATTN_NO_AVX512") == nullptr;
+  return use;
+}
+
+// The split chunk of the query and accumulator (see split_index): 0 outside the bf16 fast paths.
+template <typename scalar_t>
+inline int64_t split_chunk(int64_t head_dim) {
+  if (!std::is_same_v<scalar_t, at::BFloat16>) return 0;
+  return head_dim % kSplitChunk512 == 0 && use_avx512() ? kSplitChunk512 : 0;
+}
+#else
+template <typename scalar_t>
+inline int64_t split_chunk(int64_t) { return 0; }
+inline int64_t split_index(int64_t d, int64_t) { return d; }
+#endif
+
 // Steps 1-3 for the group of kv head `kv_head`, over the num_tokens tokens from t0 whose rows start at
 // keys / values (row_stride apart).
 template <typename scalar_t>
-void attend_block(const Problem<scalar_t>& pb, int64_t kv_head, int64_t t0, int64_t num_tokens, int64_t last_token,
-                  const scalar_t* keys, const scalar_t* values, Scratch& sc, Prefetcher& prefetcher) {
+void attend_block(const Problem<scalar_t>& pb, const scalar_t* query, int64_t kv_head, int64_t t0, int64_t num_tokens,
+                  int64_t last_token, const scalar_t* keys, const scalar_t* values, Scratch& sc,
+                  Prefetcher& prefetcher) {
   const int64_t group_size = pb.group_size, head_dim = pb.head_dim, first_head = kv_head * group_size;
   const int64_t row_stride = pb.kv.row_stride, ld = sc.logits_stride;
   const float* q = sc.q + first_head * head_dim;
   float* acc = sc.acc + first_head * head_dim;
 
   // 1. Logits of every head of the group for the block's tokens.
-  for (int64_t i = 0; i < num_tokens; ++i) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (pb.split == kSplitChunk512) {
+      for_each_head_tile(group_size, [&](auto heads, int64_t first) {
+        dot_heads_avx512<decltype(heads)::value>(query + (first_head + first) * pb.query_head_stride,
+                                                 pb.query_head_stride, keys, row_stride, num_tokens, head_dim,
+                                                 pb.scale, sc.logits + first * ld, ld,
+                                                 first == 0 ? &prefetcher : nullptr);
+      });
+    }
+  }
+#endif
+  for (int64_t i = 0; i < num_tokens && !pb.split; ++i) {
     prefetcher.step();
     for_each_head_tile(group_size, [&](auto heads, int64_t first) {
       dot_heads<decltype(heads)::value>(q + first * head_dim, keys + i * row_stride, head_dim,
@@ -286,6 +455,16 @@ void attend_block(const Problem<scalar_t>& pb, int64_t kv_head, int64_t t0, int6
   }
   // 3. acc += p * v over the block's tokens.
   for_each_head_tile(group_size, [&](auto heads, int64_t first) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (pb.split == kSplitChunk512) {
+        accumulate_values_avx512<decltype(heads)::value>(sc.logits + first * ld, ld, values, row_stride, num_tokens,
+                                                         head_dim, acc + first * head_dim,
+                                                         first == 0 ? &prefetcher : nullptr);
+        return;
+      }
+    }
+#endif
     accumulate_values<decltype(heads)::value>(sc.logits + first * ld, ld, values, row_stride, num_tokens, head_dim,
                                               acc + first * head_dim);
   });
@@ -297,7 +476,9 @@ void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim, block_size = pb.block_size;
   for (int64_t h = 0; h < num_heads; ++h) {
     const scalar_t* q_row = pb.query + seq * pb.query_seq_stride + h * pb.query_head_stride;
-    for (int64_t d = 0; d < head_dim; ++d) sc.q[h * head_dim + d] = pb.scale * static_cast<float>(q_row[d]);
+    for (int64_t d = 0; d < head_dim; ++d) {
+      sc.q[h * head_dim + d] = pb.scale * static_cast<float>(q_row[d]);  // unused on the AVX-512 path
+    }
   }
   std::fill_n(sc.acc, num_heads * head_dim, 0.f);
   std::fill_n(sc.max_logit, num_heads, kNegInf);
@@ -318,12 +499,14 @@ void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end
       prefetcher.values = reinterpret_cast<const char*>(pb.kv.values(ahead, offset, 0));
       prefetcher.bytes =
           std::min(num_tokens, end - t0 - prefetch_distance) * pb.kv.row_stride * int64_t{sizeof(scalar_t)};
-      const int64_t steps = pb.num_kv_heads * num_tokens;
+      // Steps: one per row in step 1, and on the AVX-512 path (whose loops are short) one more per row in the
+      // first pass of step 3.
+      const int64_t steps = pb.num_kv_heads * num_tokens * (pb.split ? 2 : 1);
       prefetcher.bytes_per_step = (prefetcher.bytes / 64 + steps - 1) / steps * 64;
     }
     for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
-      attend_block(pb, kv_head, t0, num_tokens, last_token, pb.kv.keys(block, offset, kv_head),
-                   pb.kv.values(block, offset, kv_head), sc, prefetcher);
+      attend_block(pb, pb.query + seq * pb.query_seq_stride, kv_head, t0, num_tokens, last_token,
+                   pb.kv.keys(block, offset, kv_head), pb.kv.values(block, offset, kv_head), sc, prefetcher);
     }
     t0 += num_tokens;
   }
@@ -365,12 +548,16 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_seqs,
         const float* acc = sc.acc + h * head_dim;
         if (num_partitions == 1) {
           const float inv_sum = sc.exp_sum[h] > 0 ? 1.f / sc.exp_sum[h] : 0.f;  // 0 for an empty sequence
-          for (int64_t d = 0; d < head_dim; ++d) out[row * head_dim + d] = static_cast<scalar_t>(acc[d] * inv_sum);
+          for (int64_t d = 0; d < head_dim; ++d) {
+            out[row * head_dim + d] = static_cast<scalar_t>(acc[split_index(d, pb.split)] * inv_sum);
+          }
         } else {
           const int64_t slot = row * num_partitions + partition;
           max_logits[slot] = sc.max_logit[h];
           exp_sums[slot] = sc.exp_sum[h];
-          std::copy_n(acc, head_dim, partial_accs + slot * head_dim);
+          for (int64_t d = 0; d < head_dim; ++d) {
+            partial_accs[slot * head_dim + d] = acc[split_index(d, pb.split)];
+          }
         }
       }
     }
@@ -428,7 +615,8 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_seqs, num_head
                                tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
                                slopes.defined() ? slopes.const_data_ptr<float>() : nullptr, tables.size(1),
                                block_size, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
-                               sliding_window, static_cast<float>(scale), static_cast<float>(logits_soft_cap)};
+                               sliding_window, static_cast<float>(scale), static_cast<float>(logits_soft_cap),
+                               split_chunk<scalar_t>(head_dim)};
     paged_attention_kernel(pb, num_seqs, out.data_ptr<scalar_t>());
   };
   switch (query.scalar_type()) {  // check_paged_attention_args allows exactly these
