@@ -51,6 +51,12 @@ void check_same_layout(const at::Tensor& a, const char* a_name, const at::Tensor
               b.sizes());
 }
 
+void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  check_same_layout(key_cache, "key_cache", value_cache, "value_cache");
+}
+
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
                         const at::Device& device) {
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
@@ -104,9 +110,7 @@ void check_block_mapping_range(const at::Tensor& block_mapping_cpu, int64_t num_
 
 void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_cache(key_cache, "key_cache");
-  check_cache(value_cache, "value_cache");
-  check_same_layout(key_cache, "key_cache", value_cache, "value_cache");
+  check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(key.dim() == 3, "key must have shape [num_tokens, num_kv_heads, head_dim], got ", key.sizes());
   check_same_layout(key, "key", value, "value");
   TORCH_CHECK(key.device() == key_cache.device(), "key and key_cache must be on the same device, got ", key.device(),
@@ -168,9 +172,7 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const std::optional<at::Tensor>& alibi_slopes,
                                 int64_t sliding_window, double logits_soft_cap) {
-  check_cache(key_cache, "key_cache");
-  check_cache(value_cache, "value_cache");
-  check_same_layout(key_cache, "key_cache", value_cache, "value_cache");
+  check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3, "query must have shape [num_seqs, num_heads, head_dim], got ", query.sizes());
   TORCH_CHECK(query.device() == key_cache.device(), "query and key_cache must be on the same device, got ",
               query.device(), " and ", key_cache.device());

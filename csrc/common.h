@@ -27,6 +27,9 @@ void check_cache(const at::Tensor& cache, const char* name);
 // Two tensors that must agree in shape, dtype and device (e.g. key_cache and value_cache).
 void check_same_layout(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
 
+// key_cache and value_cache: each a valid cache (check_cache), the two of the same shape, dtype and device.
+void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache);
+
 // An index tensor: given dtype and rank, on the given device.
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
                         const at::Device& device);
