@@ -275,13 +275,7 @@ class BlockManager:
             raise OutOfBlocksError(f"swapping out {len(group)} sequences needs {len(gpu_block_ids)} free CPU "
                                    f"blocks, but only {self.num_free_cpu_blocks} are free")
         mapping = {gpu_block_id: self.free_cpu_block_ids.popleft() for gpu_block_id in gpu_block_ids}
-        for seq in group:
-            for block_id in reversed(seq.block_table):
-                self._release_gpu_block(block_id)
-            seq.block_table = [mapping[block_id] for block_id in seq.block_table]
-            for block_id in seq.block_table:
-                self.cpu_blocks[block_id].ref_count += 1
-            seq.swapped_out = True
+        self._move_group(group, mapping, self._release_gpu_block, self.cpu_blocks, swapped_out=True)
         return list(mapping.items())
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
@@ -297,13 +291,8 @@ class BlockManager:
         cpu_block_ids = self._distinct_block_ids(group)
         self._check_gpu_capacity(len(cpu_block_ids), f"swapping in {len(group)} sequences")
         mapping = {cpu_block_id: self._take_gpu_block(ref_count=0) for cpu_block_id in cpu_block_ids}
+        self._move_group(group, mapping, self._release_cpu_block, self.gpu_blocks, swapped_out=False)
         for seq in group:
-            for block_id in reversed(seq.block_table):
-                self._release_cpu_block(block_id)
-            seq.block_table = [mapping[block_id] for block_id in seq.block_table]
-            for block_id in seq.block_table:
-                self.gpu_blocks[block_id].ref_count += 1
-            seq.swapped_out = False
             seq.prefix_hash = seq.prefix_content_id = None
             for index in range(len(seq.token_ids) // self.block_size):
                 self._cache_full_block(seq, index)
@@ -355,6 +344,18 @@ class BlockManager:
                 where = "already swapped out" if seq.swapped_out else "not swapped out"
                 raise ValueError(f"sequence {seq_id!r} is {where}")
         return group
+
+    @staticmethod
+    def _move_group(group: list[SeqState], mapping: dict[int, int], release, to_blocks: list[Block],
+                    swapped_out: bool) -> None:
+        """Point a swapped group's block tables at the blocks of the other device (``mapping``: old id -> new id)."""
+        for seq in group:
+            for block_id in reversed(seq.block_table):
+                release(block_id)
+            seq.block_table = [mapping[block_id] for block_id in seq.block_table]
+            for block_id in seq.block_table:
+                to_blocks[block_id].ref_count += 1
+            seq.swapped_out = swapped_out
 
     @staticmethod
     def _distinct_block_ids(group: list[SeqState]) -> list[int]:
