@@ -209,6 +209,30 @@ def test_mixed_requests_survive_preemption_unchanged(make_llm, prompts):
         assert outputs == expected, config
 
 
+@pytest.mark.parametrize("kv_reservation, block_size", [("max_tokens", 4), ("max_model_len", 64)])
+def test_reservation_policies_admit_fewer_requests_and_generate_the_same(make_llm, prompts, hf_greedy,
+                                                                        kv_reservation, block_size):
+    """The contiguous-allocator baselines: each request reserves its worst case at admission, so fewer run at once
+    in the same pool and none is ever preempted; the tokens stay those of transformers."""
+    probe = make_llm(block_size=block_size, num_gpu_blocks=1, kv_reservation=kv_reservation).scheduler
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    reservations = sorted(probe.max_blocks(len(prompt), params) for prompt in prompts)
+    pool = 2 * reservations[-1]  # any two requests fit
+    fit = max(k for k in range(len(prompts) + 1) if sum(reservations[:k]) <= pool)
+    assert 2 <= fit < len(prompts)
+
+    reserved = make_llm(block_size=block_size, num_gpu_blocks=pool, kv_reservation=kv_reservation)
+    assert greedy_tokens(reserved, prompts) == hf_greedy
+    stats = reserved.stats()
+    assert 2 <= stats.peak_running_seqs <= fit
+    assert stats.num_preemptions == 0
+
+    paged = make_llm(block_size=block_size, num_gpu_blocks=pool)
+    assert greedy_tokens(paged, prompts) == hf_greedy
+    assert paged.stats().peak_running_seqs > stats.peak_running_seqs
+    assert paged.stats().num_decode_steps < stats.num_decode_steps
+
+
 def test_llm_from_a_transformers_model(hf_model, prompts, hf_greedy):
     llm = LLM(hf_model)
     assert greedy_tokens(llm, prompts[:2]) == hf_greedy[:2]
@@ -229,6 +253,20 @@ def test_stop_tokens_ignore_eos_and_text(make_llm, prompts, hf_greedy):
                         SamplingParams(max_tokens=12), use_tqdm=False)[0]
     assert "Paris" in text.outputs[0].text
     assert text.prompt.startswith("<|im_start|>")
+
+
+def test_max_model_len_caps_prompt_and_output(make_llm, prompts, hf_greedy):
+    short = min(prompts, key=len)
+    cap = len(short) + 5
+    llm = make_llm(max_model_len=cap)
+    output = llm.generate([short], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 5 and output.outputs[0].finish_reason == "length"
+    assert output.outputs[0].token_ids == hf_greedy[prompts.index(short)][:5]
+    with pytest.raises(ValueError, match="context of"):
+        llm.generate([max(prompts, key=len)], use_tqdm=False)
+    for bad in (1, llm.config.max_model_len + 1):
+        with pytest.raises(ValueError, match="max_model_len"):
+            make_llm(max_model_len=bad)
 
 
 def test_bad_input_raises_value_error(make_llm, prompts):
@@ -256,6 +294,11 @@ def test_bad_input_raises_value_error(make_llm, prompts):
         make_llm(num_gpu_blocks=8, kv_cache_memory=2**20)
     with pytest.raises(ValueError, match="at least one block"):
         make_llm(kv_cache_memory=1000)
+    with pytest.raises(ValueError, match="kv_reservation"):
+        make_llm(kv_reservation="contiguous")
+    reserving = make_llm(block_size=16, num_gpu_blocks=64, kv_reservation="max_model_len")  # a context is 512
+    with pytest.raises(ValueError, match="never fit"):
+        reserving.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
     # Nothing was admitted by the failed calls; the engine still serves.
     assert llm.scheduler.manager.num_free_blocks == 16
     assert len(greedy_tokens(llm, [prompts[2]], max_tokens=2)[0]) == 2

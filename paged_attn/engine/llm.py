@@ -58,6 +58,10 @@ class LLM:
         num_cpu_blocks: CPU blocks to swap preempted requests to; 0 means preemption recomputes.
         enable_prefix_caching: reuse the KV of full blocks of earlier prompts with the same prefix.
         max_num_seqs: sequences (counting samples and beams) running at once.
+        max_model_len: the longest sequence (prompt and output) served; default and at most the model's context.
+        kv_reservation: ``"none"`` (paged: blocks are taken as tokens arrive), or ``"max_tokens"`` /
+            ``"max_model_len"``: each request reserves blocks for prompt + max_tokens / the whole context at
+            admission, as a contiguous KV allocator must (a baseline for comparisons; see ``scheduler``).
         seed: seeds the sampling of requests that give no seed of their own.
         tokenizer: for a transformers model, anything with ``encode``/``decode`` (e.g. its tokenizer).
     """
@@ -65,7 +69,8 @@ class LLM:
     def __init__(self, model=None, *, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 4096, seed: int = 0, tokenizer=None):
+                 max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, kv_reservation: str = "none",
+                 seed: int = 0, tokenizer=None):
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device is CUDA but no CUDA GPU is available")
@@ -91,6 +96,10 @@ class LLM:
         self.tokenizer: Optional[Tokenizer] = tokenizer or model.tokenizer
 
         cfg = self.config
+        if max_model_len is not None and not 1 < max_model_len <= cfg.max_model_len:
+            raise ValueError(f"max_model_len must be in [2, {cfg.max_model_len}] (the model's context), got "
+                             f"{max_model_len}")
+        self.max_model_len = max_model_len or cfg.max_model_len
         bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * \
             torch.empty((), dtype=model.dtype).element_size()
         if num_gpu_blocks is None:
@@ -102,7 +111,8 @@ class LLM:
             raise ValueError(f"the KV cache must hold at least one block of {bytes_per_block} bytes, got "
                              f"num_gpu_blocks={num_gpu_blocks} (kv_cache_memory={kv_cache_memory})")
         self.scheduler = Scheduler(cfg, device, model.dtype, block_size, num_gpu_blocks, num_cpu_blocks,
-                                   enable_prefix_caching, max_num_seqs, max_num_batched_tokens)
+                                   enable_prefix_caching, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                   kv_reservation)
         self.generator = torch.Generator(device).manual_seed(seed)
         self._request_ids = itertools.count()
 
@@ -159,19 +169,19 @@ class LLM:
         cfg, scheduler = self.config, self.scheduler
         if not token_ids:
             raise ValueError("empty prompt: a prompt needs at least one token")
-        if len(token_ids) >= cfg.max_model_len:
+        if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the model's context of "
-                             f"{cfg.max_model_len} tokens (it must leave room for one generated token)")
+                             f"{self.max_model_len} tokens (it must leave room for one generated token)")
         if not all(0 <= t < cfg.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
         if params.width > scheduler.max_num_seqs:
             raise ValueError(f"n / beam_width of {params.width} exceeds max_num_seqs={scheduler.max_num_seqs}")
-        max_len = min(len(token_ids) + params.max_tokens, cfg.max_model_len)
-        needed = params.width * scheduler.blocks_for(max_len)
+        needed = scheduler.max_blocks(len(token_ids), params)
         if needed > scheduler.manager.num_gpu_blocks:
             raise ValueError(
-                f"request can never fit in the KV cache: {params.width} sequence(s) of up to {max_len} tokens "
-                f"need up to {needed} blocks of {scheduler.block_size}, but the cache has "
+                f"request can never fit in the KV cache: {params.width} sequence(s) of up to "
+                f"{needed // params.width} blocks of {scheduler.block_size} tokens "
+                f"(kv_reservation={scheduler.kv_reservation!r}) need {needed} blocks, but the cache has "
                 f"{scheduler.manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
         generator = self.generator if params.seed is None else \
             torch.Generator(self.device).manual_seed(params.seed)
@@ -234,7 +244,7 @@ class LLM:
         vocab_size = scores.shape[-1]
         top_scores, top_indices = scores.view(-1).topk(min(2 * width, scores.numel()))
         length = len(beams[0].output_token_ids) + 1
-        at_max_length = length >= params.max_tokens or len(beams[0].token_ids) + 1 >= self.config.max_model_len
+        at_max_length = length >= params.max_tokens or len(beams[0].token_ids) + 1 >= self.max_model_len
         stop_ids = self._stop_ids(params)
         was_full = len(request.finished) >= width
         candidates = []  # (parent, child): the next beams
@@ -266,7 +276,7 @@ class LLM:
     def _finish_reason(self, seq: Sequence, params: SamplingParams) -> Optional[str]:
         if seq.token_ids[-1] in self._stop_ids(params):
             return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+        if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -6,6 +6,15 @@ are its prompt plus every token sampled so far; the block manager holds all of t
 reserved (``append_slot``) when the step that writes its KV is scheduled. Every cache operation the manager asks
 for (copy-on-write, swap out, swap in) is applied as soon as it is returned, so it always precedes the step's
 writes.
+
+``kv_reservation`` picks how KV memory is promised to requests. ``"none"`` (paged, the default): blocks are taken
+as tokens arrive and a request holds only what it has written. The other two emulate the contiguous allocators
+the paper compares against (Orca): at admission a request reserves room for its worst case, for every one of its
+sequences (no sharing), and that room stays unavailable to others until it finishes; ``"max_tokens"`` reserves
+prompt + max_tokens tokens (an oracle when max_tokens is the true output length), ``"max_model_len"`` the model's
+whole context. The blocks themselves are still paged and the kernels are the same, so the policies differ only
+in how many requests fit at once; and since reserved room needs no contiguous run here, the emulation is kinder
+to them than a real contiguous allocator (no external fragmentation).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from .model import Batch, ModelConfig
 from .sampling import SamplingParams
 
 _seq_ids = itertools.count()
+KV_RESERVATIONS = ("none", "max_tokens", "max_model_len")
 
 
 @dataclass(eq=False)
@@ -76,13 +86,18 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     num_prefill_tokens: int  # tokens computed by prefill steps (prompts, recomputation)
     num_generated_tokens: int
+    num_decode_steps: int
+    peak_running_seqs: int  # sequences in one step, at most
 
 
 class Scheduler:
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "none"):
+        if kv_reservation not in KV_RESERVATIONS:
+            raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {kv_reservation!r}")
         self.device, self.block_size = device, block_size
+        self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                     enable_prefix_caching=enable_prefix_caching)
@@ -108,6 +123,7 @@ class Scheduler:
         self.peak_saved = self.peak.blocks_saved_by_sharing
         self.num_preemptions = self.num_swapped_out = self.num_recomputed = 0
         self.prefix_cache_hit_tokens = self.num_prefill_tokens = self.num_generated_tokens = 0
+        self.num_decode_steps = self.peak_running_seqs = 0
 
     def stats(self) -> EngineStats:
         now = self.manager.stats()
@@ -119,10 +135,12 @@ class Scheduler:
             peak_blocks_saved_by_sharing=self.peak_saved, num_preemptions=self.num_preemptions,
             num_swapped_out=self.num_swapped_out, num_recomputed=self.num_recomputed,
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens, num_prefill_tokens=self.num_prefill_tokens,
-            num_generated_tokens=self.num_generated_tokens,
+            num_generated_tokens=self.num_generated_tokens, num_decode_steps=self.num_decode_steps,
+            peak_running_seqs=self.peak_running_seqs,
         )
 
     def _record_peak(self) -> None:
+        self.peak_running_seqs = max(self.peak_running_seqs, self._running_seqs())
         now = self.manager.stats()
         if now.gpu_blocks_used > self.peak.gpu_blocks_used:
             self.peak = now
@@ -130,6 +148,22 @@ class Scheduler:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The most blocks a request can ever hold, and what it reserves under a kv_reservation policy."""
+        max_len = self.max_model_len if self.kv_reservation == "max_model_len" else \
+            min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        return params.width * self.blocks_for(max_len)
+
+    def _reserved_unused_blocks(self) -> int:
+        """Blocks that running requests have reserved but not yet taken (0 when paged)."""
+        if self.kv_reservation == "none":
+            return 0
+        unused = 0
+        for request in self.running:
+            held = {block for seq in request.seqs for block in self.manager.block_table(seq.seq_id)}
+            unused += max(0, self.max_blocks(len(request.prompt_token_ids), request.params) - len(held))
+        return unused
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -167,6 +201,7 @@ class Scheduler:
         scheduled = self._reserve_decode_slots()
         if not scheduled:
             raise RuntimeError("scheduler is stuck: requests are waiting but none can run")
+        self.num_decode_steps += 1
         self._record_peak()
         return scheduled, self._decode_batch(scheduled)
 
@@ -193,6 +228,9 @@ class Scheduler:
             self._add_running(request)
 
     def _can_admit(self, request: Request) -> bool:
+        if self.kv_reservation != "none":
+            free = self.manager.num_free_blocks - self._reserved_unused_blocks()
+            return self.max_blocks(len(request.prompt_token_ids), request.params) <= free
         if len(request.seqs) == 1:
             return self.manager.can_allocate(request.seqs[0].token_ids)  # counts prefix-cache hits exactly
         # recomputing a request with several sequences: each is allocated on its own (hits can only help)
