@@ -16,7 +16,7 @@ as in memory_study.py) and each request generates exactly its sampled output len
 Throughput is requests and output tokens per second of wall time, prefill included. Each policy runs once after
 a short warm-up; the runs are long (tens of seconds), so their ratio is stable on a noisy machine.
 
-    GOMP_SPINCOUNT=0 python bench/throughput_study.py            # ShareGPT-like, 96 requests (~10 min here)
+    GOMP_SPINCOUNT=0 python bench/throughput_study.py            # both datasets, 96 requests each (~12 min here)
     GOMP_SPINCOUNT=0 python bench/throughput_study.py --quick    # 8 requests, max-model-len 512
 """
 
@@ -40,7 +40,7 @@ POLICIES = {"max": "max_model_len", "oracle": "max_tokens", "paged": "none"}  # 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--datasets", default="sharegpt-like", help=f"comma-separated, of {', '.join(DATASETS)}")
+    parser.add_argument("--datasets", default=",".join(DATASETS), help=f"comma-separated, of {', '.join(DATASETS)}")
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--kv-tokens", type=int, default=8192, help="KV pool size in token slots")
     parser.add_argument("--max-model-len", type=int, default=2048, help="longest sequence; what max reserves")
