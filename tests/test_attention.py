@@ -159,6 +159,25 @@ def test_mha_gqa_mqa(dtype, num_heads, num_kv_heads, device):
     check(make_case([3, 64, 100], num_heads, num_kv_heads, 64, 16, dtype, device), dtype)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (9, 3), (8, 1), (16, 1), (24, 4)])
+def test_cpu_bfloat16_group_sizes(num_heads, num_kv_heads):
+    # On CPUs with AVX512_BF16, bfloat16 takes a path that serves a kv head's query heads in tiles of up to 4.
+    check(make_case([3, 64, 100], num_heads, num_kv_heads, 64, 16, torch.bfloat16, "cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_bfloat16_is_as_exact_as_float32_math(head_dim):
+    """Stricter than the half-type tolerance: every path must compute in float32 (the AVX-512 bf16 path splits p
+    into two bf16 terms for that), so the bf16 output is the reference's to within one bf16 unit in the last
+    place, plus 1e-5 for the order of the float32 sums. Rounding p to a single bf16 misses this by ~2e-3."""
+    case = make_case([1, 17, 300, 1000, 77], 32, 8, head_dim, 16, torch.bfloat16, "cpu")
+    actual = paged_attn.paged_attention(*case).float()
+    expected = reference.paged_attention(*case).float()
+    ulp = torch.exp2(torch.floor(torch.log2(expected.abs().clamp_min(1e-30))) - 7)  # bf16 keeps 8 bits
+    excess = ((actual - expected).abs() - ulp).max().item()
+    assert excess <= 1e-5, f"{excess:.3g} beyond one bf16 ulp"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("sliding_window", [None, 1, 7, 100, 5000])

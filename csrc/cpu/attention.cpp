@@ -3,21 +3,37 @@
 // Math, per sequence s of length L, query head h (reading kv head h / group_size) and token t in [start, L),
 // start = max(0, L - sliding_window) (0 without a window):
 //   x_t = scale * (q . k_t);  x_t = cap * tanh(x_t / cap) if logits_soft_cap = cap > 0;
-//   x_t += slope[h] * (t - (L - 1)) with ALiBi;  out = sum_t softmax(x)_t * v_t, all in float32.
+//   x_t += slope[h] * (t - (L - 1)) with ALiBi;  out = sum_t softmax(x)_t * v_t, accumulated in float32.
 //
-// Work mapping: one task per (sequence, partition of its tokens). A task walks its tokens a block at a time, and
-// within a block serves each kv head's whole group of query heads, so every key/value row is read from memory
-// once (GQA reuse) and each block's rows are read as one contiguous run. Per (block, kv head):
-//   1. logits of the group's heads for the block's tokens (vectorized dot products, query pre-scaled),
-//   2. online softmax: per head, raise the running max once for the block (rescaling the running sum and the
-//      accumulator only when it grew) and turn the logits into p = exp(x - max),
-//   3. acc += p * v over the block's tokens.
+// Work mapping: one task per (sequence, partition of its tokens). A task walks its tokens a tile at a time: up to
+// kTileTokens = 16 consecutive tokens, whatever the block size (a tile may span blocks; the tile holds each
+// token's row pointers, looked up in the block table once). Within a tile it serves each kv head's whole group
+// of query heads in turn, so every key/value row is read from memory once (GQA reuse). Per (tile, kv head), for
+// tiles of up to 4 query heads of the group:
+//   1. logits of the heads for the tile's tokens,
+//   2. online softmax: when a logit exceeds a head's running max, raise the max (rescaling the running sum and
+//      the accumulator); p = exp(x - max), and the running sum (kept per tile lane) += p,
+//   3. acc += p * v over the tile's tokens.
+// Meanwhile the task software-prefetches the next tile's rows (the hardware prefetchers do not follow the block
+// table), a few cache lines per token of work in steps 1 and 3: prefetches issued in one burst would fill the
+// core's miss buffers and stall it.
 // Usually a sequence is one partition and its task writes out = acc / sum. When there are too few sequences to
 // keep every thread busy, each sequence's tokens are split into equal partitions; each task leaves its
 // (max, sum, acc) per head in float32 scratch and a second parallel pass merges them exactly:
 //   M = max_p max_p,  out = sum_p e^(max_p - M) acc_p / sum_p e^(max_p - M) sum_p.
 // Only tokens t < L (and in the window) are ever read: unused cache slots and block-table entries may hold
 // anything, NaN included.
+//
+// Two implementations of steps 1-3, picked per call:
+//  - portable (at::vec, AVX2 on x86-64; float32, float16, and bfloat16 without AVX-512): q pre-scaled in float32,
+//    one dot product per (token, head); p in float32.
+//  - AVX-512 bf16 (bfloat16 caches, head_dim a multiple of 32, CPU with AVX512_BF16; chosen at run time): both
+//    products use vdpbf16ps (32 bf16 multiply-adds into 16 float32 lanes per instruction, products exact, sums in
+//    float32): q . k on the bf16 query and keys as they are; p * v on token pairs, the value rows of tokens t and
+//    t + 1 interleaved element by element, p split into two bfloat16 terms hi + lo (together within about 2^-17
+//    of p, where FlashAttention rounds P to half precision, 2^-9) and one vdpbf16ps for each; the running sum adds
+//    the same hi + lo, so the weights still sum to one. The output agrees with the float32 reference to float32
+//    rounding, not just to the half-type tolerance.
 
 // NOTE: at::vec::Vectorized picks its implementation from the CPU_CAPABILITY_* macros, which torch's own build
 // sets per file. setup.py and CMakeLists.txt compile this extension with -march=x86-64-v3 (AVX2, FMA, F16C) on
@@ -53,10 +69,12 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVecSize = Vec::size();
+constexpr int64_t kTileTokens = 16;           // tokens per step (one AVX-512 vector of logits per head)
 constexpr int64_t kMaxHeadTile = 4;           // query heads that share one pass over a key or value row
 constexpr int64_t kMinPartitionTokens = 256;  // shorter partitions would cost more to merge than they gain
-constexpr int64_t kPrefetchTokens = 16;       // how far ahead rows are prefetched (rounded up to whole blocks)
+constexpr int64_t kPrefetchTiles = 1;         // how many tiles ahead rows are prefetched
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kTileTokens % kVecSize == 0, "a tile's logits must be whole vectors");
 
 template <typename scalar_t>
 inline Vec load_float(const scalar_t* p) {  // kVecSize elements, widened to float
@@ -69,27 +87,139 @@ inline Vec load_float(const scalar_t* p) {  // kVecSize elements, widened to flo
   }
 }
 
-// Independent accumulators per query head, so that kHeads * kUnroll FMA chains hide the FMA latency.
-template <int kHeads>
-constexpr int kUnroll = kHeads <= 2 ? 4 : 2;
-
 // The one place for paged address arithmetic. Token t of a sequence lives in block block_table[t / block_size]
 // at offset t % block_size; in a block, token `offset`'s rows of all kv heads are contiguous ([num_kv_heads,
-// head_dim]), so one kv head's rows are row_stride = num_kv_heads * head_dim elements apart.
+// head_dim]); kv head g's row starts g * head_dim elements in.
 template <typename scalar_t>
 struct PagedKV {
   const scalar_t* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim], block stride key_block_stride
   const scalar_t* value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], block stride value_block_stride
-  int64_t key_block_stride, value_block_stride, row_stride, head_dim;  // in elements
+  int64_t key_block_stride, value_block_stride, token_stride;  // in elements; token_stride = num_kv_heads * head_dim
 
   // NOTE: block ids are widened to 64 bits first: block * block_stride can exceed 2^31.
-  const scalar_t* keys(int32_t block, int64_t offset, int64_t kv_head) const {
-    return key_cache + int64_t{block} * key_block_stride + offset * row_stride + kv_head * head_dim;
+  const scalar_t* keys(int32_t block, int64_t offset) const {  // [num_kv_heads, head_dim]
+    return key_cache + int64_t{block} * key_block_stride + offset * token_stride;
   }
-  const scalar_t* values(int32_t block, int64_t offset, int64_t kv_head) const {
-    return value_cache + int64_t{block} * value_block_stride + offset * row_stride + kv_head * head_dim;
+  const scalar_t* values(int32_t block, int64_t offset) const {  // [num_kv_heads, head_dim]
+    return value_cache + int64_t{block} * value_block_stride + offset * token_stride;
   }
 };
+
+// The rows of up to kTileTokens consecutive tokens [first, first + num_tokens) of one sequence. Entries from
+// num_tokens on repeat the last token's rows, so that full-width loops may read them (their p is 0).
+template <typename scalar_t>
+struct Tile {
+  int64_t first = 0, num_tokens = 0;
+  const scalar_t* keys[kTileTokens];    // token first + i: [num_kv_heads, head_dim]
+  const scalar_t* values[kTileTokens];  // token first + i: [num_kv_heads, head_dim]
+
+  void load(const PagedKV<scalar_t>& kv, const int32_t* block_table, int64_t block_size, int64_t tile_first,
+            int64_t end) {
+    first = tile_first;
+    num_tokens = std::min(kTileTokens, end - first);
+    int64_t block = first / block_size, offset = first % block_size;
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      keys[i] = kv.keys(block_table[block], offset);
+      values[i] = kv.values(block_table[block], offset);
+      if (++offset == block_size) offset = 0, ++block;
+    }
+    std::fill(keys + num_tokens, keys + kTileTokens, keys[num_tokens - 1]);
+    std::fill(values + num_tokens, values + kTileTokens, values[num_tokens - 1]);
+  }
+};
+
+// Software prefetch of a later tile's key and value rows, in address order, a few lines per step; the kernel takes
+// two steps per token and kv head (one in step 1, one in step 3), which cover the tile.
+// NOTE: non-temporal prefetches (prefetchnta): the rows are read once. Measured on Zen 5 they do as well as or
+// better than prefetches into L2 (prefetcht1) or all levels (prefetcht0).
+template <typename scalar_t>
+struct Prefetcher {
+  const Tile<scalar_t>* tile = nullptr;  // nullptr: nothing to prefetch
+  int64_t row_bytes = 0;                 // of a token's rows (all kv heads)
+  int64_t lines_per_step = 0;            // cache lines of keys (and as many of values) per step
+  int64_t token = 0, byte = 0;           // the cursor: next line to prefetch
+
+  void step() {
+    if (tile == nullptr) return;
+    for (int64_t n = 0; n < lines_per_step && token < tile->num_tokens; ++n) {
+      __builtin_prefetch(reinterpret_cast<const char*>(tile->keys[token]) + byte, 0, 0);
+      __builtin_prefetch(reinterpret_cast<const char*>(tile->values[token]) + byte, 0, 0);
+      if ((byte += 64) >= row_bytes) byte = 0, ++token;
+    }
+  }
+};
+
+template <typename scalar_t>
+struct Problem {
+  PagedKV<scalar_t> kv;
+  const scalar_t* query;  // [num_seqs, num_heads, head_dim], strides query_seq_stride, query_head_stride
+  int64_t query_seq_stride, query_head_stride;
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
+  const int32_t* seq_lens;      // [num_seqs]
+  const float* alibi_slopes;    // [num_heads] or nullptr
+  int64_t max_blocks_per_seq, block_size, num_heads, num_kv_heads, group_size, head_dim, sliding_window;
+  float scale, logits_soft_cap;
+  bool avx512_bf16;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
+
+  int64_t window_start(int64_t seq) const {
+    return sliding_window > 0 ? std::max<int64_t>(0, seq_lens[seq] - sliding_window) : 0;
+  }
+};
+
+// A task's scratch memory: the online-softmax state of every query head, and one tile's logits of one group.
+struct Scratch {
+  std::vector<float> buffer;
+  float* q;          // [num_heads, head_dim], pre-scaled query (portable path)
+  float* acc;        // [num_heads, head_dim], unnormalized output (in acc_index order)
+  float* max_logit;  // [num_heads], running max
+  float* exp_sums;   // [num_heads, kTileTokens], running sum of exp(x - max_logit), per tile lane
+  float* logits;     // [group_size, kTileTokens]: x, then p = exp(x - max) (portable path)
+  uint32_t* p_pairs;  // [group_size, 2, kTileTokens / 2]: p of tokens (2i, 2i + 1) as bf16 pairs, high then low
+                      // parts (AVX-512 path)
+
+  Scratch(int64_t num_heads, int64_t group_size, int64_t head_dim)
+      : buffer(num_heads * (2 * head_dim + 1 + kTileTokens) + group_size * 2 * kTileTokens) {
+    q = buffer.data();
+    acc = q + num_heads * head_dim;
+    max_logit = acc + num_heads * head_dim;
+    exp_sums = max_logit + num_heads;
+    logits = exp_sums + num_heads * kTileTokens;
+    p_pairs = reinterpret_cast<uint32_t*>(logits + group_size * kTileTokens);
+  }
+};
+
+// Calls f(std::integral_constant<int, n>, first) for tiles of n <= kMaxHeadTile heads covering [0, group_size).
+template <typename F>
+inline void for_each_head_tile(int64_t group_size, F&& f) {
+  for (int64_t first = 0; first < group_size; first += kMaxHeadTile) {
+    switch (std::min(kMaxHeadTile, group_size - first)) {
+      case 4: f(std::integral_constant<int, 4>{}, first); break;
+      case 3: f(std::integral_constant<int, 3>{}, first); break;
+      case 2: f(std::integral_constant<int, 2>{}, first); break;
+      default: f(std::integral_constant<int, 1>{}, first); break;
+    }
+  }
+}
+
+// Soft cap and ALiBi on one head's logits x[i] of tokens t0 + i, i < kTileTokens.
+template <typename scalar_t>
+void apply_logit_mods(const Problem<scalar_t>& pb, int64_t head, int64_t t0, int64_t last_token, float* x) {
+  for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
+    Vec xi = Vec::loadu(x + i);
+    if (pb.logits_soft_cap > 0) xi = (xi / Vec(pb.logits_soft_cap)).tanh() * Vec(pb.logits_soft_cap);
+    if (pb.alibi_slopes) {
+      xi = xi + Vec(pb.alibi_slopes[head]) * Vec::arange(static_cast<float>(t0 + i - last_token), 1.f);
+    }
+    xi.store(x + i);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Portable path
+
+// Independent accumulators per query head, so that kHeads * kUnroll FMA chains hide the FMA latency.
+template <int kHeads>
+constexpr int kUnroll = kHeads <= 2 ? 4 : 2;
 
 // logits[j * logits_stride] = q_j . k for one key row k and the kHeads query heads q_j = q + j * head_dim.
 template <int kHeads, typename scalar_t>
@@ -125,12 +255,13 @@ inline void dot_heads(const float* q, const scalar_t* k, int64_t head_dim, float
   }
 }
 
-// acc_j += sum_i p_j[i] * v_i for the kHeads query heads (acc_j = acc + j * head_dim, p_j = p + j * p_stride)
-// over num_tokens value rows v_i = v + i * row_stride.
+// acc_j += sum_i p_j[i] * v_i for the kHeads query heads (acc_j = acc + j * head_dim, p_j = p + j * kTileTokens)
+// over the value rows v_i = rows[i] + offset, i < num_tokens. A prefetcher, if given, steps once per token.
 template <int kHeads, typename scalar_t>
-inline void accumulate_values(const float* p, int64_t p_stride, const scalar_t* v, int64_t row_stride,
-                              int64_t num_tokens, int64_t head_dim, float* acc) {
+inline void accumulate_values(const float* p, const scalar_t* const* rows, int64_t offset, int64_t num_tokens,
+                              int64_t head_dim, float* acc, Prefetcher<scalar_t>* prefetcher) {
   constexpr int U = kUnroll<kHeads>;
+  for (int64_t i = 0; prefetcher && head_dim < U * kVecSize && i < num_tokens; ++i) prefetcher->step();
   int64_t d = 0;
   for (; d + U * kVecSize <= head_dim; d += U * kVecSize) {
     Vec sum[kHeads][U];
@@ -139,12 +270,14 @@ inline void accumulate_values(const float* p, int64_t p_stride, const scalar_t* 
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) sum[j][u] = Vec::loadu(acc + j * head_dim + d + u * kVecSize);
     for (int64_t i = 0; i < num_tokens; ++i) {
+      if (prefetcher && d == 0) prefetcher->step();
+      const scalar_t* v = rows[i] + offset + d;
       Vec row[U];
 #pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) row[u] = load_float(v + i * row_stride + d + u * kVecSize);
+      for (int u = 0; u < U; ++u) row[u] = load_float(v + u * kVecSize);
 #pragma GCC unroll 8
       for (int j = 0; j < kHeads; ++j) {
-        const Vec weight(p[j * p_stride + i]);
+        const Vec weight(p[j * kTileTokens + i]);
 #pragma GCC unroll 8
         for (int u = 0; u < U; ++u) sum[j][u] = at::vec::fmadd(weight, row[u], sum[j][u]);
       }
@@ -159,9 +292,9 @@ inline void accumulate_values(const float* p, int64_t p_stride, const scalar_t* 
 #pragma GCC unroll 8
     for (int j = 0; j < kHeads; ++j) sum[j] = Vec::loadu(acc + j * head_dim + d);
     for (int64_t i = 0; i < num_tokens; ++i) {
-      const Vec row = load_float(v + i * row_stride + d);
+      const Vec row = load_float(rows[i] + offset + d);
 #pragma GCC unroll 8
-      for (int j = 0; j < kHeads; ++j) sum[j] = at::vec::fmadd(Vec(p[j * p_stride + i]), row, sum[j]);
+      for (int j = 0; j < kHeads; ++j) sum[j] = at::vec::fmadd(Vec(p[j * kTileTokens + i]), row, sum[j]);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < kHeads; ++j) sum[j].store(acc + j * head_dim + d);
@@ -169,207 +302,275 @@ inline void accumulate_values(const float* p, int64_t p_stride, const scalar_t* 
   for (; d < head_dim; ++d)
     for (int64_t i = 0; i < num_tokens; ++i)
       for (int j = 0; j < kHeads; ++j)
-        acc[j * head_dim + d] += p[j * p_stride + i] * static_cast<float>(v[i * row_stride + d]);
+        acc[j * head_dim + d] += p[j * kTileTokens + i] * static_cast<float>(rows[i][offset + d]);
 }
 
-// Calls f(std::integral_constant<int, n>, first) for tiles of n <= kMaxHeadTile heads covering [0, group_size).
-template <typename F>
-inline void for_each_head_tile(int64_t group_size, F&& f) {
-  for (int64_t first = 0; first < group_size; first += kMaxHeadTile) {
-    switch (std::min(kMaxHeadTile, group_size - first)) {
-      case 4: f(std::integral_constant<int, 4>{}, first); break;
-      case 3: f(std::integral_constant<int, 3>{}, first); break;
-      case 2: f(std::integral_constant<int, 2>{}, first); break;
-      default: f(std::integral_constant<int, 1>{}, first); break;
-    }
-  }
-}
-
+// Steps 1-3 for the group of kv head `kv_head` over one tile (portable path).
 template <typename scalar_t>
-struct Problem {
-  PagedKV<scalar_t> kv;
-  const scalar_t* query;  // [num_seqs, num_heads, head_dim], strides query_seq_stride, query_head_stride
-  int64_t query_seq_stride, query_head_stride;
-  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
-  const int32_t* seq_lens;      // [num_seqs]
-  const float* alibi_slopes;    // [num_heads] or nullptr
-  int64_t max_blocks_per_seq, block_size, num_heads, num_kv_heads, group_size, head_dim, sliding_window;
-  float scale, logits_soft_cap;
-  int64_t split;  // accumulator in split order over chunks of `split` elements (0: natural order), see split_index
+void attend_tile(const Problem<scalar_t>& pb, int64_t kv_head, const Tile<scalar_t>& tile, int64_t last_token,
+                 Scratch& sc, Prefetcher<scalar_t>& prefetcher) {
+  const int64_t group_size = pb.group_size, head_dim = pb.head_dim, first_head = kv_head * group_size;
+  const int64_t offset = kv_head * head_dim, num_tokens = tile.num_tokens;
+  const float* q = sc.q + first_head * head_dim;
+  float* acc = sc.acc + first_head * head_dim;
 
-  int64_t window_start(int64_t seq) const {
-    return sliding_window > 0 ? std::max<int64_t>(0, seq_lens[seq] - sliding_window) : 0;
+  // 1. Logits of every head of the group for the tile's tokens.
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    prefetcher.step();
+    for_each_head_tile(group_size, [&](auto heads, int64_t first) {
+      dot_heads<decltype(heads)::value>(q + first * head_dim, tile.keys[i] + offset, head_dim,
+                                        sc.logits + first * kTileTokens + i, kTileTokens);
+    });
   }
-};
-
-// A task's scratch memory: the online-softmax state of every query head, and the logits of one group.
-struct Scratch {
-  int64_t logits_stride;  // block_size rounded up to whole vectors
-  std::vector<float> buffer;
-  float* q;          // [num_heads, head_dim], pre-scaled query
-  float* acc;        // [num_heads, head_dim], unnormalized output
-  float* max_logit;  // [num_heads], running max
-  float* exp_sum;    // [num_heads], running sum of exp(x - max_logit)
-  float* logits;     // [group_size, logits_stride]: x, then p = exp(x - max), of one block and one group
-
-  Scratch(int64_t num_heads, int64_t group_size, int64_t head_dim, int64_t block_size)
-      : logits_stride((block_size + kVecSize - 1) / kVecSize * kVecSize),
-        buffer(num_heads * (2 * head_dim + 2) + group_size * logits_stride) {
-    q = buffer.data();
-    acc = q + num_heads * head_dim;
-    max_logit = acc + num_heads * head_dim;
-    exp_sum = max_logit + num_heads;
-    logits = exp_sum + num_heads;
-  }
-};
-
-// Software prefetch (into L2) of the rows a later step reads: one contiguous run of keys and one of values.
-// NOTE: the prefetches are spread over the current block's work, a few cache lines per key row: issued in one
-// burst they fill the core's outstanding-miss slots and stall it until the data arrives, and nothing overlaps.
-struct Prefetcher {
-  const char* keys = nullptr;
-  const char* values = nullptr;
-  int64_t bytes = 0, done = 0, bytes_per_step = 0;
-
-  void step() {
-    for (const int64_t stop = std::min(bytes, done + bytes_per_step); done < stop; done += 64) {
-      __builtin_prefetch(keys + done, 0, 2);
-      __builtin_prefetch(values + done, 0, 2);
+  for (int64_t i = num_tokens; i < kTileTokens; ++i) prefetcher.step();
+  // 2. Soft cap, ALiBi, running max, p = exp(x - max). Lanes past num_tokens are set to -inf, so exp gives 0.
+  const Vec num_valid(static_cast<float>(num_tokens));
+  for (int64_t j = 0; j < group_size; ++j) {
+    const int64_t head = first_head + j;
+    float* x = sc.logits + j * kTileTokens;
+    if (pb.logits_soft_cap > 0 || pb.alibi_slopes) apply_logit_mods(pb, head, tile.first, last_token, x);
+    Vec tile_max(kNegInf);
+    for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
+      const Vec lane = Vec::arange(static_cast<float>(i), 1.f);
+      const Vec xi = Vec::blendv(Vec(kNegInf), Vec::loadu(x + i), lane < num_valid);
+      tile_max = at::vec::maximum(tile_max, xi);
+      xi.store(x + i);
+    }
+    const float old_max = sc.max_logit[head];
+    const float new_max = std::max(
+        old_max, at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, tile_max));
+    if (new_max != old_max) {  // rescale only when the max grew (rarely, after the first tiles)
+      const float alpha = std::exp(old_max - new_max);  // 0 on the first tile: old_max = -inf
+      for (int64_t i = 0; i < kTileTokens; ++i) sc.exp_sums[head * kTileTokens + i] *= alpha;
+      for (int64_t d = 0; d < head_dim; ++d) acc[j * head_dim + d] *= alpha;
+      sc.max_logit[head] = new_max;
+    }
+    for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
+      const Vec p = (Vec::loadu(x + i) - Vec(new_max)).exp_u20();
+      (Vec::loadu(sc.exp_sums + head * kTileTokens + i) + p).store(sc.exp_sums + head * kTileTokens + i);
+      p.store(x + i);
     }
   }
-};
+  // 3. acc += p * v over the tile's tokens.
+  for_each_head_tile(group_size, [&](auto heads, int64_t first) {
+    accumulate_values<decltype(heads)::value>(sc.logits + first * kTileTokens, tile.values, offset, num_tokens,
+                                              head_dim, acc + first * head_dim, first == 0 ? &prefetcher : nullptr);
+  });
+  for (int64_t i = num_tokens; i < kTileTokens; ++i) prefetcher.step();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 bf16 path. Only these functions are compiled for AVX-512 (function target attribute) and they run only
+// where the CPU has it (use_avx512), so no AVX-512 code can run on a CPU without it.
 
 #if defined(CPU_CAPABILITY_AVX2)
-// Fast path for bfloat16 caches on CPUs with AVX-512 and AVX512_BF16 (head_dim a multiple of 32), used instead of
-// dot_heads and accumulate_values, chosen at run time (use_avx512). Only these functions are compiled for
-// AVX-512 (function target attribute), so no AVX-512 code can run on a CPU without it; elsewhere the portable
-// path above runs.
-//  - Logits: _mm512_dpbf16_ps on the bf16 query and keys as they are (products of two bf16 are exact in
-//    float32), then times scale.
-//  - Values: a bf16 value is the top half of a float32, so 32 bf16 loaded as one 512-bit vector widen in one
-//    instruction each into two float vectors: the even elements (shift left) and the odd ones (mask). The
-//    accumulator is element-wise, so the task's accumulator is kept in that "split" order (split_index) and put
-//    back in order only at the end.
-constexpr int64_t kSplitChunk512 = 32;  // bf16 elements per 512-bit load
+constexpr int64_t kChunk = 32;  // bf16 elements per 512-bit vector
 
-// Where element d of a head's row lives in split order, for chunks of `chunk` elements (0: no split order).
-inline int64_t split_index(int64_t d, int64_t chunk) {
-  if (chunk == 0) return d;
-  const int64_t r = d % chunk;
-  return d - r + (r % 2) * (chunk / 2) + r / 2;
-}
-
-// [sum of a[0]'s lanes, ..., sum of a[7]'s lanes].
-inline __m256 reduce8(const __m256 a[8]) {
-  const __m256 a0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 a4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a0123, a4567, 0x20), _mm256_permute2f128_ps(a0123, a4567, 0x31));
+// Where element d of a head's accumulator lives on the AVX-512 path. Step 3 interleaves a chunk of 32 elements
+// of two value rows with unpacklo/unpackhi_epi16, which work within 128-bit lanes: the "lo" vector gets elements
+// 8L + (0..3) of each lane L = 0..3, the "hi" vector elements 8L + (4..7); the accumulator of a chunk is stored as
+// [lo (16 floats), hi (16 floats)].
+inline int64_t acc_index(int64_t d, bool avx512_bf16) {
+  if (!avx512_bf16) return d;
+  const int64_t r = d % kChunk, lane = r / 8, w = r % 8;
+  return d - r + (w / 4) * 16 + lane * 4 + w % 4;
 }
 
 #define PAGED_ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-PAGED_ATTN_AVX512 inline __m256 sum_halves(__m512 a) {
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+// Per 128-bit lane L: [sum of a's 4 elements in L, same of b, c, d].
+PAGED_ATTN_AVX512 inline __m512 reduce_in_lanes(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d ab_d = _mm512_castps_pd(ab), cd_d = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab_d, cd_d)),  // a0+a2 b0+b2 c0+c2 d0+d2
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(ab_d, cd_d)));
 }
 
-// logits[j * ld + i] = scale * (q_j . k_i) for kHeads bf16 query heads q_j = q + j * q_stride (natural order).
+// [x, y] -> [x0 + x1, x2 + x3, y0 + y1, y2 + y3] over 128-bit lanes.
+PAGED_ATTN_AVX512 inline __m512 add_lane_pairs(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Step 1: logits[j] lane i = scale * (q_j . k_i) for kHeads bf16 query heads q_j = q + j * q_stride and the tile's
+// 16 key rows k_i = rows[i] + offset. Four tokens at a time: 4 * kHeads dot products in 16-lane partial sums,
+// reduced in a tree of shuffles (reduce_in_lanes, then add_lane_pairs twice) into one vector per head.
 template <int kHeads>
-PAGED_ATTN_AVX512 void dot_heads_avx512(const at::BFloat16* q, int64_t q_stride, const at::BFloat16* keys,
-                                        int64_t row_stride, int64_t num_tokens, int64_t head_dim, float scale,
-                                        float* logits, int64_t ld, Prefetcher* prefetcher) {
-  constexpr int kRows = kHeads == 1 ? 8 : kHeads == 2 ? 4 : 2;
-  for (int64_t i0 = 0; i0 < num_tokens; i0 += kRows) {
-    const at::BFloat16* k[kRows];
-#pragma GCC unroll 8
-    for (int r = 0; r < kRows; ++r) {  // rows past the end repeat the last one; their results are dropped
-      k[r] = keys + std::min<int64_t>(i0 + r, num_tokens - 1) * row_stride;
+PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_stride, const at::BFloat16* const* rows,
+                                          int64_t offset, int64_t head_dim, float scale,
+                                          Prefetcher<at::BFloat16>* prefetcher, __m512 logits[kHeads]) {
+  __m512 quarter[kHeads][4];  // [head][token quad g]: per 128-bit lane, the 4 tokens' partial sums
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    const at::BFloat16* k[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      k[r] = rows[4 * g + r] + offset;
       if (prefetcher) prefetcher->step();
     }
-    __m512 acc[8];
-#pragma GCC unroll 8
-    for (int a = 0; a < 8; ++a) acc[a] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += kSplitChunk512) {
-#pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
+    __m512 acc[4][kHeads];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < kHeads; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += kChunk) {
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
         const __m512bh key = (__m512bh)_mm512_loadu_si512(k[r] + d);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
         for (int j = 0; j < kHeads; ++j) {
-          const __m512bh qj = (__m512bh)_mm512_loadu_si512(q + j * q_stride + d);
-          acc[r * kHeads + j] = _mm512_dpbf16_ps(acc[r * kHeads + j], qj, key);
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)_mm512_loadu_si512(q + j * q_stride + d), key);
         }
       }
     }
-    __m256 halves[8];
-#pragma GCC unroll 8
-    for (int a = 0; a < 8; ++a) halves[a] = sum_halves(acc[a]);
-    alignas(32) float sums[8];
-    _mm256_store_ps(sums, _mm256_mul_ps(reduce8(halves), _mm256_set1_ps(scale)));
-    for (int64_t r = 0; r < std::min<int64_t>(kRows, num_tokens - i0); ++r)
-#pragma GCC unroll 8
-      for (int j = 0; j < kHeads; ++j) logits[j * ld + i0 + r] = sums[r * kHeads + j];
+#pragma GCC unroll 4
+    for (int j = 0; j < kHeads; ++j) quarter[j][g] = reduce_in_lanes(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < kHeads; ++j) {
+    const __m512 sums = add_lane_pairs(add_lane_pairs(quarter[j][0], quarter[j][1]),
+                                       add_lane_pairs(quarter[j][2], quarter[j][3]));
+    logits[j] = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
   }
 }
 
-// As accumulate_values, with 512-bit vectors and acc in split order. C chunks of 32 elements at a
-// time, for at least 8 independent accumulators; accumulate_values_avx512 below picks C.
+// exp(x) for x <= 0 (exact 0 below about -87, and for -inf): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2,
+// 2^f by a degree-5 polynomial (relative error below 1e-7).
+PAGED_ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 y = _mm512_max_ps(_mm512_set1_ps(-200.f), _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 poly = _mm512_set1_ps(1.3266980e-3f);
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.6754692e-3f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5507425e-2f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.4022122e-1f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.9314694e-1f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0000001f));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// Step 2 for one head: x = its logits of the tile (lanes past the tile's tokens -inf). Raises the running max if
+// needed, splits p = exp(x - max) into two bfloat16 terms, hi = bf16(p) and lo = bf16(p - hi) (together p to
+// about 2^-17 relative), writes them as pairs, p_pairs[i] = (hi_2i, hi_2i+1) and p_pairs[8 + i] = (lo_2i,
+// lo_2i+1), and adds hi + lo to the lane sums.
+PAGED_ATTN_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, float* exp_sums, float* acc,
+                                                  int64_t head_dim, uint32_t* p_pairs) {
+  if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(*max_logit), _CMP_GT_OQ)) {  // rarely, after the first tiles
+    const float new_max = _mm512_reduce_max_ps(x);
+    const float alpha = std::exp(*max_logit - new_max);  // 0 on the first tile: max_logit = -inf
+    _mm512_storeu_ps(exp_sums, _mm512_mul_ps(_mm512_loadu_ps(exp_sums), _mm512_set1_ps(alpha)));
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(alpha)));
+    }
+    *max_logit = new_max;
+  }
+  const __m512 p = exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(*max_logit)));
+  const __m256bh hi = _mm512_cvtneps_pbh(p);
+  const __m512 hi_float = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+  const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(p, hi_float));  // exact difference, then rounded
+  const __m512 lo_float = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)lo), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs), (__m256i)hi);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + kTileTokens / 2), (__m256i)lo);
+  _mm512_storeu_ps(exp_sums, _mm512_add_ps(_mm512_loadu_ps(exp_sums), _mm512_add_ps(hi_float, lo_float)));
+}
+
+// Step 3: acc_j += sum_i p_j[i] * v_i for kHeads heads (acc_j = acc + j * head_dim in acc_index order, p_j the
+// pairs p_pairs + j * 16) over the tile's 16 value rows v_i = rows[i] + offset, elements [d_begin, d_end), C
+// chunks of 32 at a time. Per token pair and chunk: the two rows interleaved into lo/hi (see acc_index), then per
+// head and half two vdpbf16ps, with the high and the low parts of the pair (p_2i, p_2i+1) broadcast.
 template <int kHeads, int C>
-PAGED_ATTN_AVX512 void accumulate_values_avx512_chunks(const float* p, int64_t ld, const at::BFloat16* v,
-                                                       int64_t row_stride, int64_t num_tokens, int64_t head_dim,
-                                                       int64_t d_begin, int64_t d_end, float* acc,
-                                                       Prefetcher* prefetcher) {
-  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t d = d_begin; d + C * kSplitChunk512 <= d_end; d += C * kSplitChunk512) {
+PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const at::BFloat16* const* rows,
+                                                 int64_t offset, int64_t head_dim, int64_t d_begin, int64_t d_end,
+                                                 float* acc, Prefetcher<at::BFloat16>* prefetcher) {
+  for (int64_t d = d_begin; d + C * kChunk <= d_end; d += C * kChunk) {
     __m512 sum[kHeads][C][2];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int j = 0; j < kHeads; ++j)
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          sum[j][c][h] = _mm512_loadu_ps(acc + j * head_dim + d + c * kSplitChunk512 + h * 16);
-        }
-    for (int64_t i = 0; i < num_tokens; ++i) {
-      if (prefetcher && d == d_begin) prefetcher->step();
-      __m512 row[C][2];
-#pragma GCC unroll 8
+        for (int h = 0; h < 2; ++h) sum[j][c][h] = _mm512_loadu_ps(acc + j * head_dim + d + c * kChunk + h * 16);
+#pragma GCC unroll 2
+    for (int64_t i = 0; i < kTileTokens; i += 2) {
+      if (prefetcher && d == d_begin) prefetcher->step(), prefetcher->step();
+      __m512bh half[C][2];
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const __m512i x = _mm512_loadu_si512(v + i * row_stride + d + c * kSplitChunk512);
-        row[c][0] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        row[c][1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask));
+        const __m512i a = _mm512_loadu_si512(rows[i] + offset + d + c * kChunk);
+        const __m512i b = _mm512_loadu_si512(rows[i + 1] + offset + d + c * kChunk);
+        half[c][0] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        half[c][1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
       }
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int j = 0; j < kHeads; ++j) {
-        const __m512 weight = _mm512_set1_ps(p[j * ld + i]);
-#pragma GCC unroll 8
+        const uint32_t* pair = p_pairs + j * kTileTokens + i / 2;
+        const __m512bh weight_hi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair[0]));
+        const __m512bh weight_lo = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair[kTileTokens / 2]));
+#pragma GCC unroll 4
         for (int c = 0; c < C; ++c)
 #pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) sum[j][c][h] = _mm512_fmadd_ps(weight, row[c][h], sum[j][c][h]);
+          for (int h = 0; h < 2; ++h) {
+            sum[j][c][h] = _mm512_dpbf16_ps(sum[j][c][h], half[c][h], weight_lo);
+            sum[j][c][h] = _mm512_dpbf16_ps(sum[j][c][h], half[c][h], weight_hi);
+          }
       }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int j = 0; j < kHeads; ++j)
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          _mm512_storeu_ps(acc + j * head_dim + d + c * kSplitChunk512 + h * 16, sum[j][c][h]);
-        }
+        for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + j * head_dim + d + c * kChunk + h * 16, sum[j][c][h]);
   }
 }
 
 template <int kHeads>
-PAGED_ATTN_AVX512 void accumulate_values_avx512(const float* p, int64_t ld, const at::BFloat16* v,
-                                                int64_t row_stride, int64_t num_tokens, int64_t head_dim,
-                                                float* acc, Prefetcher* prefetcher) {
-  constexpr int C = kHeads >= 4 ? 1 : 4 / kHeads;
-  const int64_t main = head_dim / (C * kSplitChunk512) * (C * kSplitChunk512);
-  accumulate_values_avx512_chunks<kHeads, C>(p, ld, v, row_stride, num_tokens, head_dim, 0, main, acc, prefetcher);
-  accumulate_values_avx512_chunks<kHeads, 1>(p, ld, v, row_stride, num_tokens, head_dim, main, head_dim, acc,
-                                                main == 0 ? prefetcher : nullptr);
+PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const at::BFloat16* const* rows, int64_t offset,
+                                          int64_t head_dim, float* acc, Prefetcher<at::BFloat16>* prefetcher) {
+  constexpr int C = kHeads >= 3 ? 1 : 4 / kHeads;  // at least 8 accumulators, at most 16
+  const int64_t main = head_dim / (C * kChunk) * (C * kChunk);
+  tile_values_avx512_chunks<kHeads, C>(p_pairs, rows, offset, head_dim, 0, main, acc, prefetcher);
+  tile_values_avx512_chunks<kHeads, 1>(p_pairs, rows, offset, head_dim, main, head_dim, acc,
+                                       main == 0 ? prefetcher : nullptr);
+}
+
+// Steps 1-3 for query heads [head0, head0 + kHeads) of kv head `kv_head`'s group over one tile (AVX-512 bf16 path).
+template <int kHeads>
+PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16>& pb, const at::BFloat16* query,
+                                           int64_t kv_head, int64_t head0, const Tile<at::BFloat16>& tile,
+                                           int64_t last_token, Scratch& sc, Prefetcher<at::BFloat16>* prefetcher) {
+  const int64_t head_dim = pb.head_dim, offset = kv_head * head_dim;
+  __m512 logits[kHeads];
+  tile_logits_avx512<kHeads>(query + head0 * pb.query_head_stride, pb.query_head_stride, tile.keys, offset,
+                             head_dim, pb.scale, prefetcher, logits);
+  const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
+  for (int j = 0; j < kHeads; ++j) {
+    const int64_t head = head0 + j;
+    if (pb.logits_soft_cap > 0 || pb.alibi_slopes) {
+      float* x = sc.logits + j * kTileTokens;
+      _mm512_storeu_ps(x, logits[j]);
+      apply_logit_mods(pb, head, tile.first, last_token, x);
+      logits[j] = _mm512_loadu_ps(x);
+    }
+    softmax_tile_avx512(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), logits[j]), sc.max_logit + head,
+                        sc.exp_sums + head * kTileTokens, sc.acc + head * head_dim, head_dim,
+                        sc.p_pairs + j * kTileTokens);
+  }
+  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, offset, head_dim, sc.acc + head0 * head_dim, prefetcher);
+}
+
+void attend_tile_avx512(const Problem<at::BFloat16>& pb, const at::BFloat16* query, int64_t kv_head,
+                        const Tile<at::BFloat16>& tile, int64_t last_token, Scratch& sc,
+                        Prefetcher<at::BFloat16>& prefetcher) {
+  for_each_head_tile(pb.group_size, [&](auto heads, int64_t first) {
+    attend_heads_avx512<decltype(heads)::value>(pb, query, kv_head, kv_head * pb.group_size + first, tile,
+                                                last_token, sc, first == 0 ? &prefetcher : nullptr);
+  });
 }
 
 // The AVX-512 path is used where the CPU has AVX512F/BW/VL/DQ and AVX512_BF16, unless the environment variable
-// PAGED_ATTN_NO_AVX512 is set (to test the AVX2 path on such a CPU).
+// PAGED_ATTN_NO_AVX512 is set (to test the portable AVX2 path on such a CPU).
 inline bool use_avx512() {
   static const bool use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -377,138 +578,65 @@ inline bool use_avx512() {
   return use;
 }
 
-// The split chunk of the query and accumulator (see split_index): 0 outside the bf16 fast paths.
 template <typename scalar_t>
-inline int64_t split_chunk(int64_t head_dim) {
-  if (!std::is_same_v<scalar_t, at::BFloat16>) return 0;
-  return head_dim % kSplitChunk512 == 0 && use_avx512() ? kSplitChunk512 : 0;
+inline bool avx512_bf16_path(int64_t head_dim) {
+  return std::is_same_v<scalar_t, at::BFloat16> && head_dim % kChunk == 0 && use_avx512();
 }
 #else
+inline int64_t acc_index(int64_t d, bool) { return d; }
 template <typename scalar_t>
-inline int64_t split_chunk(int64_t) { return 0; }
-inline int64_t split_index(int64_t d, int64_t) { return d; }
+inline bool avx512_bf16_path(int64_t) { return false; }
 #endif
 
-// Steps 1-3 for the group of kv head `kv_head`, over the num_tokens tokens from t0 whose rows start at
-// keys / values (row_stride apart).
-template <typename scalar_t>
-void attend_block(const Problem<scalar_t>& pb, const scalar_t* query, int64_t kv_head, int64_t t0, int64_t num_tokens,
-                  int64_t last_token, const scalar_t* keys, const scalar_t* values, Scratch& sc,
-                  Prefetcher& prefetcher) {
-  const int64_t group_size = pb.group_size, head_dim = pb.head_dim, first_head = kv_head * group_size;
-  const int64_t row_stride = pb.kv.row_stride, ld = sc.logits_stride;
-  const float* q = sc.q + first_head * head_dim;
-  float* acc = sc.acc + first_head * head_dim;
+// ---------------------------------------------------------------------------------------------------------------
+// Tasks
 
-  // 1. Logits of every head of the group for the block's tokens.
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    if (pb.split == kSplitChunk512) {
-      for_each_head_tile(group_size, [&](auto heads, int64_t first) {
-        dot_heads_avx512<decltype(heads)::value>(query + (first_head + first) * pb.query_head_stride,
-                                                 pb.query_head_stride, keys, row_stride, num_tokens, head_dim,
-                                                 pb.scale, sc.logits + first * ld, ld,
-                                                 first == 0 ? &prefetcher : nullptr);
-      });
-    }
-  }
-#endif
-  for (int64_t i = 0; i < num_tokens && !pb.split; ++i) {
-    prefetcher.step();
-    for_each_head_tile(group_size, [&](auto heads, int64_t first) {
-      dot_heads<decltype(heads)::value>(q + first * head_dim, keys + i * row_stride, head_dim,
-                                        sc.logits + first * ld + i, ld);
-    });
-  }
-  // 2. Soft cap, ALiBi, running max, p = exp(x - max). Lanes past num_tokens are set to -inf, so exp gives 0.
-  const Vec num_valid(static_cast<float>(num_tokens));
-  for (int64_t j = 0; j < group_size; ++j) {
-    const int64_t head = first_head + j;
-    float* x = sc.logits + j * ld;
-    Vec block_max(kNegInf);
-    for (int64_t i = 0; i < ld; i += kVecSize) {
-      Vec xi = Vec::loadu(x + i);
-      if (pb.logits_soft_cap > 0) xi = (xi / Vec(pb.logits_soft_cap)).tanh() * Vec(pb.logits_soft_cap);
-      if (pb.alibi_slopes) {
-        xi = xi + Vec(pb.alibi_slopes[head]) * Vec::arange(static_cast<float>(t0 + i - last_token), 1.f);
-      }
-      xi = Vec::blendv(Vec(kNegInf), xi, Vec::arange(static_cast<float>(i), 1.f) < num_valid);
-      block_max = at::vec::maximum(block_max, xi);
-      xi.store(x + i);
-    }
-    const float old_max = sc.max_logit[head];
-    const float new_max = std::max(
-        old_max, at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, block_max));
-    Vec sum(0.f);
-    for (int64_t i = 0; i < ld; i += kVecSize) {
-      const Vec p = (Vec::loadu(x + i) - Vec(new_max)).exp_u20();
-      sum = sum + p;
-      p.store(x + i);
-    }
-    if (new_max != old_max) {  // rescale only when the max grew (rarely, after the first blocks)
-      const float alpha = std::exp(old_max - new_max);  // 0 on the first block: old_max = -inf
-      sc.exp_sum[head] *= alpha;
-      for (int64_t d = 0; d < head_dim; ++d) acc[j * head_dim + d] *= alpha;
-      sc.max_logit[head] = new_max;
-    }
-    sc.exp_sum[head] += at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum);
-  }
-  // 3. acc += p * v over the block's tokens.
-  for_each_head_tile(group_size, [&](auto heads, int64_t first) {
-#if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (pb.split == kSplitChunk512) {
-        accumulate_values_avx512<decltype(heads)::value>(sc.logits + first * ld, ld, values, row_stride, num_tokens,
-                                                         head_dim, acc + first * head_dim,
-                                                         first == 0 ? &prefetcher : nullptr);
-        return;
-      }
-    }
-#endif
-    accumulate_values<decltype(heads)::value>(sc.logits + first * ld, ld, values, row_stride, num_tokens, head_dim,
-                                              acc + first * head_dim);
-  });
-}
-
-// Attends every query head of sequence `seq` to its tokens [begin, end), leaving (max, sum, acc) in sc.
+// Attends every query head of sequence `seq` to its tokens [begin, end), leaving (max, lane sums, acc) in sc.
 template <typename scalar_t>
 void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end, Scratch& sc) {
-  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim, block_size = pb.block_size;
-  for (int64_t h = 0; h < num_heads; ++h) {
-    const scalar_t* q_row = pb.query + seq * pb.query_seq_stride + h * pb.query_head_stride;
-    for (int64_t d = 0; d < head_dim; ++d) {
-      sc.q[h * head_dim + d] = pb.scale * static_cast<float>(q_row[d]);  // unused on the AVX-512 path
+  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
+  const scalar_t* query = pb.query + seq * pb.query_seq_stride;  // [num_heads, head_dim]
+  if (!pb.avx512_bf16) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t d = 0; d < head_dim; ++d) {
+        sc.q[h * head_dim + d] = pb.scale * static_cast<float>(query[h * pb.query_head_stride + d]);
+      }
     }
   }
   std::fill_n(sc.acc, num_heads * head_dim, 0.f);
   std::fill_n(sc.max_logit, num_heads, kNegInf);
-  std::fill_n(sc.exp_sum, num_heads, 0.f);
+  std::fill_n(sc.exp_sums, num_heads * kTileTokens, 0.f);
   const int32_t* block_table = pb.block_tables + seq * pb.max_blocks_per_seq;
   const int64_t last_token = pb.seq_lens[seq] - 1;
-  // Rows are prefetched prefetch_distance tokens ahead, a whole number of blocks: each step prefetches the same
-  // offsets of one later block.
-  const int64_t prefetch_distance = (kPrefetchTokens + block_size - 1) / block_size * block_size;
+  const int64_t num_tiles = (end - begin + kTileTokens - 1) / kTileTokens;
 
-  for (int64_t t0 = begin; t0 < end;) {
-    const int32_t block = block_table[t0 / block_size];
-    const int64_t offset = t0 % block_size, num_tokens = std::min(block_size - offset, end - t0);
-    Prefetcher prefetcher;
-    if (t0 + prefetch_distance < end) {
-      const int32_t ahead = block_table[(t0 + prefetch_distance) / block_size];
-      prefetcher.keys = reinterpret_cast<const char*>(pb.kv.keys(ahead, offset, 0));
-      prefetcher.values = reinterpret_cast<const char*>(pb.kv.values(ahead, offset, 0));
-      prefetcher.bytes =
-          std::min(num_tokens, end - t0 - prefetch_distance) * pb.kv.row_stride * int64_t{sizeof(scalar_t)};
-      // Steps: one per row in step 1, and on the AVX-512 path (whose loops are short) one more per row in the
-      // first pass of step 3.
-      const int64_t steps = pb.num_kv_heads * num_tokens * (pb.split ? 2 : 1);
-      prefetcher.bytes_per_step = (prefetcher.bytes / 64 + steps - 1) / steps * 64;
+  // tiles[k % kRing] is tile k; tile k + kPrefetchTiles is looked up while tile k is worked on.
+  constexpr int64_t kRing = kPrefetchTiles + 1;
+  Tile<scalar_t> tiles[kRing];
+  for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) {
+    tiles[k].load(pb.kv, block_table, pb.block_size, begin + k * kTileTokens, end);
+  }
+  for (int64_t k = 0; k < num_tiles; ++k) {
+    const Tile<scalar_t>& tile = tiles[k % kRing];
+    Prefetcher<scalar_t> prefetcher;
+    if (k + kPrefetchTiles < num_tiles) {
+      Tile<scalar_t>& ahead = tiles[(k + kPrefetchTiles) % kRing];
+      ahead.load(pb.kv, block_table, pb.block_size, begin + (k + kPrefetchTiles) * kTileTokens, end);
+      const int64_t row_bytes = pb.kv.token_stride * int64_t{sizeof(scalar_t)};
+      const int64_t steps = 2 * pb.num_kv_heads * kTileTokens;
+      prefetcher = {&ahead, row_bytes, ((row_bytes + 63) / 64 * ahead.num_tokens + steps - 1) / steps};
     }
     for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
-      attend_block(pb, pb.query + seq * pb.query_seq_stride, kv_head, t0, num_tokens, last_token,
-                   pb.kv.keys(block, offset, kv_head), pb.kv.values(block, offset, kv_head), sc, prefetcher);
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        if (pb.avx512_bf16) {
+          attend_tile_avx512(pb, query, kv_head, tile, last_token, sc, prefetcher);
+          continue;
+        }
+      }
+#endif
+      attend_tile(pb, kv_head, tile, last_token, sc, prefetcher);
     }
-    t0 += num_tokens;
   }
 }
 
@@ -527,7 +655,10 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_seqs,
     const int64_t balanced = num_threads / std::gcd(num_seqs, num_threads);  // num_seqs * balanced % num_threads == 0
     num_partitions = std::clamp<int64_t>(max_len / kMinPartitionTokens, 1, balanced);
   }
-  const int64_t partition_size = std::max<int64_t>(1, (max_len + num_partitions - 1) / num_partitions);
+  // Whole tiles per partition (but the last).
+  const int64_t partition_size =
+      std::max<int64_t>(1, (max_len + num_partitions * kTileTokens - 1) / (num_partitions * kTileTokens)) *
+      kTileTokens;
 
   // Partial results of split sequences: max logit and exp sum [num_seqs, num_heads, num_partitions],
   // acc [num_seqs, num_heads, num_partitions, head_dim].
@@ -538,7 +669,7 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_seqs,
   float* partial_accs = exp_sums + num_rows;
 
   at::parallel_for(0, num_seqs * num_partitions, 1, [&](int64_t task_begin, int64_t task_end) {
-    Scratch sc(num_heads, pb.group_size, head_dim, pb.block_size);
+    Scratch sc(num_heads, pb.group_size, head_dim);
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t seq = task / num_partitions, partition = task % num_partitions, len = pb.seq_lens[seq];
       const int64_t begin = std::min(pb.window_start(seq) + partition * partition_size, len);
@@ -546,17 +677,19 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_seqs,
       for (int64_t h = 0; h < num_heads; ++h) {
         const int64_t row = seq * num_heads + h;
         const float* acc = sc.acc + h * head_dim;
+        const float* lane_sums = sc.exp_sums + h * kTileTokens;
+        const float exp_sum = std::accumulate(lane_sums, lane_sums + kTileTokens, 0.f);
         if (num_partitions == 1) {
-          const float inv_sum = sc.exp_sum[h] > 0 ? 1.f / sc.exp_sum[h] : 0.f;  // 0 for an empty sequence
+          const float inv_sum = exp_sum > 0 ? 1.f / exp_sum : 0.f;  // 0 for an empty sequence
           for (int64_t d = 0; d < head_dim; ++d) {
-            out[row * head_dim + d] = static_cast<scalar_t>(acc[split_index(d, pb.split)] * inv_sum);
+            out[row * head_dim + d] = static_cast<scalar_t>(acc[acc_index(d, pb.avx512_bf16)] * inv_sum);
           }
         } else {
           const int64_t slot = row * num_partitions + partition;
           max_logits[slot] = sc.max_logit[h];
-          exp_sums[slot] = sc.exp_sum[h];
+          exp_sums[slot] = exp_sum;
           for (int64_t d = 0; d < head_dim; ++d) {
-            partial_accs[slot * head_dim + d] = acc[split_index(d, pb.split)];
+            partial_accs[slot * head_dim + d] = acc[acc_index(d, pb.avx512_bf16)];
           }
         }
       }
@@ -610,13 +743,13 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_seqs, num_head
   const auto run = [&](auto dtype_tag) {
     using scalar_t = decltype(dtype_tag);
     const PagedKV<scalar_t> kv{key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>(),
-                               key_cache.stride(0), value_cache.stride(0), num_kv_heads * head_dim, head_dim};
+                               key_cache.stride(0), value_cache.stride(0), num_kv_heads * head_dim};
     const Problem<scalar_t> pb{kv, query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1),
                                tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
                                slopes.defined() ? slopes.const_data_ptr<float>() : nullptr, tables.size(1),
                                block_size, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
                                sliding_window, static_cast<float>(scale), static_cast<float>(logits_soft_cap),
-                               split_chunk<scalar_t>(head_dim)};
+                               avx512_bf16_path<scalar_t>(head_dim)};
     paged_attention_kernel(pb, num_seqs, out.data_ptr<scalar_t>());
   };
   switch (query.scalar_type()) {  // check_paged_attention_args allows exactly these
