@@ -51,7 +51,7 @@ def assert_greedy(hf_model, device, prompt, tokens, atol=1e-3):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", [
-    dict(),
+    dict(num_gpu_blocks=256),  # (by default a CUDA engine takes half the GPU's free memory)
     dict(block_size=8, num_gpu_blocks=14, num_cpu_blocks=32),  # preemption by swapping (swap_blocks)
     dict(block_size=8, num_gpu_blocks=14),  # preemption by recomputation
 ], ids=["default", "swap", "recompute"])
@@ -64,7 +64,7 @@ def test_engine_greedy_matches_transformers(hf_model, prompts, device, config):
     for prompt, output in zip(prompts, outputs):
         assert_greedy(model, device, prompt, output.outputs[0].token_ids)
     stats = llm.stats()
-    if config:
+    if config.get("block_size"):
         assert stats.num_preemptions > 0
         assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
     assert stats.gpu_blocks_used == 0 and not llm.scheduler.manager.seqs
@@ -77,7 +77,7 @@ def test_engine_parallel_sampling_copies_on_write(hf_model, prompts, device):
     from paged_attn.engine import LLM, SamplingParams
 
     model = hf_model.to(device)
-    llm = LLM(model, device=device, dtype=torch.float32, block_size=8)
+    llm = LLM(model, device=device, dtype=torch.float32, block_size=8, num_gpu_blocks=64)
     prompt = prompts[2][:-3]  # 37 tokens: 4 full blocks of 8 shared, and a partial one copied on write
     output = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, n=3, temperature=1.0, seed=7,
                                                    ignore_eos=True), use_tqdm=False)[0]
