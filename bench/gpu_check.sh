@@ -3,8 +3,7 @@
 # package pre-built, it builds the extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), runs
 # the test suite (the CUDA tests run there), compute-sanitizer on a small case of every op, the kernel
 # benchmarks, ncu counters of the attention kernels, and the engine on CUDA (SmolLM2-135M too when its packages
-# are installed), and writes a short
-# summary plus the full logs into the folder given as its argument.
+# are installed), and writes a short summary plus the full logs into the folder given as its argument.
 #
 #   bash bench/gpu_check.sh OUT_DIR
 #
