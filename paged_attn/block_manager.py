@@ -149,9 +149,11 @@ class BlockManager:
 
     # ---- new sequences ----
 
-    def can_allocate(self, token_ids: Iterable[int]) -> bool:
+    def can_allocate(self, token_ids: Iterable[int], keep_free: int = 0) -> bool:
+        """Whether ``allocate`` of ``token_ids`` would succeed (prefix-cache hits counted) and leave at least
+        ``keep_free`` blocks free."""
         token_ids = self._prompt(token_ids)
-        return self._blocks_needed(token_ids, self._prefix_hits(token_ids)) <= self.num_free_blocks
+        return self._blocks_needed(token_ids, self._prefix_hits(token_ids)) + keep_free <= self.num_free_blocks
 
     def allocate(self, seq_id: Hashable, token_ids: Iterable[int]) -> int:
         """Create sequence ``seq_id`` holding ``token_ids``; return how many leading tokens are already cached.

@@ -63,6 +63,7 @@ def test_allocate_gives_one_block_per_block_size_tokens():
 def test_allocate_exact_fit_and_out_of_blocks():
     bm = BlockManager(3, 4)
     assert bm.can_allocate(range(12)) and not bm.can_allocate(range(13))
+    assert bm.can_allocate(range(8), keep_free=1) and not bm.can_allocate(range(9), keep_free=1)
     raises_unchanged(bm, OutOfBlocksError, bm.allocate, "a", range(13), match="needs 4 free GPU blocks.*only 3")
     bm.allocate("a", range(5))
     assert not bm.can_allocate(range(5))
@@ -269,6 +270,7 @@ def test_hits_on_blocks_in_use_need_no_free_memory():
     bm = BlockManager(4, 2, enable_prefix_caching=True)
     bm.allocate(0, range(5))  # blocks: [0 1] [2 3] [4]; one block left
     assert bm.can_allocate([0, 1, 2, 3, 9])
+    assert not bm.can_allocate([0, 1, 2, 3, 9], keep_free=1)  # the hits count, the fresh block does not stay free
     assert bm.allocate(1, [0, 1, 2, 3, 9]) == 4 and bm.num_free_blocks == 0
 
 

@@ -118,10 +118,11 @@ def test_weights_and_tokenizer_equal_transformers(model, hf_model):
 @pytest.mark.parametrize("config", [
     dict(),
     dict(max_num_seqs=2),  # requests join as others finish
-    dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64),  # preemption by swapping
-    dict(block_size=4, num_gpu_blocks=24),  # preemption by recomputation
+    # admission_headroom=0: admit whenever a prompt fits, so that the small pools overflow and force preemption
+    dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, admission_headroom=0),  # preemption by swapping
+    dict(block_size=4, num_gpu_blocks=24, admission_headroom=0),  # preemption by recomputation
     dict(block_size=8, enable_prefix_caching=True),
-    dict(block_size=4, num_gpu_blocks=17, enable_prefix_caching=True),  # recomputation hits cached blocks
+    dict(block_size=4, num_gpu_blocks=17, enable_prefix_caching=True, admission_headroom=0),  # hits cached blocks
 ], ids=["default", "max_num_seqs=2", "swap", "recompute", "prefix_caching", "recompute+prefix_caching"])
 def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
     llm = make_llm(**config)
@@ -202,8 +203,8 @@ def test_mixed_requests_survive_preemption_unchanged(make_llm, prompts):
         return [[c.token_ids for c in output.outputs] for output in outputs], llm.stats()
 
     expected, _ = run()
-    for config in [dict(block_size=4, num_gpu_blocks=38, num_cpu_blocks=16),
-                   dict(block_size=2, num_gpu_blocks=75, enable_prefix_caching=True)]:
+    for config in [dict(block_size=4, num_gpu_blocks=38, num_cpu_blocks=16, admission_headroom=0),
+                   dict(block_size=2, num_gpu_blocks=75, enable_prefix_caching=True, admission_headroom=0)]:
         outputs, stats = run(**config)
         assert stats.num_preemptions > 0, config
         assert outputs == expected, config
@@ -231,6 +232,19 @@ def test_reservation_policies_admit_fewer_requests_and_generate_the_same(make_ll
     assert greedy_tokens(paged, prompts) == hf_greedy
     assert paged.stats().peak_running_seqs > stats.peak_running_seqs
     assert paged.stats().num_decode_steps < stats.num_decode_steps
+
+
+def test_admission_headroom_avoids_preemption(make_llm, prompts, hf_greedy):
+    """Admitting only while every running sequence keeps room to grow: the same tokens, fewer preemptions (each
+    preemption by recomputation redoes a prefill)."""
+    eager = make_llm(block_size=4, num_gpu_blocks=24, admission_headroom=0)
+    careful = make_llm(block_size=4, num_gpu_blocks=24, admission_headroom=2)
+    assert greedy_tokens(eager, prompts) == hf_greedy == greedy_tokens(careful, prompts)
+    assert eager.stats().num_preemptions > 0
+    assert careful.stats().num_preemptions < eager.stats().num_preemptions
+    assert careful.stats().num_prefill_tokens < eager.stats().num_prefill_tokens
+    with pytest.raises(ValueError, match="admission_headroom"):
+        make_llm(admission_headroom=-1)
 
 
 def test_llm_from_a_transformers_model(hf_model, prompts, hf_greedy):

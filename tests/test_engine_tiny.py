@@ -52,8 +52,9 @@ def assert_greedy(hf_model, device, prompt, tokens, atol=1e-3):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", [
     dict(num_gpu_blocks=256),  # (by default a CUDA engine takes half the GPU's free memory)
-    dict(block_size=8, num_gpu_blocks=14, num_cpu_blocks=32),  # preemption by swapping (swap_blocks)
-    dict(block_size=8, num_gpu_blocks=14),  # preemption by recomputation
+    # (admission_headroom=0: admit whenever a prompt fits, so that the small pool overflows)
+    dict(block_size=8, num_gpu_blocks=14, num_cpu_blocks=32, admission_headroom=0),  # preemption by swapping
+    dict(block_size=8, num_gpu_blocks=14, admission_headroom=0),  # preemption by recomputation
 ], ids=["default", "swap", "recompute"])
 def test_engine_greedy_matches_transformers(hf_model, prompts, device, config):
     from paged_attn.engine import LLM, SamplingParams

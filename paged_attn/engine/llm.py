@@ -58,6 +58,9 @@ class LLM:
         num_cpu_blocks: CPU blocks to swap preempted requests to; 0 means preemption recomputes.
         enable_prefix_caching: reuse the KV of full blocks of earlier prompts with the same prefix.
         max_num_seqs: sequences (counting samples and beams) running at once.
+        admission_headroom: a new request is admitted while others run only if this many free blocks per running
+            sequence remain after its prompt, so that running sequences can grow without being preempted (0:
+            whenever its prompt fits). On a full pool it trades a little concurrency for fewer preemptions.
         max_model_len: the longest sequence (prompt and output) served; default and at most the model's context.
         kv_reservation: ``"none"`` (paged: blocks are taken as tokens arrive), or ``"max_tokens"`` /
             ``"max_model_len"``: each request reserves blocks for prompt + max_tokens / the whole context at
@@ -69,17 +72,18 @@ class LLM:
     def __init__(self, model=None, *, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, kv_reservation: str = "none",
-                 seed: int = 0, tokenizer=None):
+                 max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, admission_headroom: int = 2,
+                 kv_reservation: str = "none", seed: int = 0, tokenizer=None):
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device is CUDA but no CUDA GPU is available")
         if device.type == "cuda" and block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32 on CUDA (the paged_attention kernel), got {block_size}")
-        if block_size < 1 or num_cpu_blocks < 0 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+        if block_size < 1 or num_cpu_blocks < 0 or max_num_seqs < 1 or max_num_batched_tokens < 1 or \
+                admission_headroom < 0:
             raise ValueError(f"block_size, max_num_seqs and max_num_batched_tokens must be positive and "
-                             f"num_cpu_blocks >= 0, got {block_size}, {max_num_seqs}, {max_num_batched_tokens}, "
-                             f"{num_cpu_blocks}")
+                             f"num_cpu_blocks and admission_headroom >= 0, got {block_size}, {max_num_seqs}, "
+                             f"{max_num_batched_tokens}, {num_cpu_blocks}, {admission_headroom}")
         if num_gpu_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_gpu_blocks or kv_cache_memory, not both")
         if isinstance(model, LlamaModel):
@@ -112,7 +116,7 @@ class LLM:
                              f"num_gpu_blocks={num_gpu_blocks} (kv_cache_memory={kv_cache_memory})")
         self.scheduler = Scheduler(cfg, device, model.dtype, block_size, num_gpu_blocks, num_cpu_blocks,
                                    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   kv_reservation)
+                                   kv_reservation, admission_headroom)
         self.generator = torch.Generator(device).manual_seed(seed)
         self._request_ids = itertools.count()
 

@@ -93,11 +93,13 @@ class EngineStats:
 class Scheduler:
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "none"):
+                 max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "none",
+                 admission_headroom: int = 0):
         if kv_reservation not in KV_RESERVATIONS:
             raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {kv_reservation!r}")
         self.device, self.block_size = device, block_size
         self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
+        self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                     enable_prefix_caching=enable_prefix_caching)
@@ -231,10 +233,15 @@ class Scheduler:
         if self.kv_reservation != "none":
             free = self.manager.num_free_blocks - self._reserved_unused_blocks()
             return self.max_blocks(len(request.prompt_token_ids), request.params) <= free
+        # While others run, leave admission_headroom free blocks per running sequence (the request's own included)
+        # for their next tokens: otherwise new prompts fill the pool, the running sequences soon preempt them
+        # again, and each preemption by recomputation redoes a prefill.
+        keep_free = self.admission_headroom * (self._running_seqs() + len(request.seqs)) if self.running else 0
         if len(request.seqs) == 1:
-            return self.manager.can_allocate(request.seqs[0].token_ids)  # counts prefix-cache hits exactly
+            return self.manager.can_allocate(request.seqs[0].token_ids, keep_free)  # counts prefix-cache hits
         # recomputing a request with several sequences: each is allocated on its own (hits can only help)
-        return sum(self.blocks_for(len(seq.token_ids)) for seq in request.seqs) <= self.manager.num_free_blocks
+        needed = sum(self.blocks_for(len(seq.token_ids)) for seq in request.seqs)
+        return needed + keep_free <= self.manager.num_free_blocks
 
     def _admit(self) -> list[Request]:
         admitted, num_tokens = [], 0
