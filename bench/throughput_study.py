@@ -116,6 +116,7 @@ def plot(results: dict, datasets: list[str]):
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
             ax.set_ylabel(label)
             ax.set_title(f"{dataset}: {label}", fontsize=10)
+            ax.tick_params(axis="x", rotation=25)
             ax.margins(y=0.15)
     fig.tight_layout()
     fig.savefig(os.path.join(FIGURES, "throughput.png"), dpi=120, bbox_inches="tight")
