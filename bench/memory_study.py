@@ -172,12 +172,25 @@ def run_paged(requests, pool: int, block_size: int, watermark: float = 0.01) -> 
     return meter.result(step, preemptions)
 
 
-def plot(results: dict, datasets: list[str]):
+def pyplot():
+    """matplotlib's pyplot, drawing to files (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, name: str, **tight_layout) -> None:
+    """Lay out `fig`, write it to bench/figures/`name` and close it."""
+    fig.tight_layout(**tight_layout)
     os.makedirs(FIGURES, exist_ok=True)
+    fig.savefig(os.path.join(FIGURES, name), dpi=120, bbox_inches="tight")
+    pyplot().close(fig)
+
+
+def plot(results: dict, datasets: list[str]):
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(datasets), figsize=(6.5 * len(datasets), 4.2), squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
         systems = list(results[dataset])
@@ -195,10 +208,8 @@ def plot(results: dict, datasets: list[str]):
         ax.set_xlim(0, 100)
         ax.set_xlabel("share of the KV pool (%)")
         ax.set_title(f"{dataset}: where the KV memory goes")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(CATEGORIES), frameon=False)
-    fig.savefig(os.path.join(FIGURES, "memory_waste.png"), dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, "memory_waste.png", rect=(0, 0.08, 1, 1))
 
     fig, axes = plt.subplots(1, len(datasets), figsize=(6.5 * len(datasets), 3.8), squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
@@ -210,9 +221,7 @@ def plot(results: dict, datasets: list[str]):
         ax.set_title(f"{dataset}: requests sharing one KV pool")
         ax.tick_params(axis="x", rotation=30)
         ax.margins(y=0.12)
-    fig.tight_layout()
-    fig.savefig(os.path.join(FIGURES, "concurrency.png"), dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, "concurrency.png")
 
 
 def main():

@@ -34,7 +34,7 @@ from collections import deque
 
 from tqdm import tqdm
 
-from memory_study import DATASETS, FIGURES, lognormal_int, sample_requests
+from memory_study import DATASETS, FIGURES, lognormal_int, pyplot, sample_requests, save_figure
 from paged_attn import BlockManager
 
 PAPER = {  # memory saved, Fig. 15 and §6.3 of the paper (OPT-13B; parallel n = 2, 4, 6; beam width 2, 4, 6)
@@ -59,6 +59,17 @@ class Accumulator:
         return 1 - self.used / self.logical
 
 
+def generate_one_token(bm, rng, remaining: dict) -> None:
+    """Appends a random token to every sequence of `remaining` (seq_id -> tokens still to generate) and frees
+    those that are done."""
+    for seq_id in list(remaining):
+        bm.append_slot(seq_id, rng.randrange(VOCAB))
+        remaining[seq_id] -= 1
+        if remaining[seq_id] == 0:
+            bm.free(seq_id)
+            del remaining[seq_id]
+
+
 def run_parallel(bm, acc, rng, prompt: int, outputs: list[int]):
     bm.allocate(0, [rng.randrange(VOCAB) for _ in range(prompt)])
     for sample in range(1, len(outputs)):
@@ -66,12 +77,7 @@ def run_parallel(bm, acc, rng, prompt: int, outputs: list[int]):
     remaining = dict(enumerate(outputs))
     while remaining:
         acc.record()
-        for sample in list(remaining):
-            bm.append_slot(sample, rng.randrange(VOCAB))
-            remaining[sample] -= 1
-            if remaining[sample] == 0:
-                bm.free(sample)
-                del remaining[sample]
+        generate_one_token(bm, rng, remaining)
 
 
 def run_beam(bm, acc, rng, prompt: int, output: int, width: int, decay: float):
@@ -115,21 +121,12 @@ def run_prefix(requests, prefix_len: int, concurrency: int, block_size: int, cac
             running[rid] = output
         used += bm.stats().gpu_blocks_used
         steps += 1
-        for rid in list(running):
-            bm.append_slot(rid, rng.randrange(VOCAB))
-            running[rid] -= 1
-            if running[rid] == 0:
-                bm.free(rid)
-                del running[rid]
+        generate_one_token(bm, rng, running)
     return used / steps, cached_tokens / prompt_tokens
 
 
 def plot(sharing: dict, prefix: dict, datasets: list[str]):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(FIGURES, exist_ok=True)
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     cases = list(next(iter(sharing.values())))
     width = 0.8 / len(datasets)
@@ -156,9 +153,7 @@ def plot(sharing: dict, prefix: dict, datasets: list[str]):
     ax2.set_title("shared system prompt")
     ax2.legend(frameon=False)
     ax2.margins(y=0.12)
-    fig.tight_layout()
-    fig.savefig(os.path.join(FIGURES, "sharing.png"), dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, "sharing.png")
 
 
 def main():

@@ -34,7 +34,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from memory_study import DATASETS, FIGURES, sample_requests  # noqa: E402
+from memory_study import DATASETS, FIGURES, pyplot, sample_requests, save_figure  # noqa: E402
 
 from paged_attn.engine import LLM, LlamaModel, SamplingParams  # noqa: E402
 
@@ -99,11 +99,7 @@ def run(model, args, policy: str, prompts, params, use_tqdm=True) -> dict:
 
 
 def plot(results: dict, datasets: list[str]):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(FIGURES, exist_ok=True)
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2 * len(datasets), figsize=(5 * 2 * len(datasets), 3.6), squeeze=False)
     colors = {"max": "#868e96", "oracle": "#495057", "paged": "#1c7ed6", "paged-eager": "#74c0fc",
               "paged-swap": "#4dabf7"}
@@ -118,9 +114,7 @@ def plot(results: dict, datasets: list[str]):
             ax.set_title(f"{dataset}: {label}", fontsize=10)
             ax.tick_params(axis="x", rotation=25)
             ax.margins(y=0.15)
-    fig.tight_layout()
-    fig.savefig(os.path.join(FIGURES, "throughput.png"), dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, "throughput.png")
 
 
 def main():
