@@ -14,9 +14,8 @@
 //   2. online softmax: when a logit exceeds a head's running max, raise the max (rescaling the running sum and
 //      the accumulator); p = exp(x - max), and the running sum (kept per tile lane) += p,
 //   3. acc += p * v over the tile's tokens.
-// Meanwhile the task software-prefetches the next tile's rows (the hardware prefetchers do not follow the block
-// table), a few cache lines per token of work in steps 1 and 3: prefetches issued in one burst would fill the
-// core's miss buffers and stall it.
+// Meanwhile the task software-prefetches (see Prefetcher) the next tile's rows into L2 and the next (tile, kv head)
+// unit's rows into L1, a few cache lines per token of work in steps 1 and 3.
 // Usually a sequence is one partition and its task writes out = acc / sum. When there are too few sequences to
 // keep every thread busy, each sequence's tokens are split into equal partitions; each task leaves its
 // (max, sum, acc) per head in float32 scratch and a second parallel pass merges them exactly:
@@ -72,9 +71,10 @@ constexpr int64_t kVecSize = Vec::size();
 constexpr int64_t kTileTokens = 16;           // tokens per step (one AVX-512 vector of logits per head)
 constexpr int64_t kMaxHeadTile = 4;           // query heads that share one pass over a key or value row
 constexpr int64_t kMinPartitionTokens = 256;  // shorter partitions would cost more to merge than they gain
-constexpr int64_t kPrefetchTiles = 1;         // how many tiles ahead rows are prefetched
+constexpr int64_t kPrefetchTiles = 1;         // how many tiles ahead rows are prefetched into L2 (at least 1)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kTileTokens % kVecSize == 0, "a tile's logits must be whole vectors");
+static_assert(kPrefetchTiles >= 1, "the next unit's rows are prefetched from the next tile, which must be loaded");
 
 template <typename scalar_t>
 inline Vec load_float(const scalar_t* p) {  // kVecSize elements, widened to float
@@ -128,23 +128,42 @@ struct Tile {
   }
 };
 
-// Software prefetch of a later tile's key and value rows, in address order, a few lines per step; the kernel takes
-// two steps per token and kv head (one in step 1, one in step 3), which cover the tile.
-// NOTE: non-temporal prefetches (prefetchnta): the rows are read once. Measured on Zen 5 they do as well as or
-// better than prefetches into L2 (prefetcht1) or all levels (prefetcht0).
+// Software prefetch, two levels (the hardware prefetchers do not follow the block table):
+//  - the next tile's rows, all kv heads, into L2 in address order, a few lines per step; the kernel takes two steps
+//    per token and kv head (one in step 1, one in step 3), which cover the tile. Prefetches issued in one burst
+//    would fill the core's miss buffers and stall it; lines out of address order cost DRAM bandwidth.
+//  - the next (tile, kv head) unit's key and value rows into L1, a row at a time as the same token's row of the
+//    current unit is worked on; they are in L2 by then.
+// NOTE: measured on Zen 5 (default case, paired runs): the L1 level adds 4-6% when x.sum() reads ~44 GB/s and
+// ~19% when it reads ~72 GB/s; every line must be prefetched (prefetching every second or fourth line and relying
+// on the hardware for the rest halves the speed).
 template <typename scalar_t>
 struct Prefetcher {
-  const Tile<scalar_t>* tile = nullptr;  // nullptr: nothing to prefetch
+  const Tile<scalar_t>* tile = nullptr;  // next tile (nullptr: none)
   int64_t row_bytes = 0;                 // of a token's rows (all kv heads)
   int64_t lines_per_step = 0;            // cache lines of keys (and as many of values) per step
   int64_t token = 0, byte = 0;           // the cursor: next line to prefetch
+  const Tile<scalar_t>* unit_tile = nullptr;  // the next unit's tile (nullptr: none)
+  int64_t unit_offset = 0, head_bytes = 0;    // its kv head's rows: elements into a token's rows, bytes
 
   void step() {
     if (tile == nullptr) return;
     for (int64_t n = 0; n < lines_per_step && token < tile->num_tokens; ++n) {
-      __builtin_prefetch(reinterpret_cast<const char*>(tile->keys[token]) + byte, 0, 0);
-      __builtin_prefetch(reinterpret_cast<const char*>(tile->values[token]) + byte, 0, 0);
+      __builtin_prefetch(reinterpret_cast<const char*>(tile->keys[token]) + byte, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(tile->values[token]) + byte, 0, 2);
       if ((byte += 64) >= row_bytes) byte = 0, ++token;
+    }
+  }
+  void keys(int64_t i) const {  // the next unit's key row of its token i
+    if (unit_tile) lines_to_l1(unit_tile->keys[i] + unit_offset);
+  }
+  void values(int64_t i) const {  // the next unit's value row of its token i
+    if (unit_tile) lines_to_l1(unit_tile->values[i] + unit_offset);
+  }
+  void lines_to_l1(const scalar_t* row) const {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(row), end = begin + head_bytes;
+    for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
     }
   }
 };
@@ -256,12 +275,16 @@ inline void dot_heads(const float* q, const scalar_t* k, int64_t head_dim, float
 }
 
 // acc_j += sum_i p_j[i] * v_i for the kHeads query heads (acc_j = acc + j * head_dim, p_j = p + j * kTileTokens)
-// over the value rows v_i = rows[i] + offset, i < num_tokens. A prefetcher, if given, steps once per token.
+// over the value rows v_i = rows[i] + offset, i < num_tokens. A prefetcher, if given, steps once per token and
+// prefetches the next unit's value row of the token.
 template <int kHeads, typename scalar_t>
 inline void accumulate_values(const float* p, const scalar_t* const* rows, int64_t offset, int64_t num_tokens,
                               int64_t head_dim, float* acc, Prefetcher<scalar_t>* prefetcher) {
   constexpr int U = kUnroll<kHeads>;
-  for (int64_t i = 0; prefetcher && head_dim < U * kVecSize && i < num_tokens; ++i) prefetcher->step();
+  for (int64_t i = 0; prefetcher && head_dim < U * kVecSize && i < num_tokens; ++i) {
+    prefetcher->step();
+    prefetcher->values(i);
+  }
   int64_t d = 0;
   for (; d + U * kVecSize <= head_dim; d += U * kVecSize) {
     Vec sum[kHeads][U];
@@ -270,7 +293,7 @@ inline void accumulate_values(const float* p, const scalar_t* const* rows, int64
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) sum[j][u] = Vec::loadu(acc + j * head_dim + d + u * kVecSize);
     for (int64_t i = 0; i < num_tokens; ++i) {
-      if (prefetcher && d == 0) prefetcher->step();
+      if (prefetcher && d == 0) prefetcher->step(), prefetcher->values(i);
       const scalar_t* v = rows[i] + offset + d;
       Vec row[U];
 #pragma GCC unroll 8
@@ -317,6 +340,7 @@ void attend_tile(const Problem<scalar_t>& pb, int64_t kv_head, const Tile<scalar
   // 1. Logits of every head of the group for the tile's tokens.
   for (int64_t i = 0; i < num_tokens; ++i) {
     prefetcher.step();
+    prefetcher.keys(i);
     for_each_head_tile(group_size, [&](auto heads, int64_t first) {
       dot_heads<decltype(heads)::value>(q + first * head_dim, tile.keys[i] + offset, head_dim,
                                         sc.logits + first * kTileTokens + i, kTileTokens);
@@ -407,7 +431,7 @@ PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_strid
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       k[r] = rows[4 * g + r] + offset;
-      if (prefetcher) prefetcher->step();
+      if (prefetcher) prefetcher->step(), prefetcher->keys(4 * g + r);
     }
     __m512 acc[4][kHeads];
 #pragma GCC unroll 4
@@ -493,7 +517,10 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
         for (int h = 0; h < 2; ++h) sum[j][c][h] = _mm512_loadu_ps(acc + j * head_dim + d + c * kChunk + h * 16);
 #pragma GCC unroll 2
     for (int64_t i = 0; i < kTileTokens; i += 2) {
-      if (prefetcher && d == d_begin) prefetcher->step(), prefetcher->step();
+      if (prefetcher && d == d_begin) {
+        prefetcher->step(), prefetcher->step();
+        prefetcher->values(i), prefetcher->values(i + 1);
+      }
       __m512bh half[C][2];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
@@ -624,9 +651,16 @@ void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end
       ahead.load(pb.kv, block_table, pb.block_size, begin + (k + kPrefetchTiles) * kTileTokens, end);
       const int64_t row_bytes = pb.kv.token_stride * int64_t{sizeof(scalar_t)};
       const int64_t steps = 2 * pb.num_kv_heads * kTileTokens;
-      prefetcher = {&ahead, row_bytes, ((row_bytes + 63) / 64 * ahead.num_tokens + steps - 1) / steps};
+      prefetcher.tile = &ahead;
+      prefetcher.row_bytes = row_bytes;
+      prefetcher.lines_per_step = ((row_bytes + 63) / 64 * ahead.num_tokens + steps - 1) / steps;
     }
+    prefetcher.head_bytes = pb.head_dim * int64_t{sizeof(scalar_t)};
     for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
+      // The next unit: the next kv head of this tile, or the first of the next tile (loaded: kPrefetchTiles >= 1).
+      const bool last_head = kv_head + 1 == pb.num_kv_heads;
+      prefetcher.unit_tile = !last_head ? &tile : k + 1 < num_tiles ? &tiles[(k + 1) % kRing] : nullptr;
+      prefetcher.unit_offset = last_head ? 0 : (kv_head + 1) * pb.head_dim;
 #if defined(CPU_CAPABILITY_AVX2)
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
         if (pb.avx512_bf16) {
