@@ -134,9 +134,9 @@ struct Tile {
 //    would fill the core's miss buffers and stall it; lines out of address order cost DRAM bandwidth.
 //  - the next (tile, kv head) unit's key and value rows into L1, a row at a time as the same token's row of the
 //    current unit is worked on; they are in L2 by then.
-// NOTE: measured on Zen 5 (default case, paired runs): the L1 level adds 4-6% when x.sum() reads ~44 GB/s and
-// ~19% when it reads ~72 GB/s; every line must be prefetched (prefetching every second or fourth line and relying
-// on the hardware for the rest halves the speed).
+// NOTE: measured on Zen 5 (paired runs, bench/RESULTS.md): the L1 level adds 15-19% to the default case when
+// x.sum() reads ~72 GB/s (nothing when it reads ~44 GB/s), 18% for float32, 32% for block size 1; every line must
+// be prefetched (prefetching every second or fourth line and leaving the rest to the hardware costs 35-45%).
 template <typename scalar_t>
 struct Prefetcher {
   const Tile<scalar_t>* tile = nullptr;  // next tile (nullptr: none)
