@@ -21,9 +21,12 @@ Vocabulary:
   tokens are equal and it was registered right after the very cache entry matched one block earlier (a
   ``content_id`` that is never reused), so no hash collision can hand out wrong KV. A cached block whose
   reference count drops to 0 stays *evictable*: it counts as free, keeps its content for later hits, and is
-  recycled least recently used first, only once no plain free block is left. A block is registered as soon
-  as its tokens are known, before its KV is written: the engine writes the KV of every token of a step
-  (``reshape_and_cache``) before attention reads any, so a hit in the same step is safe.
+  recycled least recently used first, only once no plain free block is left.
+- *published*: a full block enters the prefix cache only when the caller says its KV is written
+  (``mark_computed``, after the step that wrote it completed), never when its slots are handed out. A step
+  that fails before that leaves nothing behind: freeing its sequences frees their unpublished blocks, so no
+  later request can hit KV that was never written. (Requests admitted in the same step as the one that
+  computes a prefix therefore compute it too; they share it from the next step on.)
 - *swapping*: preemption moves a group of sequences (the beams of one request) to CPU blocks and back; a
   block shared inside the group is moved once and stays shared.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import OrderedDict, deque
+import operator
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -74,9 +78,10 @@ class SeqState:
     token_ids: list[int]
     block_table: list[int]  # GPU block ids, or CPU block ids while swapped out
     swapped_out: bool = False
-    # End of the prefix-cache chain: hash and content id of the cache entry matching the last full block.
+    # End of the prefix-cache chain: hash and content id of the cache entry matching the last published block.
     prefix_hash: Optional[int] = None
     prefix_content_id: Optional[int] = None
+    num_published_blocks: int = 0  # leading full blocks that the chain covers (hits, or published by this seq)
 
 
 @dataclass(frozen=True)
@@ -98,11 +103,12 @@ class BlockManagerStats:
 class BlockManager:
     """Paged KV memory: block tables with reference counts, copy-on-write, fork, prefix caching, swapping.
 
-    Sequence ids are any hashable values. Every method validates its arguments before changing anything:
-    an unknown id raises ``KeyError``; a duplicate id, a swapped-out sequence where a GPU one is needed (or the
-    reverse) or a bad range raises ``ValueError``; lack of memory raises ``OutOfBlocksError``. In each case
-    the manager is unchanged. The ``can_*`` methods raise the same caller errors and return False only for
-    lack of memory.
+    Sequence ids are any hashable values; token ids are non-negative integers (Python or NumPy ints). Every
+    method validates its arguments before changing anything: an unknown id raises ``KeyError``; a duplicate
+    id, a swapped-out sequence where a GPU one is needed (or the reverse), a token id that is not a
+    non-negative integer or a bad count or range raises ``ValueError``; lack of memory raises
+    ``OutOfBlocksError``. In each case the manager is unchanged. The ``can_*`` methods raise the same caller
+    errors and return False only for lack of memory.
 
     Example (parallel sampling)::
 
@@ -113,16 +119,16 @@ class BlockManager:
         if cow:
             paged_attn.copy_blocks(key_caches, value_caches, [cow])  # before writing at `slot`
         bm.free(0); bm.free(1)
+
+    With prefix caching, the caller also says when a sequence's KV is written (``mark_computed``): only then
+    do its full blocks become hits for later sequences.
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = False):
-        if num_gpu_blocks <= 0:
-            raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        num_gpu_blocks = _count(num_gpu_blocks, "num_gpu_blocks", minimum=1)
+        block_size = _count(block_size, "block_size", minimum=1)
+        num_cpu_blocks = _count(num_cpu_blocks, "num_cpu_blocks")
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
@@ -153,6 +159,7 @@ class BlockManager:
         """Whether ``allocate`` of ``token_ids`` would succeed (prefix-cache hits counted) and leave at least
         ``keep_free`` blocks free."""
         token_ids = self._prompt(token_ids)
+        keep_free = _count(keep_free, "keep_free")
         return self._blocks_needed(token_ids, self._prefix_hits(token_ids)) + keep_free <= self.num_free_blocks
 
     def allocate(self, seq_id: Hashable, token_ids: Iterable[int]) -> int:
@@ -174,12 +181,10 @@ class BlockManager:
                 del self.evictable_block_ids[block.block_id]
             block.ref_count += 1
         num_blocks = -(-len(token_ids) // self.block_size)
-        seq = SeqState(token_ids, [block.block_id for block in hits])
+        seq = SeqState(token_ids, [block.block_id for block in hits], num_published_blocks=len(hits))
         seq.block_table += [self._take_gpu_block() for _ in range(num_blocks - len(hits))]
         if hits:
             seq.prefix_hash, seq.prefix_content_id = hits[-1].hash, hits[-1].content_id
-        for index in range(len(hits), len(token_ids) // self.block_size):
-            self._cache_full_block(seq, index)
         self.seqs[seq_id] = seq
         return len(hits) * self.block_size
 
@@ -208,6 +213,7 @@ class BlockManager:
         holding ``slot`` then has exactly one owner.
         """
         seq = self._gpu_seq(seq_id)
+        token_id = _token_id(token_id)
         position = len(seq.token_ids)
         cow = None
         if self._append_needs_block(seq):
@@ -220,9 +226,24 @@ class BlockManager:
                 seq.block_table[-1] = dst_block_id
                 cow = (src_block_id, dst_block_id)
         seq.token_ids.append(token_id)
-        if len(seq.token_ids) % self.block_size == 0:
-            self._cache_full_block(seq, len(seq.block_table) - 1)
         return seq.block_table[-1] * self.block_size + position % self.block_size, cow
+
+    def mark_computed(self, seq_id: Hashable, num_tokens: Optional[int] = None) -> None:
+        """Declare the KV of the sequence's first ``num_tokens`` tokens (default: all it holds) written.
+
+        Call it once the step that wrote them completed. With prefix caching, the full blocks among them are
+        published: later ``allocate`` calls can hit them. Blocks never marked are never hit, so a step that
+        fails (and whose sequences are freed) leaves no cache entry for KV that was not written.
+        """
+        seq = self._gpu_seq(seq_id)
+        num_tokens = len(seq.token_ids) if num_tokens is None else _count(num_tokens, "num_tokens")
+        if num_tokens > len(seq.token_ids):
+            raise ValueError(f"sequence {seq_id!r} holds {len(seq.token_ids)} tokens, cannot mark {num_tokens} "
+                             f"computed")
+        if not self.enable_prefix_caching:
+            return
+        for index in range(seq.num_published_blocks, num_tokens // self.block_size):
+            self._cache_full_block(seq, index)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence (on the GPU or swapped out) and release its blocks."""
@@ -244,6 +265,7 @@ class BlockManager:
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
         """GPU cache slots of the token positions ``[start, end)`` of a sequence resident on the GPU."""
         seq = self._gpu_seq(seq_id)
+        start, end = _count(start, "start", minimum=None), _count(end, "end", minimum=None)
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"positions [{start}, {end}) are out of range for sequence {seq_id!r} "
                              f"of {len(seq.token_ids)} tokens")
@@ -287,7 +309,8 @@ class BlockManager:
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a swapped-out group back to fresh GPU blocks; return the ``(cpu_block, gpu_block)`` copies.
 
-        With prefix caching, the full blocks are registered again (or chained onto equal entries still cached).
+        With prefix caching, the full blocks are published again (or chained onto equal entries still cached)
+        by ``mark_computed``, once the caller has copied them in.
         """
         group = self._group(seq_ids, swapped_out=True)
         cpu_block_ids = self._distinct_block_ids(group)
@@ -296,8 +319,7 @@ class BlockManager:
         self._move_group(group, mapping, self._release_cpu_block, self.gpu_blocks, swapped_out=False)
         for seq in group:
             seq.prefix_hash = seq.prefix_content_id = None
-            for index in range(len(seq.token_ids) // self.block_size):
-                self._cache_full_block(seq, index)
+            seq.num_published_blocks = 0
         return list(mapping.items())
 
     # ---- accounting ----
@@ -365,7 +387,9 @@ class BlockManager:
 
     @staticmethod
     def _prompt(token_ids: Iterable[int]) -> list[int]:
-        token_ids = list(token_ids)
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+            raise ValueError(f"token_ids must be an iterable of token ids, got {type(token_ids).__name__}")
+        token_ids = [_token_id(token_id) for token_id in token_ids]
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
         return token_ids
@@ -437,9 +461,11 @@ class BlockManager:
         return hits
 
     def _cache_full_block(self, seq: SeqState, index: int) -> None:
-        """Register the full block ``index`` of ``seq`` in the prefix cache and extend the seq's chain."""
+        """Register the full block ``index`` (the next one after the chain) of ``seq`` in the prefix cache and
+        extend the seq's chain."""
         if not self.enable_prefix_caching:
             return
+        seq.num_published_blocks = index + 1
         block_tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
         block_hash = _block_hash(seq.prefix_hash, block_tokens)
         twin = self._cached_block(block_hash, block_tokens, seq.prefix_content_id)
@@ -453,3 +479,20 @@ class BlockManager:
                 block.content_id, block.parent_content_id = content_id, seq.prefix_content_id
                 self.hash_to_block_id[block_hash] = block.block_id
         seq.prefix_hash, seq.prefix_content_id = block_hash, content_id
+
+
+def _count(value, name: str, minimum: Optional[int] = 0) -> int:
+    """``value`` as a Python int >= ``minimum`` (None: any); bools and floats (even integral ones) are refused."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _token_id(value) -> int:
+    return _count(value, "a token id")

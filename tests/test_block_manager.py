@@ -22,6 +22,13 @@ def ref_counts(bm, block_ids):
     return [bm.gpu_blocks[b].ref_count for b in block_ids]
 
 
+def allocate_computed(bm, seq_id, token_ids):
+    """allocate, then mark the KV computed, as an engine does once the step that writes it has completed."""
+    cached = bm.allocate(seq_id, token_ids)
+    bm.mark_computed(seq_id)
+    return cached
+
+
 # ---- construction ----
 
 @pytest.mark.parametrize("args, kwargs", [
@@ -204,8 +211,8 @@ def test_block_tables_tensor_is_padded_int32():
 
 def test_prefix_cache_hit_shares_full_blocks_only():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
-    assert bm.allocate(0, range(10)) == 0
-    assert bm.allocate(1, list(range(9)) + [42]) == 8
+    assert allocate_computed(bm, 0, range(10)) == 0
+    assert allocate_computed(bm, 1, list(range(9)) + [42]) == 8
     t0, t1 = bm.block_table(0), bm.block_table(1)
     assert t1[:2] == t0[:2] and t1[2] != t0[2]
     assert ref_counts(bm, t0) == [2, 2, 1]
@@ -213,123 +220,216 @@ def test_prefix_cache_hit_shares_full_blocks_only():
 
 def test_prefix_cache_disabled_never_hits():
     bm = BlockManager(8, 4)
-    bm.allocate(0, range(8))
-    assert bm.allocate(1, range(8)) == 0 and not set(bm.block_table(0)) & set(bm.block_table(1))
+    allocate_computed(bm, 0, range(8))
+    assert allocate_computed(bm, 1, range(8)) == 0 and not set(bm.block_table(0)) & set(bm.block_table(1))
 
 
 def test_fully_cached_prompt_recomputes_its_last_block_in_a_fresh_block():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
-    bm.allocate(0, range(8))
-    assert bm.allocate(1, range(8)) == 4  # never the block holding the last token
+    allocate_computed(bm, 0, range(8))
+    assert allocate_computed(bm, 1, range(8)) == 4  # never the block holding the last token
     t0, t1 = bm.block_table(0), bm.block_table(1)
     assert t1[0] == t0[0] and t1[1] != t0[1]
     assert ref_counts(bm, t1) == [2, 1]  # the block the engine writes has one owner
-    assert bm.allocate(2, range(9)) == 8  # the duplicate did not displace the cached block
+    assert allocate_computed(bm, 2, range(9)) == 8  # the duplicate did not displace the cached block
     assert bm.block_table(2)[:2] == t0
 
 
 def test_equal_blocks_at_different_positions_do_not_match():
     bm = BlockManager(8, 2, enable_prefix_caching=True)
-    bm.allocate(0, [5, 5, 5, 5, 1])
-    assert bm.allocate(1, [7, 7, 5, 5, 1]) == 0  # second block equal, but its prefix differs
-    assert bm.allocate(2, [5, 5, 5, 5, 2]) == 4
+    allocate_computed(bm, 0, [5, 5, 5, 5, 1])
+    assert allocate_computed(bm, 1, [7, 7, 5, 5, 1]) == 0  # second block equal, but its prefix differs
+    assert allocate_computed(bm, 2, [5, 5, 5, 5, 2]) == 4
 
 
 def test_generated_tokens_become_cacheable():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
-    bm.allocate(0, range(6))
+    allocate_computed(bm, 0, range(6))
     bm.append_slot(0, 6)
     bm.append_slot(0, 7)  # fills the second block
-    assert bm.allocate(1, range(9)) == 8
-    assert bm.block_table(1)[:2] == bm.block_table(0)
+    assert bm.allocate(1, range(9)) == 4  # the second block's KV is not written yet
+    bm.mark_computed(0)
+    assert allocate_computed(bm, 2, range(9)) == 8
+    assert bm.block_table(2)[:2] == bm.block_table(0)
+
+
+# ---- publication: a block is hit only once its KV is written ----
+
+def test_blocks_are_hit_only_once_marked_computed():
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    bm.allocate("a", range(10))  # slots handed out; the KV is not written yet
+    assert bm.allocate("b", range(10)) == 0  # (same step: computes its own copy)
+    assert bm.stats().gpu_blocks_used == 6
+    bm.mark_computed("a", 7)  # only the first block is entirely written
+    assert bm.allocate("c", range(10)) == 4
+    bm.mark_computed("a")
+    assert bm.allocate("d", range(10)) == 8
+    assert bm.block_table("d")[:2] == bm.block_table("a")[:2]
+    bm.mark_computed("b")  # equal content is cached once: b chains onto a's entries
+    assert bm.allocate("e", range(10)) == 8 and bm.block_table("e")[:2] == bm.block_table("a")[:2]
+
+
+def test_a_failed_step_publishes_nothing():
+    """The sequences of a step that never completed are freed without mark_computed: their blocks go back to the
+    free list, not to the prefix cache, so nobody ever hits KV that was not written."""
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    allocate_computed(bm, "old", range(5))  # [0..3] published
+    bm.allocate("aborted", list(range(8)) + [9])  # the step writing [4..7] fails
+    bm.fork("old", "sample")
+    for token in (4, 5, 6):
+        bm.append_slot("sample", token)  # fills [0..3] [4 5 6 ...]: a decode step that fails
+    bm.append_slot("sample", 7)
+    bm.free("aborted")
+    bm.free("sample")
+    stats = bm.stats()
+    assert stats.gpu_blocks_cached == 0 and stats.gpu_blocks_used == 2
+    assert len(bm.hash_to_block_id) == 1  # only [0..3], written by a completed step
+    assert bm.allocate("next", range(9)) == 4
+
+
+def test_mark_computed_errors_change_nothing():
+    bm = BlockManager(8, 2, num_cpu_blocks=4, enable_prefix_caching=True)
+    bm.allocate(0, range(5))
+    raises_unchanged(bm, KeyError, bm.mark_computed, 1)
+    raises_unchanged(bm, ValueError, bm.mark_computed, 0, 6, match="holds 5 tokens")
+    for bad in (-1, 2.0, True, "3"):
+        raises_unchanged(bm, ValueError, bm.mark_computed, 0, bad)
+    bm.swap_out([0])
+    raises_unchanged(bm, ValueError, bm.mark_computed, 0, match="swapped out")
+
+
+# ---- arguments that are not what they should be ----
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((8.0,), {}), ((8, 16.0), {}), ((8, True), {}), ((8, "4"), {}), ((8, 4), {"num_cpu_blocks": 2.5}),
+])
+def test_constructor_refuses_non_integers(args, kwargs):
+    with pytest.raises(ValueError, match="must be an integer"):
+        BlockManager(*args, **kwargs)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("bad", [[1, [2], 3], [1, 2.0], [1, -1], [True, 1], [1, "2"], [None], "abc", 7])
+def test_bad_token_ids_are_refused_before_anything_is_taken(prefix_caching, bad):
+    bm = BlockManager(8, 2, enable_prefix_caching=prefix_caching)
+    allocate_computed(bm, "a", [1, 2, 3])
+    raises_unchanged(bm, ValueError, bm.allocate, "b", bad)
+    raises_unchanged(bm, ValueError, bm.can_allocate, bad)
+    assert bm.num_free_blocks == 6 and set(bm.seqs) == {"a"}
+
+
+@pytest.mark.parametrize("bad", [[4], 2.0, -1, None, "4", True])
+def test_append_slot_refuses_a_bad_token_and_appends_nothing(bad):
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    bm.allocate("a", [1])  # the next token fills the block, which would hash it
+    raises_unchanged(bm, ValueError, bm.append_slot, "a", bad)
+    assert bm.append_slot("a", 3) == (bm.block_table("a")[0] * 2 + 1, None)
+
+
+def test_numpy_and_torch_integers_are_token_ids():
+    import numpy as np
+
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    allocate_computed(bm, "a", np.arange(5))
+    assert allocate_computed(bm, "b", torch.arange(5).tolist()) == 4
+    assert bm.append_slot("a", np.int64(7))[1] is None and bm.seqs["a"].token_ids[-1] == 7
+    assert all(type(t) is int for t in bm.seqs["a"].token_ids)
+
+
+def test_can_allocate_refuses_a_negative_or_non_integer_keep_free():
+    bm = BlockManager(4, 2)
+    for bad in (-5, 1.5, None):
+        with pytest.raises(ValueError, match="keep_free"):
+            bm.can_allocate([1, 2], keep_free=bad)
+    assert bm.can_allocate([1, 2], keep_free=3) and not bm.can_allocate([1, 2], keep_free=4)
 
 
 def test_freed_cached_blocks_stay_reusable_and_count_as_free():
     bm = BlockManager(4, 4, enable_prefix_caching=True)
-    bm.allocate(0, range(9))
+    allocate_computed(bm, 0, range(9))
     bm.free(0)
     stats = bm.stats()
     assert bm.num_free_blocks == 4 and stats.gpu_blocks_cached == 2 and stats.gpu_blocks_used == 0
-    assert bm.allocate(1, range(9)) == 8
+    assert allocate_computed(bm, 1, range(9)) == 8
     assert bm.stats().gpu_blocks_cached == 0
 
 
 def test_evictable_hits_count_against_free_memory():
     bm = BlockManager(3, 2, enable_prefix_caching=True)
-    bm.allocate(0, range(5))
+    allocate_computed(bm, 0, range(5))
     bm.free(0)  # [0 1] [2 3] cached and evictable, one plain free block
-    bm.allocate("z", [7])  # takes the plain free block
+    allocate_computed(bm, "z", [7])  # takes the plain free block
     assert bm.num_free_blocks == 2
     assert not bm.can_allocate([0, 1, 2, 3, 9])  # 2 evictable hits + 1 fresh block
     raises_unchanged(bm, OutOfBlocksError, bm.allocate, 1, [0, 1, 2, 3, 9], match="needs 3 .*only 2")
     bm.free("z")
-    assert bm.allocate(1, [0, 1, 2, 3, 9]) == 4 and bm.num_free_blocks == 0
+    assert allocate_computed(bm, 1, [0, 1, 2, 3, 9]) == 4 and bm.num_free_blocks == 0
 
 
 def test_hits_on_blocks_in_use_need_no_free_memory():
     bm = BlockManager(4, 2, enable_prefix_caching=True)
-    bm.allocate(0, range(5))  # blocks: [0 1] [2 3] [4]; one block left
+    allocate_computed(bm, 0, range(5))  # blocks: [0 1] [2 3] [4]; one block left
     assert bm.can_allocate([0, 1, 2, 3, 9])
     assert not bm.can_allocate([0, 1, 2, 3, 9], keep_free=1)  # the hits count, the fresh block does not stay free
-    assert bm.allocate(1, [0, 1, 2, 3, 9]) == 4 and bm.num_free_blocks == 0
+    assert allocate_computed(bm, 1, [0, 1, 2, 3, 9]) == 4 and bm.num_free_blocks == 0
 
 
 def test_plain_free_blocks_are_used_before_cached_ones_and_eviction_is_lru():
     bm = BlockManager(5, 2, enable_prefix_caching=True)
-    bm.allocate("old", [1, 1, 9])
-    bm.allocate("new", [2, 2, 9])
+    allocate_computed(bm, "old", [1, 1, 9])
+    allocate_computed(bm, "new", [2, 2, 9])
     bm.free("old")
     bm.free("new")  # cached: [1 1] (least recently used), [2 2]; 3 plain free blocks
-    bm.allocate("x", [3, 3, 9])  # takes 2 plain free blocks
+    allocate_computed(bm, "x", [3, 3, 9])  # takes 2 plain free blocks
     assert bm.stats().gpu_blocks_cached == 2
     bm.free("x")  # cached: [1 1], [2 2], [3 3]; 2 plain free blocks
-    bm.allocate("y", [7] * 5)  # 3 blocks: the 2 plain free ones, then evicts [1 1]
+    allocate_computed(bm, "y", [7] * 5)  # 3 blocks: the 2 plain free ones, then evicts [1 1]
     assert bm.stats().gpu_blocks_cached == 2
-    assert bm.allocate("b", [2, 2, 9]) == 2  # hits [2 2], and its fresh block evicts [3 3]
+    assert allocate_computed(bm, "b", [2, 2, 9]) == 2  # hits [2 2], and its fresh block evicts [3 3]
     assert bm.stats().gpu_blocks_cached == 0
     bm.free("y")
-    assert bm.allocate("a", [1, 1, 9]) == 0
+    assert allocate_computed(bm, "a", [1, 1, 9]) == 0
 
 
 def test_eviction_is_least_recently_used_first():
     bm = BlockManager(3, 2, enable_prefix_caching=True)
     for seq_id, token in [("a", 1), ("b", 2), ("c", 3)]:
-        bm.allocate(seq_id, [token, token])  # one full, cached block each
+        allocate_computed(bm, seq_id, [token, token])  # one full, cached block each
     for seq_id in ["a", "c", "b"]:
         bm.free(seq_id)  # LRU order: [1 1], [3 3], [2 2]
-    bm.allocate("z", [9])  # evicts [1 1]
-    assert bm.allocate("d", [2, 2, 0]) == 2  # hits [2 2]; its fresh block evicts [3 3]
+    allocate_computed(bm, "z", [9])  # evicts [1 1]
+    assert allocate_computed(bm, "d", [2, 2, 0]) == 2  # hits [2 2]; its fresh block evicts [3 3]
     bm.free("z")
     bm.free("d")
-    assert bm.allocate("e", [1, 1, 0]) == 0
+    assert allocate_computed(bm, "e", [1, 1, 0]) == 0
 
 
 def test_freeing_a_sequence_makes_its_tail_older_than_its_prefix():
     bm = BlockManager(3, 2, enable_prefix_caching=True)
-    bm.allocate("filler", [0])
-    bm.allocate("a", [1, 1, 2, 2])
+    allocate_computed(bm, "filler", [0])
+    allocate_computed(bm, "a", [1, 1, 2, 2])
     bm.free("a")  # cached [2 2] is now less recently used than [1 1]
-    bm.allocate("z", [9])  # evicts [2 2]
+    allocate_computed(bm, "z", [9])  # evicts [2 2]
     bm.free("filler")
-    assert bm.allocate("b", [1, 1, 5]) == 2
+    assert allocate_computed(bm, "b", [1, 1, 5]) == 2
 
 
 def test_hash_collisions_never_hit(monkeypatch):
     monkeypatch.setattr(block_manager, "_block_hash", lambda parent_hash, token_ids: 0)
     bm = BlockManager(8, 2, enable_prefix_caching=True)
-    bm.allocate(0, [1, 1, 3])
-    assert bm.allocate(1, [2, 2, 3]) == 0  # same hash, other tokens
-    assert bm.allocate(2, [1, 1, 4]) == 2  # same hash, same tokens
+    allocate_computed(bm, 0, [1, 1, 3])
+    assert allocate_computed(bm, 1, [2, 2, 3]) == 0  # same hash, other tokens
+    assert allocate_computed(bm, 2, [1, 1, 4]) == 2  # same hash, same tokens
 
 
 def test_a_hit_needs_the_exact_parent_not_just_equal_tokens(monkeypatch):
     # A hash that forgets the parent: the block [5 5] after [1 1] collides with [5 5] after [2 2].
     monkeypatch.setattr(block_manager, "_block_hash", lambda parent_hash, token_ids: hash(token_ids))
     bm = BlockManager(12, 2, enable_prefix_caching=True)
-    bm.allocate(0, [1, 1, 5, 5, 0])
-    bm.allocate(1, [2, 2, 0])
-    assert bm.allocate(2, [2, 2, 5, 5, 0]) == 2  # [2 2] hits; [5 5] is cached, but after [1 1]
-    assert bm.allocate(3, [1, 1, 5, 5, 0]) == 4
+    allocate_computed(bm, 0, [1, 1, 5, 5, 0])
+    allocate_computed(bm, 1, [2, 2, 0])
+    assert allocate_computed(bm, 2, [2, 2, 5, 5, 0]) == 2  # [2 2] hits; [5 5] is cached, but after [1 1]
+    assert allocate_computed(bm, 3, [1, 1, 5, 5, 0]) == 4
 
 
 # ---- swapping ----
@@ -409,16 +509,18 @@ def test_fork_and_free_while_swapped_out():
 
 def test_swapped_out_cached_blocks_stay_hittable_and_swap_in_recaches():
     bm = BlockManager(4, 2, num_cpu_blocks=4, enable_prefix_caching=True)
-    bm.allocate(0, range(5))
+    allocate_computed(bm, 0, range(5))
     bm.swap_out([0])
     assert bm.stats().gpu_blocks_cached == 2  # the GPU copies of [0 1] [2 3] are still valid
-    assert bm.allocate(1, [0, 1, 2, 3, 8]) == 4
+    assert allocate_computed(bm, 1, [0, 1, 2, 3, 8]) == 4
     bm.free(1)
-    bm.allocate(2, [9] * 8)  # evicts both cached blocks
+    allocate_computed(bm, 2, [9] * 8)  # evicts both cached blocks
     bm.free(2)
     bm.swap_in([0])
-    assert bm.allocate(3, [0, 1, 2, 3, 8]) == 4  # registered again by swap_in
-    assert bm.block_table(3)[:2] == bm.block_table(0)[:2]
+    assert not set(bm.hash_to_block_id.values()) & set(bm.block_table(0))  # copied in, not yet marked computed
+    bm.mark_computed(0)
+    assert allocate_computed(bm, 4, [0, 1, 2, 3, 8]) == 4  # published again after swap_in
+    assert bm.block_table(4)[:2] == bm.block_table(0)[:2]
 
 
 # ---- accounting ----

@@ -3,9 +3,11 @@
 The simulated cache holds, in each slot, a stand-in for the KV of a token: the tuple of the tokens up to and
 including it (real KV depends on the whole prefix, so a prefix-cache hit on equal tokens after a different
 prefix must show up as wrong data). The machine writes each new token's stand-in into the slot the manager
-hands out, performs the returned copy-on-write and swap copies block by block, and after every step checks that
-each sequence reads back exactly its own tokens through its block table, that every cached block really holds
-its tokens, and that the reference counts and free lists agree with the block tables.
+hands out, performs the returned copy-on-write and swap copies block by block, marks the KV computed (at once or
+later), and after every step checks that each sequence reads back exactly its own tokens through its block table,
+that every cached block really holds its tokens, and that the reference counts and free lists agree with the
+block tables. Failed steps are simulated too: sequences are allocated or extended, garbage is written where their
+KV would go, and they are freed without being marked computed; no cached block may ever hold that garbage.
 """
 
 from collections import Counter
@@ -20,6 +22,7 @@ from paged_attn import block_manager
 from paged_attn.block_manager import BlockManager, OutOfBlocksError
 
 EMPTY = None  # a simulated slot that no token was ever written to
+GARBAGE = ("garbage",)  # what a failed step leaves in the slots it was writing
 tokens_strategy = st.lists(st.integers(0, 2), min_size=1, max_size=8)  # tiny vocabulary: prefixes repeat
 
 
@@ -87,11 +90,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # ---- rules ----
 
-    @rule(tail=tokens_strategy, base=st.integers(0, 1000), cut=st.integers(0, 12))
-    def allocate(self, tail, base, cut):
+    def new_prompt(self, tail, base, cut):
         prefix = self.past_prompts[base % len(self.past_prompts)][:cut] if self.past_prompts and base % 3 else []
-        prompt = prefix + tail
         seq_id, self.next_seq_id = self.next_seq_id, self.next_seq_id + 1
+        return seq_id, prefix + tail
+
+    def append(self, seq_id, token, tokens):
+        """append_slot and its copy-on-write; returns the slot to write, or None when out of blocks."""
+        if not self.bm.can_append_slot(seq_id):
+            self.expect_unchanged(OutOfBlocksError, self.bm.append_slot, seq_id, token)
+            return None
+        slot, cow = self.bm.append_slot(seq_id, token)
+        if cow is not None:
+            src, dst = cow
+            assert src != dst and self.bm.gpu_blocks[src].ref_count >= 1
+            self.copy_block(self.gpu_cache, src, self.gpu_cache, dst)
+        tokens.append(token)
+        return slot
+
+    @rule(tail=tokens_strategy, base=st.integers(0, 1000), cut=st.integers(0, 12), computed=st.booleans())
+    def allocate(self, tail, base, cut, computed):
+        seq_id, prompt = self.new_prompt(tail, base, cut)
         if not self.bm.can_allocate(prompt):
             self.expect_unchanged(OutOfBlocksError, self.bm.allocate, seq_id, prompt)
             return
@@ -100,26 +119,57 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert cached == 0 or self.bm.enable_prefix_caching
         for position, slot in enumerate(self.bm.slot_mapping(seq_id, cached, len(prompt)), start=cached):
             self.write(slot, kv(prompt, position))
+        if computed:
+            self.bm.mark_computed(seq_id)
         self.expected[seq_id] = list(prompt)
         self.past_prompts = (self.past_prompts + [prompt])[-16:]
 
-    @rule(index=st.integers(0, 1000), token=st.integers(0, 2))
-    def append_slot(self, index, token):
+    @rule(index=st.integers(0, 1000), token=st.integers(0, 2), computed=st.booleans())
+    def append_slot(self, index, token, computed):
         seq_id = self.pick(index, swapped_out=False)
         if seq_id is None:
             return
-        if not self.bm.can_append_slot(seq_id):
-            self.expect_unchanged(OutOfBlocksError, self.bm.append_slot, seq_id, token)
+        tokens = self.expected[seq_id]
+        slot = self.append(seq_id, token, tokens)
+        if slot is None:
             return
-        slot, cow = self.bm.append_slot(seq_id, token)
-        if cow is not None:
-            src, dst = cow
-            assert src != dst and self.bm.gpu_blocks[src].ref_count >= 1
-            self.copy_block(self.gpu_cache, src, self.gpu_cache, dst)
-        self.expected[seq_id].append(token)
-        self.write(slot, kv(self.expected[seq_id], len(self.expected[seq_id]) - 1))
-        if len(self.expected[seq_id]) % self.bm.block_size == 0:
-            self.past_prompts = (self.past_prompts + [list(self.expected[seq_id])])[-16:]
+        self.write(slot, kv(tokens, len(tokens) - 1))
+        if computed:
+            self.bm.mark_computed(seq_id)
+        if len(tokens) % self.bm.block_size == 0:
+            self.past_prompts = (self.past_prompts + [list(tokens)])[-16:]
+
+    @rule(index=st.integers(0, 1000), cut=st.integers(0, 1000))
+    def mark_computed(self, index, cut):
+        seq_id = self.pick(index, swapped_out=False)
+        if seq_id is not None:
+            self.bm.mark_computed(seq_id, cut % (len(self.expected[seq_id]) + 1))
+
+    @rule(tail=tokens_strategy, base=st.integers(0, 1000), cut=st.integers(0, 12), index=st.integers(0, 1000),
+          tokens=st.lists(st.integers(0, 2), max_size=6))
+    def failed_step(self, tail, base, cut, index, tokens):
+        """A step that dies half-way: a new prompt and a forked sample are given slots, garbage lands where
+        their KV would go, and both are freed without mark_computed (what the engine does on an error)."""
+        doomed = []
+        seq_id, prompt = self.new_prompt(tail, base, cut)
+        if self.bm.can_allocate(prompt):
+            cached = self.bm.allocate(seq_id, prompt)
+            doomed.append(seq_id)
+            for slot in self.bm.slot_mapping(seq_id, cached, len(prompt)):
+                self.write(slot, GARBAGE)
+        parent = self.pick(index, swapped_out=False)
+        if parent is not None:
+            child, self.next_seq_id = self.next_seq_id, self.next_seq_id + 1
+            self.bm.fork(parent, child)
+            doomed.append(child)
+            child_tokens = list(self.expected[parent])
+            for token in tokens:
+                slot = self.append(child, token, child_tokens)
+                if slot is None:
+                    break
+                self.write(slot, GARBAGE)
+        for seq_id in doomed:
+            self.bm.free(seq_id)
 
     @rule(index=st.integers(0, 1000))
     def fork(self, index):
@@ -164,6 +214,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len({cpu for cpu, _ in mapping}) == len({gpu for _, gpu in mapping}) == len(mapping)
         for cpu_block, gpu_block in mapping:
             self.copy_block(self.cpu_cache, cpu_block, self.gpu_cache, gpu_block)
+        for seq_id in group:
+            self.bm.mark_computed(seq_id)
 
     @rule(index=st.integers(0, 1000))
     def misuse(self, index):
@@ -184,6 +236,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         else:
             self.expect_unchanged(ValueError, self.bm.swap_in, [seq_id])
             self.expect_unchanged(ValueError, self.bm.slot_mapping, seq_id, 0, len(self.expected[seq_id]) + 1)
+            self.expect_unchanged(ValueError, self.bm.mark_computed, seq_id, len(self.expected[seq_id]) + 1)
+            for bad_token in ([1], 1.0, -1, None):
+                self.expect_unchanged(ValueError, self.bm.append_slot, seq_id, bad_token)
+        for bad_prompt in ([0, [1]], [0, -1], [0, 1.0], [], 3):
+            self.expect_unchanged(ValueError, self.bm.allocate, unknown, bad_prompt)
+            self.expect_unchanged(ValueError, self.bm.can_allocate, bad_prompt)
+        self.expect_unchanged(ValueError, self.bm.can_allocate, [0], -1)
 
     # ---- invariants ----
 
@@ -227,11 +286,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
+        """Every cached block holds the KV of its tokens, all after one same prefix (never garbage or nothing)."""
         bs = self.bm.block_size
         for block in self.bm.gpu_blocks:
             if block.hash is not None:
                 stored = self.gpu_cache[block.block_id * bs:(block.block_id + 1) * bs]
-                assert tuple(value[-1] for value in stored) == block.token_ids
+                assert all(isinstance(value, tuple) and value != GARBAGE for value in stored), stored
+                prefix = stored[0][:-1]
+                assert stored == [prefix + block.token_ids[:i + 1] for i in range(bs)], stored
 
     @invariant()
     def stats_agree(self):

@@ -63,6 +63,7 @@ class PagedWorld:
     def add(self, seq_id, prompt):
         cached = self.manager.allocate(seq_id, prompt)
         self.write([(seq_id, i, tuple(prompt[: i + 1])) for i in range(cached, len(prompt))])
+        self.manager.mark_computed(seq_id)
         self.keys[seq_id] = [self.kv_for(tuple(prompt[: i + 1]))[0] for i in range(len(prompt))]
         self.values[seq_id] = [self.kv_for(tuple(prompt[: i + 1]))[1] for i in range(len(prompt))]
         self.tokens[seq_id] = list(prompt)
@@ -89,6 +90,8 @@ class PagedWorld:
         if cows:
             paged_attn.copy_blocks([self.key_cache], [self.value_cache], cows)
         self.write(entries)
+        for seq_id in new_tokens:
+            self.manager.mark_computed(seq_id)
         return cows
 
     def swap_out(self, seq_ids):
@@ -108,6 +111,8 @@ class PagedWorld:
         mapping = self.manager.swap_in(seq_ids)
         paged_attn.swap_blocks(self.cpu_key_cache, self.key_cache, mapping)
         paged_attn.swap_blocks(self.cpu_value_cache, self.value_cache, mapping)
+        for seq_id in seq_ids:
+            self.manager.mark_computed(seq_id)
         return mapping
 
     def check_attention(self, seq_ids):
