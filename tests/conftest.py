@@ -32,6 +32,39 @@ def validation():
     paged_attn.set_validation(before)
 
 
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A small random Llama (2 layers, GQA 4:2, head_dim 16, vocab 101, EOS 7) built in place, on the CPU: for
+    engine tests that need a model but not a real one (nothing is loaded)."""
+    from paged_attn.engine import LlamaModel, ModelConfig
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                      vocab_size=101, max_model_len=128, rope_theta=10000.0, rms_norm_eps=1e-5, eos_token_id=7)
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(*shape, scale=0.3):
+        return torch.randn(*shape, generator=generator) * scale
+
+    q_size, kv_size, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    weights = {"model.embed_tokens.weight": weight(cfg.vocab_size, hidden, scale=1.0),
+               "model.norm.weight": 1 + weight(hidden, scale=0.1),
+               "lm_head.weight": weight(cfg.vocab_size, hidden, scale=1.0)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": 1 + weight(hidden, scale=0.1),
+            p + "post_attention_layernorm.weight": 1 + weight(hidden, scale=0.1),
+            p + "self_attn.q_proj.weight": weight(q_size, hidden),
+            p + "self_attn.k_proj.weight": weight(kv_size, hidden),
+            p + "self_attn.v_proj.weight": weight(kv_size, hidden),
+            p + "self_attn.o_proj.weight": weight(hidden, q_size),
+            p + "mlp.gate_proj.weight": weight(cfg.intermediate_size, hidden),
+            p + "mlp.up_proj.weight": weight(cfg.intermediate_size, hidden),
+            p + "mlp.down_proj.weight": weight(hidden, cfg.intermediate_size),
+        })
+    return LlamaModel(cfg, weights)
+
+
 def snapshot(bm):
     """Everything the manager holds, to compare before and after a call that must fail."""
     blocks = [(b.ref_count, b.hash, b.token_ids, b.content_id, b.parent_content_id) for b in bm.gpu_blocks]

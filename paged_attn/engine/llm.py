@@ -13,10 +13,14 @@ Example::
 from __future__ import annotations
 
 import itertools
+import math
+import operator
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence as SequenceType, Union
 
+import numpy as np
 import torch
 
 from .model import LlamaModel, Tokenizer
@@ -67,6 +71,11 @@ class LLM:
             admission, as a contiguous KV allocator must (a baseline for comparisons; see ``scheduler``).
         seed: seeds the sampling of requests that give no seed of their own.
         tokenizer: for a transformers model, anything with ``encode``/``decode`` (e.g. its tokenizer).
+
+    ``generate`` may be called from several threads: the calls run one after another, never interleaved. If it
+    raises (an invalid request, an interrupt, an error in the forward pass or the sampler), the engine drops
+    every request of that call and is left as if the call had never been made, apart from prefix-cache entries
+    whose KV had been completely written.
     """
 
     def __init__(self, model=None, *, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
@@ -74,9 +83,16 @@ class LLM:
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, admission_headroom: int = 2,
                  kv_reservation: str = "none", seed: int = 0, tokenizer=None):
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {device!r}: {error}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {str(device)!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device is CUDA but no CUDA GPU is available")
+        if dtype is not None:
+            LlamaModel.check_dtype(device, dtype)
         if device.type == "cuda" and block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32 on CUDA (the paged_attention kernel), got {block_size}")
         if block_size < 1 or num_cpu_blocks < 0 or max_num_seqs < 1 or max_num_batched_tokens < 1 or \
@@ -86,6 +102,10 @@ class LLM:
                              f"{max_num_batched_tokens}, {num_cpu_blocks}, {admission_headroom}")
         if num_gpu_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_gpu_blocks or kv_cache_memory, not both")
+        if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or
+                                            not isinstance(kv_cache_memory, (int, float)) or
+                                            not math.isfinite(kv_cache_memory) or kv_cache_memory <= 0):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
         if isinstance(model, LlamaModel):
             if model.device != device or (dtype is not None and dtype != model.dtype):
                 model = LlamaModel(model.config, model.state_dict(), model.tokenizer, device, dtype, model.use_onednn)
@@ -119,40 +139,30 @@ class LLM:
                                    kv_reservation, admission_headroom)
         self.generator = torch.Generator(device).manual_seed(seed)
         self._request_ids = itertools.count()
+        self._lock = threading.Lock()  # one generate at a time
 
     # ---- public API ----
 
     def generate(self, prompts: Union[str, SequenceType[str], SequenceType[SequenceType[int]]],
                  sampling_params: Union[SamplingParams, SequenceType[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids); return the outputs in the order of the prompts."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Generate for every prompt; return the outputs in the order of the prompts.
+
+        ``prompts``: a string, a list of token ids (ints, or a 1-D integer array or tensor), or a list of
+        those; a 2-D integer array or tensor is a batch of equal-length prompts, one per row.
+        ``sampling_params``: one for all prompts, or one per prompt. Calls from several threads are serialized.
+        """
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        requests = [self._make_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
-        scheduler = self.scheduler
-        scheduler.reset_stats()
-        for request in requests:
-            scheduler.add(request)
-        outputs: dict[int, RequestOutput] = {}
-        progress = _progress_bar(len(requests), use_tqdm)
-        start = time.perf_counter()
-        try:
-            while scheduler.has_unfinished():
-                for request in self._step():
-                    outputs[request.request_id] = self._output(request)
-                    progress.update(1)
-                rate = scheduler.num_generated_tokens / (time.perf_counter() - start)
-                progress.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
-        except BaseException:
-            scheduler.abort_all()
-            raise
-        finally:
-            progress.close()
-        return [outputs[request.request_id] for request in requests]
+        elif isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
+        with self._lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> EngineStats:
         """KV-cache figures: blocks used now and at the peak of the last ``generate``, utilization, blocks saved
@@ -160,6 +170,29 @@ class LLM:
         return self.scheduler.stats()
 
     # ---- internals ----
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        requests = [self._make_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        scheduler = self.scheduler
+        scheduler.reset_stats()
+        outputs: dict[int, RequestOutput] = {}
+        progress = _progress_bar(len(requests), use_tqdm)
+        start = time.perf_counter()
+        try:
+            for request in requests:
+                scheduler.add(request)
+            while scheduler.has_unfinished():
+                for request in self._step():
+                    outputs[request.request_id] = self._output(request)
+                    progress.update(1)
+                rate = scheduler.num_generated_tokens / (time.perf_counter() - start)
+                progress.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+        except BaseException:  # KeyboardInterrupt included: drop every request, publish nothing unwritten
+            scheduler.abort_all()
+            raise
+        finally:
+            progress.close()
+        return [outputs[request.request_id] for request in requests]
 
     def _make_request(self, prompt, params: SamplingParams) -> Request:
         if not isinstance(params, SamplingParams):
@@ -169,7 +202,7 @@ class LLM:
                 raise ValueError("text prompts need a tokenizer; pass token ids or LLM(..., tokenizer=...)")
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         else:
-            text, token_ids = None, [int(t) for t in prompt]
+            text, token_ids = None, prompt
         cfg, scheduler = self.config, self.scheduler
         if not token_ids:
             raise ValueError("empty prompt: a prompt needs at least one token")
@@ -195,6 +228,7 @@ class LLM:
         """Run one scheduled step and sample; return the requests that finished."""
         requests, batch = self.scheduler.schedule()
         logits = self.model.forward(batch, self.scheduler.kv_caches)  # [num_seqs, vocab_size]
+        self.scheduler.mark_computed(requests)  # the step's KV is written: its full blocks may now be hit
         logprobs = torch.log_softmax(logits, dim=-1)
         greedy = logprobs.argmax(dim=-1)
         greedy_ids, greedy_logprobs = greedy.tolist(), logprobs.gather(-1, greedy[:, None]).squeeze(-1).tolist()
@@ -295,6 +329,53 @@ class LLM:
             for index, seq in enumerate(ranked)
         ]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions)
+
+
+def _prompt_list(prompts) -> list[Union[str, list[int]]]:
+    """The prompts of a ``generate`` call as a list of strings and token-id lists; anything ambiguous (a list
+    mixing strings and ids, float ids) raises ValueError."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        if prompts.ndim not in (1, 2):
+            raise ValueError(f"a tensor or array of prompts must be 1-D (one prompt) or 2-D (one prompt per row), "
+                             f"got shape {tuple(prompts.shape)}")
+        return [_token_ids(prompts)] if prompts.ndim == 1 else [_token_ids(row) for row in prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids or a list of prompts, got "
+                         f"{type(prompts).__name__}")
+    if prompts and all(_is_token_id(item) for item in prompts):
+        return [_token_ids(prompts)]
+    return [item if isinstance(item, str) else _token_ids(item) for item in prompts]
+
+
+def _is_token_id(value) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        operator.index(value)
+        return True
+    except TypeError:
+        return False
+
+
+def _token_ids(prompt) -> list[int]:
+    """One prompt of token ids: a list or tuple of ints, or a 1-D integer array or tensor."""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        is_int = (not prompt.dtype.is_floating_point and not prompt.dtype.is_complex and prompt.dtype != torch.bool) \
+            if isinstance(prompt, torch.Tensor) else np.issubdtype(prompt.dtype, np.integer)
+        if prompt.ndim != 1 or not is_int:
+            raise ValueError(f"a prompt of token ids must be 1-D and of an integer dtype, got shape "
+                             f"{tuple(prompt.shape)} of {prompt.dtype}")
+        return [int(t) for t in prompt.tolist()]
+    if not isinstance(prompt, (list, tuple)) or not all(_is_token_id(t) for t in prompt):
+        raise ValueError(f"each prompt must be a string or a list of integer token ids, got {_describe(prompt)}")
+    return [operator.index(t) for t in prompt]
+
+
+def _describe(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class _NoProgress:

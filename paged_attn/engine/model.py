@@ -187,6 +187,7 @@ def config_from_transformers(hf_config) -> ModelConfig:
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # where the device's matmul has them
 
 
 class LlamaModel:
@@ -198,6 +199,7 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.check_dtype(self.device, self.dtype, use_onednn)
 
         def get(name):
             return weights[name].to(device=self.device, dtype=self.dtype)
@@ -237,6 +239,29 @@ class LlamaModel:
         if weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
         return F.linear(x, weight)
+
+    @classmethod
+    def check_dtype(cls, device: torch.device, dtype, use_onednn: bool = True) -> None:
+        """Raise ValueError unless the forward pass can run in ``dtype`` on ``device``: one of SUPPORTED_DTYPES,
+        and a small projection through the same matmul path as the model's must run."""
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {_names(SUPPORTED_DTYPES)}, got {dtype}")
+        error = cls._matmul_error(device, dtype, use_onednn)
+        if error is not None:
+            supported = [d for d in SUPPORTED_DTYPES if cls._matmul_error(device, d, use_onednn) is None]
+            raise ValueError(f"dtype {_names([dtype])} is not supported on {device} by this machine ({error}); "
+                             f"supported here: {_names(supported)}")
+
+    @classmethod
+    def _matmul_error(cls, device: torch.device, dtype: torch.dtype, use_onednn: bool) -> Optional[str]:
+        try:
+            weight = torch.ones(16, 16, dtype=dtype, device=device)
+            if use_onednn and device.type == "cpu" and torch.backends.mkldnn.is_available():
+                weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            cls._linear(torch.ones(2, 16, dtype=dtype, device=device), weight)
+        except RuntimeError as error:
+            return str(error).splitlines()[0]
+        return None
 
     @classmethod
     def from_gguf(cls, path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> "LlamaModel":
@@ -338,3 +363,7 @@ class LlamaModel:
             hidden = hidden + self._linear(F.silu(gate) * up, layer["down_proj"])
         hidden = self._rms_norm(hidden[batch.logits_indices], self.norm)
         return self._linear(hidden, self.lm_head).float()
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(dtype).replace("torch.", "") for dtype in dtypes)

@@ -5,7 +5,9 @@ sequence). A request's sequences are scheduled, swapped and preempted together. 
 are its prompt plus every token sampled so far; the block manager holds all of them but the last, whose slot is
 reserved (``append_slot``) when the step that writes its KV is scheduled. Every cache operation the manager asks
 for (copy-on-write, swap out, swap in) is applied as soon as it is returned, so it always precedes the step's
-writes.
+writes. Once the step's forward pass has completed, ``mark_computed`` publishes the blocks it filled to the
+prefix cache; if anything fails before that, ``abort_all`` drops every request and no unwritten block is ever
+published.
 
 ``kv_reservation`` picks how KV memory is promised to requests. ``"none"`` (paged, the default): blocks are taken
 as tokens arrive and a request holds only what it has written. The other two emulate the contiguous allocators
@@ -101,18 +103,16 @@ class Scheduler:
         self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * \
+            torch.empty((), dtype=dtype).element_size()
+        # The cache tensors come first: an oversized pool fails here, at once, before the manager's bookkeeping.
+        self.kv_caches = _allocate_caches(config, num_gpu_blocks, block_size, dtype, device, False,
+                                          self.bytes_per_block, "num_gpu_blocks")
+        self.cpu_kv_caches = _allocate_caches(config, num_cpu_blocks, block_size, dtype, torch.device("cpu"),
+                                              device.type == "cuda", self.bytes_per_block, "num_cpu_blocks") \
+            if num_cpu_blocks else []
         self.manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                     enable_prefix_caching=enable_prefix_caching)
-        shape = (block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.empty(num_gpu_blocks, *shape, dtype=dtype, device=device),
-                           torch.empty(num_gpu_blocks, *shape, dtype=dtype, device=device))
-                          for _ in range(config.num_layers)]
-        pin = device.type == "cuda"
-        self.cpu_kv_caches = [(torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin),
-                               torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin))
-                              for _ in range(config.num_layers if num_cpu_blocks else 0)]
-        self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * \
-            self.kv_caches[0][0].element_size()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.swapped: list[Request] = []  # oldest first
@@ -182,13 +182,31 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         self.running.remove(request)
 
+    def mark_computed(self, requests: list[Request]) -> None:
+        """The step's forward pass has written the KV of every token of these requests' sequences: publish
+        their full blocks to the prefix cache."""
+        for request in requests:
+            for seq in request.seqs:
+                self.manager.mark_computed(seq.seq_id)
+
     def abort_all(self) -> None:
-        """Drop every request and free its blocks (after an error)."""
-        for seq_id in list(self.manager.seqs):
-            self.manager.free(seq_id)
+        """Drop every request and free its blocks (after an error). Blocks of the failed step were never
+        published, so they return to the free list; published ones keep their (written) KV in the prefix cache."""
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
+        manager = self.manager
+        try:
+            for seq_id in list(manager.seqs):
+                manager.free(seq_id)
+            consistent = manager.num_free_blocks == manager.num_gpu_blocks and \
+                manager.num_free_cpu_blocks == manager.num_cpu_blocks
+        except Exception:  # the error interrupted the manager itself (e.g. KeyboardInterrupt mid-call)
+            consistent = False
+        if not consistent:  # start over with an empty manager (and prefix cache) rather than trust its state
+            self.manager = BlockManager(manager.num_gpu_blocks, manager.block_size,
+                                        num_cpu_blocks=manager.num_cpu_blocks,
+                                        enable_prefix_caching=manager.enable_prefix_caching)
 
     # ---- scheduling ----
 
@@ -348,3 +366,35 @@ class Scheduler:
             context_lens=context_lens,
             logits_indices=tensor([end - 1 for end in ends]),
         )
+
+
+def _allocate_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device, pin_memory: bool, bytes_per_block: int, name: str):
+    """One (key_cache, value_cache) pair per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each;
+    a pool that cannot be allocated raises ValueError at once."""
+    total = num_blocks * bytes_per_block
+    too_big = f"{name}={num_blocks} blocks of {bytes_per_block} bytes ({total / 2**30:.2f} GiB of KV cache)"
+    if device.type == "cpu" and not pin_memory:  # untouched pages would be granted lazily and fail much later
+        available = _available_cpu_memory()
+        if available is not None and total > available:
+            raise ValueError(f"{too_big} do not fit the {available / 2**30:.2f} GiB of memory available on the "
+                             f"CPU; lower {name} or kv_cache_memory")
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    try:
+        return [(torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory),
+                 torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory))
+                for _ in range(config.num_layers)]
+    except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        raise ValueError(f"{too_big} cannot be allocated on {device}: {error}") from None
+
+
+def _available_cpu_memory() -> Optional[int]:
+    """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

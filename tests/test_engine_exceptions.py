@@ -1,0 +1,234 @@
+"""Exception safety of the engine: whatever fails inside ``generate``, and wherever, the engine ends clean.
+
+An exception (KeyboardInterrupt, an error in the forward pass, the sampler, a cache op, the block manager) is
+injected at chosen calls of each point where a step can fail: the prefill, a decode step, the decode step that
+fills a block, half-way through the forward pass (some layers' KV written, not the others), the sampler, a swap out
+or in, a copy-on-write, a fork of samples or beams, and running out of blocks. After each, the engine must hold no
+request and no block, its prefix cache must hold no block whose KV was not written (the cache starts as NaN, so an
+unwritten block shows), and its next ``generate`` must give exactly what a fresh engine gives.
+
+The model is a small random Llama built in place (conftest's ``tiny_model``), on the CPU.
+"""
+
+import random
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from paged_attn import OutOfBlocksError, ops
+from paged_attn.engine import LLM, SamplingParams
+from paged_attn.engine import llm as llm_module
+
+BLOCK_SIZE = 4
+
+
+class Injected(RuntimeError):
+    pass
+
+
+# Six requests sharing a 13-token prefix (3 full blocks of 4): greedy, seeded sampling with n=2 (forks and
+# copy-on-write), beam search (forks every step), a stop token.
+PREFIX = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+PROMPTS = [PREFIX + tail for tail in ([30], [31, 32, 33, 34, 35], [36, 37], [38] * 9, [40, 41, 42], [43])]
+PARAMS = [SamplingParams(max_tokens=9, ignore_eos=True),
+          SamplingParams(max_tokens=8, n=2, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
+          SamplingParams(max_tokens=7, beam_width=2, ignore_eos=True),
+          SamplingParams(max_tokens=10),
+          SamplingParams(max_tokens=6, n=2, temperature=0.7, seed=4),
+          SamplingParams(max_tokens=8, stop_token_ids=[5, 9])]
+
+CONFIGS = {
+    "plain": dict(num_gpu_blocks=64),
+    "prefix": dict(num_gpu_blocks=64, enable_prefix_caching=True),
+    "prefix+swap": dict(num_gpu_blocks=22, num_cpu_blocks=32, enable_prefix_caching=True, admission_headroom=0),
+    "prefix+recompute": dict(num_gpu_blocks=22, enable_prefix_caching=True, admission_headroom=0),
+}
+
+
+def make_llm(model, config):
+    llm = LLM(model, block_size=BLOCK_SIZE, **config)
+    for key_cache, value_cache in llm.scheduler.kv_caches:  # unwritten KV reads as NaN
+        key_cache.fill_(float("nan"))
+        value_cache.fill_(float("nan"))
+    return llm
+
+
+def generate(llm):
+    return [[c.token_ids for c in output.outputs] for output in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    """What a fresh engine gives, per configuration (and that the tight pools really preempt)."""
+    results = {}
+    for name, config in CONFIGS.items():
+        llm = make_llm(model, config)
+        results[name] = generate(llm)
+        stats = llm.stats()
+        assert (stats.num_preemptions > 0) == (config["num_gpu_blocks"] < 64), name
+        assert (stats.num_swapped_out > 0) == ("num_cpu_blocks" in config), name
+    assert len({str(r) for r in results.values()}) == 1  # paging policy never changes a token
+    return results
+
+
+# ---- injection points: each wraps a call and raises at its k-th matching call ----
+
+class Point:
+    def __init__(self, llm, name):
+        self.llm, self.name, self.calls, self.fire_at, self.fired = llm, name, 0, None, False
+
+    def hit(self, error):
+        """Count a matching call; raise ``error`` if it is the chosen one."""
+        self.calls += 1
+        if self.calls == self.fire_at:
+            self.fired = True
+            raise error
+
+
+@contextmanager
+def inject(monkeypatch, llm, name, fire_at=None):
+    """Patch the engine at ``name``; with ``fire_at``, raise at that matching call. Yields the Point (its
+    ``calls`` counts the matching calls)."""
+    point = Point(llm, name)
+    point.fire_at = fire_at
+    scheduler, model = llm.scheduler, llm.model
+    cpu_caches = {t.data_ptr() for pair in scheduler.cpu_kv_caches for t in pair}
+    forward = model.forward
+
+    def patched_forward(batch, kv_caches):
+        decode = not batch.is_prefill
+        if name == "prefill" and batch.is_prefill:
+            point.hit(KeyboardInterrupt())
+        elif name == "decode" and decode:
+            point.hit(Injected("decode"))
+        elif name == "block_fill" and decode and bool((batch.seq_lens % BLOCK_SIZE == 0).any()):
+            point.hit(Injected("a decode step that fills a block"))
+        return forward(batch, kv_caches)
+
+    with monkeypatch.context() as m:
+        m.setattr(model, "forward", patched_forward)
+        if name == "mid_forward":  # after a layer's KV is written, before the next layer's
+            reshape_and_cache = ops.reshape_and_cache
+
+            def patched(*args):
+                reshape_and_cache(*args)
+                point.hit(KeyboardInterrupt())
+            m.setattr(ops, "reshape_and_cache", patched)
+        elif name == "sampler":
+            sample = llm_module.sample
+
+            def patched(*args):
+                point.hit(Injected("sampler"))
+                return sample(*args)
+            m.setattr(llm_module, "sample", patched)
+        elif name in ("swap_out", "swap_in"):
+            swap_blocks = ops.swap_blocks
+
+            def patched(src, dst, mapping):
+                if (dst.data_ptr() in cpu_caches) == (name == "swap_out"):
+                    point.hit(Injected(name))
+                return swap_blocks(src, dst, mapping)
+            m.setattr(ops, "swap_blocks", patched)
+        elif name == "copy_on_write":
+            copy_blocks = ops.copy_blocks
+
+            def patched(*args):
+                point.hit(Injected("copy_on_write"))
+                return copy_blocks(*args)
+            m.setattr(ops, "copy_blocks", patched)
+        elif name == "fork":
+            fork = scheduler.fork
+
+            def patched(parent, child):
+                point.hit(Injected("fork"))
+                return fork(parent, child)
+            m.setattr(scheduler, "fork", patched)
+        elif name == "out_of_blocks":
+            append_slot = scheduler.manager.append_slot
+
+            def patched(seq_id, token_id):
+                point.hit(OutOfBlocksError("injected"))
+                return append_slot(seq_id, token_id)
+            m.setattr(scheduler.manager, "append_slot", patched)
+        yield point
+
+
+POINTS = ["prefill", "decode", "block_fill", "mid_forward", "sampler", "swap_out", "swap_in", "copy_on_write",
+          "fork", "out_of_blocks"]
+ERRORS = {"prefill": KeyboardInterrupt, "mid_forward": KeyboardInterrupt, "out_of_blocks": OutOfBlocksError}
+
+
+def assert_clean(llm):
+    scheduler = llm.scheduler
+    manager = scheduler.manager
+    assert not scheduler.waiting and not scheduler.running and not scheduler.swapped
+    assert not manager.seqs
+    assert manager.num_free_blocks == manager.num_gpu_blocks
+    assert manager.num_free_cpu_blocks == manager.num_cpu_blocks
+    assert llm.stats().gpu_blocks_used == 0
+    for block_id in manager.hash_to_block_id.values():  # every cached block holds written KV in every layer
+        for key_cache, value_cache in scheduler.kv_caches:
+            assert torch.isfinite(key_cache[block_id]).all() and torch.isfinite(value_cache[block_id]).all(), block_id
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize("point", POINTS)
+def test_generate_recovers_from_an_exception_anywhere(model, expected, monkeypatch, config_name, point):
+    config = CONFIGS[config_name]
+    probe = make_llm(model, config)
+    with inject(monkeypatch, probe, point) as counter:
+        assert generate(probe) == expected[config_name]
+    if counter.calls == 0:  # e.g. no swapping without CPU blocks
+        assert point in ("swap_out", "swap_in") and "num_cpu_blocks" not in config
+        return
+    # the first call, the last and one at random (seeded by the case)
+    rng = random.Random(f"{config_name}/{point}")
+    for fire_at in sorted({1, counter.calls, rng.randint(1, counter.calls)}):
+        llm = make_llm(model, config)
+        with inject(monkeypatch, llm, point, fire_at) as injected:
+            with pytest.raises(ERRORS.get(point, Injected)):
+                generate(llm)
+        assert injected.fired, (point, fire_at)
+        assert_clean(llm)
+        assert generate(llm) == expected[config_name], (point, fire_at)
+        assert_clean(llm)
+
+
+def test_prefix_cache_survives_an_interrupted_prefill(model, expected, monkeypatch):
+    """The reported case: a prompt interrupted inside its prefill, then asked again, must not hit unwritten KV."""
+    llm = make_llm(model, CONFIGS["prefix"])
+    with inject(monkeypatch, llm, "mid_forward", fire_at=1), pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
+    assert not llm.scheduler.manager.hash_to_block_id
+    assert llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)[0].outputs[0].token_ids == expected["plain"][0][0]
+    assert llm.stats().prefix_cache_hit_tokens == 0
+    again = llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)  # now written: hit, and the same tokens
+    assert again[0].outputs[0].token_ids == expected["plain"][0][0]
+    assert llm.stats().prefix_cache_hit_tokens == 12
+
+
+def test_concurrent_generate_calls_run_one_after_another(model, expected):
+    llm = make_llm(model, CONFIGS["prefix"])
+    results, errors = {}, []
+
+    def run(index):
+        try:
+            results[index] = generate(llm)
+        except BaseException as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert [results[i] for i in range(3)] == [expected["prefix"]] * 3
+    assert_clean(llm)

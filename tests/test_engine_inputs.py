@@ -1,0 +1,137 @@
+"""The engine's own logic on a small random model (conftest's ``tiny_model``, nothing loaded): what ``LLM`` and
+``generate`` accept and refuse, and beam search's ranking of finished hypotheses on scripted logits."""
+
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from paged_attn.engine import LLM, SamplingParams
+
+
+@pytest.fixture
+def llm(tiny_model):
+    return LLM(tiny_model, block_size=4, num_gpu_blocks=64)
+
+
+def token_ids(outputs):
+    return [[c.token_ids for c in output.outputs] for output in outputs]
+
+
+# ---- the constructor ----
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn, "float32"])
+def test_unsupported_dtypes_are_refused_at_construction(tiny_model, dtype):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16"):
+        LLM(tiny_model, dtype=dtype, num_gpu_blocks=8)
+
+
+def test_float16_is_refused_where_this_cpu_cannot_multiply_it(tiny_model, monkeypatch):
+    """Where the CPU's matmul path lacks float16, the constructor says so and names what works, instead of failing
+    inside the first generate. Simulated by making the probe fail for float16 (whatever this CPU can do)."""
+    from paged_attn.engine.model import LlamaModel
+
+    linear = LlamaModel._linear
+
+    def no_half(x, weight):
+        if x.dtype == torch.float16:
+            raise RuntimeError("fp16 path needs the cpu support avx_ne_convert or avx512_fp16")
+        return linear(x, weight)
+
+    monkeypatch.setattr(LlamaModel, "_linear", staticmethod(no_half))
+    with pytest.raises(ValueError, match=r"float16 is not supported on cpu.*supported here: float32, bfloat16"):
+        LLM(tiny_model, dtype=torch.float16, num_gpu_blocks=8)
+
+
+@pytest.mark.parametrize("device", ["meta", "foo", "cuda:x", 3.5])
+def test_unsupported_devices_are_refused(tiny_model, device):
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
+        LLM(tiny_model, device=device, num_gpu_blocks=8)
+
+
+@pytest.mark.parametrize("kv_cache_memory", [0, -1, float("inf"), float("nan"), "1G", True])
+def test_kv_cache_memory_must_be_a_positive_finite_number(tiny_model, kv_cache_memory):
+    with pytest.raises(ValueError, match="kv_cache_memory must be a positive number of bytes"):
+        LLM(tiny_model, kv_cache_memory=kv_cache_memory)
+
+
+def test_an_oversized_pool_fails_fast_and_says_why(tiny_model):
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"num_gpu_blocks=30000000 blocks .* GiB of KV cache"):
+        LLM(tiny_model, num_gpu_blocks=30_000_000)
+    with pytest.raises(ValueError, match=r"num_cpu_blocks=30000000 blocks"):
+        LLM(tiny_model, num_gpu_blocks=8, num_cpu_blocks=30_000_000)
+    assert time.perf_counter() - start < 5  # (was: half a minute and ~6 GB of Python lists, then an error)
+
+
+# ---- prompts ----
+
+def test_prompts_as_arrays_and_tensors_of_token_ids(llm):
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    for batch in (np.array(prompts), torch.tensor(prompts), [np.array(p) for p in prompts],
+                  [torch.tensor(p, dtype=torch.int32) for p in prompts], [tuple(p) for p in prompts],
+                  [[np.int64(t) for t in p] for p in prompts]):
+        assert token_ids(llm.generate(batch, params, use_tqdm=False)) == expected
+    assert token_ids(llm.generate(np.array(prompts[0]), params, use_tqdm=False)) == expected[:1]
+    assert token_ids(llm.generate(torch.tensor(prompts[1]), params, use_tqdm=False)) == expected[1:]
+    assert llm.generate([], params, use_tqdm=False) == []
+
+
+@pytest.mark.parametrize("prompts", [
+    [1, "hi"], ["hi", 7], [[1, 2], 3], [1.0, 2.0], [[1, 2.5]], [[1, True]], [[1, None]], [["a", "b"]],
+    np.array([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.tensor([True]), np.zeros((2, 2, 2), dtype=np.int64),
+    {1, 2}, 7, None,
+], ids=repr)
+def test_ambiguous_prompts_are_refused(llm, prompts):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.scheduler.has_unfinished() and llm.scheduler.manager.num_free_blocks == 64
+
+
+def test_sampling_params_must_match_the_prompts(llm):
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate([[1, 2]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate([[1, 2]], {"max_tokens": 2}, use_tqdm=False)
+
+
+# ---- beam search ranks finished hypotheses by log-probability / output length ----
+
+def scripted_forward(distributions, default):
+    """A stand-in for the model's forward: the next-token log-probabilities depend only on the last token."""
+    def forward(batch, kv_caches):
+        last = batch.input_ids[batch.logits_indices].tolist()
+        rows = [distributions.get(token, default) for token in last]
+        return torch.tensor(rows, dtype=torch.float32)
+    return forward
+
+
+def test_beam_search_ranks_finished_hypotheses_by_output_length(llm, monkeypatch):
+    """Two hypotheses end: "EOS" after 1 token (log-prob -1.0, score -1.0) and "A EOS" after 2 (log-prob -1.5,
+    score -0.75). Dividing by the output length ranks "A EOS" first; dividing by prompt + output length (10 + n)
+    would rank "EOS" first (-1.0 / 11 > -1.5 / 12)."""
+    vocab, eos, a, b, prompt_end = llm.config.vocab_size, llm.config.eos_token_id, 1, 2, 50
+    junk = -1e4  # every other token: never chosen, never ranked above a real hypothesis
+
+    def logprobs(**probs):
+        row = [junk] * vocab
+        for token, p in probs.items():
+            row[int(token[1:])] = math.log(p)
+        return row
+
+    p_eos_first = math.exp(-1.0)
+    p_eos_after_a = math.exp(-1.5 - math.log(1 - p_eos_first))
+    distributions = {prompt_end: logprobs(**{f"t{eos}": p_eos_first, f"t{a}": 1 - p_eos_first}),
+                     a: logprobs(**{f"t{eos}": p_eos_after_a, f"t{b}": 1 - p_eos_after_a})}
+    monkeypatch.setattr(llm.model, "forward", scripted_forward(distributions, logprobs(**{f"t{b}": 1.0})))
+    prompt = list(range(41, 50)) + [prompt_end]  # 10 tokens
+    output = llm.generate([prompt], SamplingParams(max_tokens=5, beam_width=2), use_tqdm=False)[0]
+    finished = [(c.token_ids, round(c.cumulative_logprob, 4), c.finish_reason) for c in output.outputs]
+    assert finished == [([a, eos], -1.5, "stop"), ([eos], -1.0, "stop")]
+    scores = [c.cumulative_logprob / len(c.token_ids) for c in output.outputs]
+    assert scores == pytest.approx([-0.75, -1.0], abs=1e-4)
+    assert llm.scheduler.manager.num_free_blocks == 64
