@@ -25,8 +25,8 @@ Vocabulary:
 - *published*: a full block enters the prefix cache only when the caller says its KV is written
   (``mark_computed``, after the step that wrote it completed), never when its slots are handed out. A step
   that fails before that leaves nothing behind: freeing its sequences frees their unpublished blocks, so no
-  later request can hit KV that was never written. (Requests admitted in the same step as the one that
-  computes a prefix therefore compute it too; they share it from the next step on.)
+  later request can hit KV that was never written. (A sequence allocated before the step that computes its
+  prefix has completed computes that prefix again; the engine's scheduler holds such a request back one step.)
 - *swapping*: preemption moves a group of sequences (the beams of one request) to CPU blocks and back; a
   block shared inside the group is moved once and stays shared.
 
@@ -161,6 +161,10 @@ class BlockManager:
         token_ids = self._prompt(token_ids)
         keep_free = _count(keep_free, "keep_free")
         return self._blocks_needed(token_ids, self._prefix_hits(token_ids)) + keep_free <= self.num_free_blocks
+
+    def cached_prefix_length(self, token_ids: Iterable[int]) -> int:
+        """How many leading tokens of ``token_ids`` an ``allocate`` now would find cached (what it would return)."""
+        return len(self._prefix_hits(self._prompt(token_ids))) * self.block_size
 
     def allocate(self, seq_id: Hashable, token_ids: Iterable[int]) -> int:
         """Create sequence ``seq_id`` holding ``token_ids``; return how many leading tokens are already cached.

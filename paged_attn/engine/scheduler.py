@@ -272,6 +272,8 @@ class Scheduler:
                 break
             if not self._can_admit(request):
                 break
+            if admitted and self._shares_blocks_being_computed(request, admitted):
+                break  # next step, its prefix is in the cache: it shares those blocks instead of computing them
             for seq in request.seqs:
                 seq.num_cached_tokens = self.manager.allocate(seq.seq_id, seq.token_ids)
                 self.prefix_cache_hit_tokens += seq.num_cached_tokens
@@ -280,6 +282,22 @@ class Scheduler:
             self._add_running(request)
             admitted.append(request)
         return admitted
+
+    def _shares_blocks_being_computed(self, request: Request, admitted: list[Request]) -> bool:
+        """Whether the request's prompt has more full blocks in common with a prompt admitted to this step than the
+        prefix cache holds for it. Blocks enter the cache only once written (after this step), so admitted now it
+        would compute and hold copies of them; admitted one step later, it hits them."""
+        if not self.manager.enable_prefix_caching:
+            return False
+        for seq in request.seqs:
+            tokens = seq.token_ids
+            cached = self.manager.cached_prefix_length(tokens)
+            hittable = (len(tokens) - 1) // self.block_size * self.block_size  # never the last token's block
+            for other in (other_seq.token_ids for other_request in admitted for other_seq in other_request.seqs):
+                common = _common_prefix_length(tokens, other) // self.block_size * self.block_size
+                if min(common, hittable) > cached:
+                    return True
+        return False
 
     def _can_append(self, request: Request) -> bool:
         if len(request.seqs) == 1:
@@ -366,6 +384,10 @@ class Scheduler:
             context_lens=context_lens,
             logits_indices=tensor([end - 1 for end in ends]),
         )
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _allocate_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

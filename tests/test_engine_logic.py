@@ -135,3 +135,32 @@ def test_beam_search_ranks_finished_hypotheses_by_output_length(llm, monkeypatch
     scores = [c.cumulative_logprob / len(c.token_ids) for c in output.outputs]
     assert scores == pytest.approx([-0.75, -1.0], abs=1e-4)
     assert llm.scheduler.manager.num_free_blocks == 64
+
+
+# ---- prefix sharing inside a burst of requests ----
+
+def test_requests_sharing_a_prefix_with_one_being_computed_wait_one_step_and_share_it(tiny_model):
+    """A block enters the prefix cache only once its KV is written, so a request whose prompt shares full blocks
+    with a prompt admitted to the same step is held back one step: then it hits them instead of computing copies."""
+    prefix = list(range(20, 33))  # 13 tokens: 3 full blocks of 4
+    prompts = [prefix + [40 + i, 50 + i] for i in range(4)] + [[60, 61, 62, 63, 64, 65]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    plain = LLM(tiny_model, block_size=4, num_gpu_blocks=64)
+    expected = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    llm = LLM(tiny_model, block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
+    steps = []
+    schedule = llm.scheduler.schedule
+
+    def record():
+        requests, batch = schedule()
+        steps.append((batch.is_prefill, [r.request_id - requests[0].request_id for r in requests], batch.query_lens))
+        return requests, batch
+
+    llm.scheduler.schedule = record
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+    prefills = [(ids, lens) for is_prefill, ids, lens in steps if is_prefill]
+    # the first prompt alone; then the rest, each computing only its own 3 tokens (the unrelated one all 6)
+    assert prefills == [([0], [15]), ([0, 1, 2, 3], [3, 3, 3, 6])]
+    stats = llm.stats()
+    assert stats.prefix_cache_hit_tokens == 3 * 12 and stats.peak_blocks_saved_by_sharing == 3 * 3
+    assert stats.num_prefill_tokens == 15 + 3 * 3 + 6
