@@ -92,77 +92,54 @@ class Point:
             raise error
 
 
-@contextmanager
-def inject(monkeypatch, llm, name, fire_at=None):
-    """Patch the engine at ``name``; with ``fire_at``, raise at that matching call. Yields the Point (its
-    ``calls`` counts the matching calls)."""
-    point = Point(llm, name)
-    point.fire_at = fire_at
+def is_decode_filling_a_block(batch, kv_caches):
+    return not batch.is_prefill and bool((batch.seq_lens % BLOCK_SIZE == 0).any())
+
+
+# name -> (where: (object, attribute) of the engine to patch, which calls count, what is raised)
+def points(llm):
     scheduler, model = llm.scheduler, llm.model
     cpu_caches = {t.data_ptr() for pair in scheduler.cpu_kv_caches for t in pair}
-    forward = model.forward
-
-    def patched_forward(batch, kv_caches):
-        decode = not batch.is_prefill
-        if name == "prefill" and batch.is_prefill:
-            point.hit(KeyboardInterrupt())
-        elif name == "decode" and decode:
-            point.hit(Injected("decode"))
-        elif name == "block_fill" and decode and bool((batch.seq_lens % BLOCK_SIZE == 0).any()):
-            point.hit(Injected("a decode step that fills a block"))
-        return forward(batch, kv_caches)
-
-    with monkeypatch.context() as m:
-        m.setattr(model, "forward", patched_forward)
-        if name == "mid_forward":  # after a layer's KV is written, before the next layer's
-            reshape_and_cache = ops.reshape_and_cache
-
-            def patched(*args):
-                reshape_and_cache(*args)
-                point.hit(KeyboardInterrupt())
-            m.setattr(ops, "reshape_and_cache", patched)
-        elif name == "sampler":
-            sample = llm_module.sample
-
-            def patched(*args):
-                point.hit(Injected("sampler"))
-                return sample(*args)
-            m.setattr(llm_module, "sample", patched)
-        elif name in ("swap_out", "swap_in"):
-            swap_blocks = ops.swap_blocks
-
-            def patched(src, dst, mapping):
-                if (dst.data_ptr() in cpu_caches) == (name == "swap_out"):
-                    point.hit(Injected(name))
-                return swap_blocks(src, dst, mapping)
-            m.setattr(ops, "swap_blocks", patched)
-        elif name == "copy_on_write":
-            copy_blocks = ops.copy_blocks
-
-            def patched(*args):
-                point.hit(Injected("copy_on_write"))
-                return copy_blocks(*args)
-            m.setattr(ops, "copy_blocks", patched)
-        elif name == "fork":
-            fork = scheduler.fork
-
-            def patched(parent, child):
-                point.hit(Injected("fork"))
-                return fork(parent, child)
-            m.setattr(scheduler, "fork", patched)
-        elif name == "out_of_blocks":
-            append_slot = scheduler.manager.append_slot
-
-            def patched(seq_id, token_id):
-                point.hit(OutOfBlocksError("injected"))
-                return append_slot(seq_id, token_id)
-            m.setattr(scheduler.manager, "append_slot", patched)
-        yield point
+    return {
+        "prefill": ((model, "forward"), lambda batch, kv: batch.is_prefill, KeyboardInterrupt()),
+        "decode": ((model, "forward"), lambda batch, kv: not batch.is_prefill, Injected("decode")),
+        "block_fill": ((model, "forward"), is_decode_filling_a_block, Injected("a decode step that fills a block")),
+        # raised after the call: a layer's KV is written, the next layers' are not
+        "mid_forward": ((ops, "reshape_and_cache"), None, KeyboardInterrupt()),
+        "sampler": ((llm_module, "sample"), lambda *args: True, Injected("sampler")),
+        "swap_out": ((ops, "swap_blocks"), lambda src, dst, mapping: dst.data_ptr() in cpu_caches, Injected("out")),
+        "swap_in": ((ops, "swap_blocks"), lambda src, dst, mapping: src.data_ptr() in cpu_caches, Injected("in")),
+        "copy_on_write": ((ops, "copy_blocks"), lambda *args: True, Injected("copy_on_write")),
+        "fork": ((scheduler, "fork"), lambda *args: True, Injected("fork")),
+        "out_of_blocks": ((scheduler.manager, "append_slot"), lambda *args: True, OutOfBlocksError("injected")),
+    }
 
 
 POINTS = ["prefill", "decode", "block_fill", "mid_forward", "sampler", "swap_out", "swap_in", "copy_on_write",
           "fork", "out_of_blocks"]
-ERRORS = {"prefill": KeyboardInterrupt, "mid_forward": KeyboardInterrupt, "out_of_blocks": OutOfBlocksError}
+
+
+@contextmanager
+def inject(monkeypatch, llm, name, fire_at=None):
+    """Patch the engine at point ``name``; with ``fire_at``, raise its error at that matching call. Yields the
+    Point, whose ``calls`` counts the matching calls."""
+    point = Point(llm, name)
+    point.fire_at = fire_at
+    (owner, attribute), matches, error = points(llm)[name]
+    call = getattr(owner, attribute)
+
+    def patched(*args):
+        if matches is None:  # raise after the call
+            result = call(*args)
+            point.hit(error)
+            return result
+        if matches(*args):
+            point.hit(error)
+        return call(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(owner, attribute, patched)
+        yield point
 
 
 def assert_clean(llm):
@@ -193,7 +170,7 @@ def test_generate_recovers_from_an_exception_anywhere(model, expected, monkeypat
     for fire_at in sorted({1, counter.calls, rng.randint(1, counter.calls)}):
         llm = make_llm(model, config)
         with inject(monkeypatch, llm, point, fire_at) as injected:
-            with pytest.raises(ERRORS.get(point, Injected)):
+            with pytest.raises(type(points(llm)[point][2])):
                 generate(llm)
         assert injected.fired, (point, fire_at)
         assert_clean(llm)
