@@ -85,7 +85,7 @@ def test_prompts_as_arrays_and_tensors_of_token_ids(llm):
     [1, "hi"], ["hi", 7], [[1, 2], 3], [1.0, 2.0], [[1, 2.5]], [[1, True]], [[1, None]], [["a", "b"]],
     np.array([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.tensor([True]), np.zeros((2, 2, 2), dtype=np.int64),
     {1, 2}, 7, None,
-], ids=repr)
+], ids=lambda prompts: " ".join(repr(prompts).split())[:40])
 def test_ambiguous_prompts_are_refused(llm, prompts):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
