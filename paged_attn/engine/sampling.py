@@ -103,7 +103,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
+        # NOTE: keep the smallest prefix whose probability reaches top_p: a token is dropped when the tokens
+        # before it already hold top_p (summed in float64), to within SAMPLING_EPS so that a sum exactly at
+        # top_p that rounds just below it (0.5 from the logits of 0.5, 0.4, 0.1) still counts. The most likely
+        # token always stays.
+        probs = sorted_logits.double().softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= params.top_p - SAMPLING_EPS
+        drop[:, 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
