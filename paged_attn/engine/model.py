@@ -115,12 +115,25 @@ _GGUF_NAMES = {  # GGUF tensor name -> transformers name, per layer
 }
 
 
+# What reading a truncated or corrupt GGUF raises: numpy's reshape and view errors and bad UTF-8 (ValueError),
+# reads past the end of the memory map (IndexError), unknown type codes (KeyError, ValueError), huge counts
+# (OverflowError), a tensor shape that does not match its data (torch's RuntimeError).
+_GGUF_READ_ERRORS = (ValueError, IndexError, KeyError, OverflowError, RuntimeError)
+
+
+def _not_gguf(path: str, error: Exception) -> ValueError:
+    return ValueError(f"{path}: not a valid GGUF file (truncated or corrupt): {error}")
+
+
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read a Llama GGUF: config, dequantized float32 weights under transformers' names, tokenizer."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    metadata = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    try:
+        reader = gguf.GGUFReader(path)
+        metadata = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    except _GGUF_READ_ERRORS as error:
+        raise _not_gguf(path, error) from error
     arch = metadata.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: expected a Llama-family GGUF (general.architecture 'llama'), got {arch!r}")
@@ -145,8 +158,11 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
     )
     weights = {}
     for tensor in reader.tensors:
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-        w = w.reshape([int(n) for n in reversed(tensor.shape)])  # GGUF lists dimensions innermost first
+        try:
+            w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            w = torch.from_numpy(w).reshape([int(n) for n in reversed(tensor.shape)])  # innermost dimension first
+        except _GGUF_READ_ERRORS as error:
+            raise _not_gguf(path, error) from error
         parts = tensor.name.split(".")
         if parts[0] == "blk":
             kind = parts[2]
