@@ -114,10 +114,7 @@ def test_a_model_file_that_is_not_a_gguf_is_one_error_line(contents, tmp_path, c
 
 @requires_model
 def test_a_dtype_the_cpu_cannot_serve_is_one_error_line(capsys):
-    try:
-        code, err = run_main(["--device", "cpu", "--dtype", "float16"] + QUICK, capsys)
-    except RuntimeError as error:  # TODO: drop this once LLM raises ValueError for a dtype it cannot serve
-        pytest.xfail(f"LLM does not yet refuse float16 on this CPU with a ValueError: {error}")
+    code, err = run_main(["--device", "cpu", "--dtype", "float16"] + QUICK, capsys)
     assert code in (0, 2)  # 0 where this CPU's matmul serves float16
     if code == 2:
         assert err.startswith("paged-attn: error: ") and err.count("\n") == 1 and "float16" in err

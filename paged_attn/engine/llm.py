@@ -256,7 +256,7 @@ class LLM:
                 self.scheduler.fork(root, child)
                 request.seqs.append(child)
         request.forked = True
-        if params.temperature == 0:
+        if params.is_greedy:
             token_ids, token_logprobs = greedy_ids, greedy_logprobs
         else:
             tokens = sample(logits, params, request.generator)
