@@ -33,6 +33,9 @@ void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
               cache.sizes());
   check_kv_dtype(cache, name);
+  // NOTE: num_blocks = 0 is an empty pool and fine; a zero block_size would divide by zero in the index math.
+  TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
+              ": block_size, num_kv_heads and head_dim must be positive, got shape ", cache.sizes());
   const int64_t num_kv_heads = cache.size(2), head_dim = cache.size(3);
   TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == head_dim && cache.stride(1) == num_kv_heads * head_dim,
               name, ": the last three dimensions [block_size, num_kv_heads, head_dim] must be contiguous, got shape ",
@@ -154,6 +157,9 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
               src.scalar_type(), " and ", dst.scalar_type());
   TORCH_CHECK(src.sizes().slice(1) == dst.sizes().slice(1), "src and dst must have the same per-block shape, got ",
               src.sizes(), " and ", dst.sizes());
+  const auto block_shape = src.sizes().slice(1);
+  TORCH_CHECK(std::find(block_shape.begin(), block_shape.end(), 0) == block_shape.end(),
+              "src and dst must have positive sizes after the block dimension, got ", src.sizes());
   for (const at::Tensor* t : {&src, &dst}) {
     TORCH_CHECK(t->device().is_cpu() || t->device().is_cuda(), "swap_blocks supports CPU and CUDA tensors, got ",
                 t->device());
@@ -182,9 +188,11 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
               query.strides());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_heads > 0 && head_dim > 0, "query must have positive num_heads and head_dim, got shape ",
+              query.sizes());
   TORCH_CHECK(key_cache.size(3) == head_dim, "query has head_dim ", head_dim, " but the cache has head_dim ",
               key_cache.size(3));
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
                   out.device() == query.device(),

@@ -20,8 +20,8 @@ void set_validation_enabled(bool enabled);
 // float32, float16 or bfloat16, with a message naming the argument.
 void check_kv_dtype(const at::Tensor& t, const char* name);
 
-// A paged cache: [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims contiguous
-// (the block dimension may have any stride, e.g. one half of a [num_blocks, 2, ...] allocation).
+// A paged cache: [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive and contiguous
+// (num_blocks may be 0; the block dimension may have any stride, e.g. one half of a [num_blocks, 2, ...] allocation).
 void check_cache(const at::Tensor& cache, const char* name);
 
 // Two tensors that must agree in shape, dtype and device (e.g. key_cache and value_cache).

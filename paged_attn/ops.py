@@ -111,8 +111,9 @@ def paged_attention(
 
         out = paged_attn.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
     """
-    if query.dim() != 3:
-        raise ValueError(f"query must have shape [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
+    if query.dim() != 3 or query.shape[1] == 0 or query.shape[2] == 0:
+        raise ValueError(f"query must have shape [num_seqs, num_heads, head_dim] with positive num_heads and "
+                         f"head_dim, got {tuple(query.shape)}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
     if logits_soft_cap is not None and logits_soft_cap <= 0:

@@ -289,6 +289,9 @@ def error_case(device="cpu"):
 
 ERRORS = {
     "query rank": (lambda q, k, v, t, s: (q[0], k, v, t, s), {}, ValueError, "query must have shape"),
+    "no heads": (lambda q, k, v, t, s: (q[:, :0], k, v, t, s), {}, ValueError, "positive num_heads and head_dim"),
+    "query head_dim 0": (lambda q, k, v, t, s: (q[..., :0], k, v, t, s), {}, ValueError,
+                         "positive num_heads and head_dim"),
     "query dtype": (lambda q, k, v, t, s: (q.half(), k, v, t, s), {}, RuntimeError, "same dtype"),
     "head_dim": (lambda q, k, v, t, s: (q[..., :32], k, v, t, s), {}, RuntimeError, "head_dim 32 but the cache"),
     "head ratio": (lambda q, k, v, t, s: (q[:, :3], k, v, t, s), {}, RuntimeError,

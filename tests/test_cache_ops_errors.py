@@ -1,6 +1,8 @@
 """Bad input raises a clear error that names what is wrong, and leaves the caches untouched."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -208,3 +210,120 @@ def test_cuda_without_validation():
     paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slots(0, 9, 17, device="cuda"))
     paged_attn.set_validation(before)
     assert torch.equal(key_cache[1, 1], key[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Zero-sized dimensions: an empty pool (num_blocks = 0) and empty batches are fine, but a zero block_size,
+# num_kv_heads or head_dim (or a query with no heads) is refused at the door by every op. A zero block_size once
+# divided by zero and killed the process, so these calls run in one child process: a crash fails the cases it
+# reached, not the whole test session.
+
+ZERO_SIZED_SETUP = """
+import torch, paged_attn
+
+def caches(num_blocks=4, block_size=8, num_kv_heads=2, head_dim=32):
+    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    return key_cache, torch.zeros_like(key_cache)
+
+def layers(**dims):  # one layer's caches, as copy_blocks takes them
+    key_cache, value_cache = caches(**dims)
+    return [key_cache], [value_cache]
+
+def kv(num_kv_heads=2, head_dim=32):
+    return torch.zeros(1, num_kv_heads, head_dim), torch.zeros(1, num_kv_heads, head_dim)
+
+def attend(query, key_cache, value_cache):  # the op itself, no wrapper; one empty sequence per query row
+    n = query.shape[0]
+    torch.ops.paged_attn.paged_attention(torch.empty_like(query), query, key_cache, value_cache,
+                                         torch.zeros(n, 1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
+                                         1.0, None, 0, 0.0)
+
+def attend_wrapped(query, key_cache, value_cache):
+    n = query.shape[0]
+    return paged_attn.paged_attention(query, key_cache, value_cache, torch.zeros(n, 1, dtype=torch.int32),
+                                      torch.zeros(n, dtype=torch.int32))
+"""
+
+POSITIVE_DIMS = "block_size, num_kv_heads and head_dim must be positive"
+ZERO_SIZED = {
+    "reshape_and_cache block_size": (
+        "paged_attn.reshape_and_cache(*kv(), *caches(block_size=0), torch.tensor([-1]))", f"key_cache: {POSITIVE_DIMS}"),
+    "reshape_and_cache num_kv_heads": (
+        "paged_attn.reshape_and_cache(*kv(num_kv_heads=0), *caches(num_kv_heads=0), torch.tensor([0]))",
+        f"key_cache: {POSITIVE_DIMS}"),
+    "reshape_and_cache head_dim": (
+        "paged_attn.reshape_and_cache(*kv(head_dim=0), *caches(head_dim=0), torch.tensor([0]))",
+        f"key_cache: {POSITIVE_DIMS}"),
+    "copy_blocks block_size": (
+        "paged_attn.copy_blocks(*layers(block_size=0), [(0, 1)])", rf"key_caches\[0\]: {POSITIVE_DIMS}"),
+    "swap_blocks block shape": (
+        "paged_attn.swap_blocks(torch.zeros(4, 0, 2, 32), torch.zeros(4, 0, 2, 32), [(0, 1)])",
+        "src and dst must have positive sizes after the block dimension"),
+    "paged_attention block_size": ("attend(torch.zeros(1, 4, 32), *caches(block_size=0))", f"key_cache: {POSITIVE_DIMS}"),
+    "paged_attention num_kv_heads": (
+        "attend(torch.zeros(1, 4, 32), *caches(num_kv_heads=0))", f"key_cache: {POSITIVE_DIMS}"),
+    "paged_attention head_dim": ("attend(torch.zeros(1, 4, 0), *caches(head_dim=0))", f"key_cache: {POSITIVE_DIMS}"),
+    "paged_attention num_heads": (
+        "attend(torch.zeros(1, 0, 32), *caches())", "query must have positive num_heads and head_dim"),
+    "paged_attention query head_dim": (
+        "attend(torch.zeros(1, 4, 0), *caches())", "query must have positive num_heads and head_dim"),
+    "compiled paged_attention block_size": (
+        "torch.compile(attend_wrapped, fullgraph=True)(torch.zeros(1, 4, 32), *caches(block_size=0))",
+        f"key_cache: {POSITIVE_DIMS}"),
+    "compiled reshape_and_cache block_size": (
+        "torch.compile(paged_attn.reshape_and_cache, fullgraph=True)(*kv(), *caches(block_size=0), torch.tensor([-1]))",
+        f"key_cache: {POSITIVE_DIMS}"),
+}
+
+ZERO_SIZED_RUNNER = """
+import json, sys
+for name, statement in json.loads(sys.argv[1]).items():
+    try:
+        exec(statement)
+        outcome = [name, None, "accepted"]
+    except Exception as error:
+        outcome = [name, isinstance(error, RuntimeError), f"{type(error).__name__}: {error}"]
+    print(json.dumps(outcome), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def zero_sized_outcomes():
+    statements = {name: statement for name, (statement, _) in ZERO_SIZED.items()}
+    child = subprocess.run([sys.executable, "-c", ZERO_SIZED_SETUP + ZERO_SIZED_RUNNER, json.dumps(statements)],
+                           capture_output=True, text=True, timeout=600)
+    outcomes = {name: (is_runtime_error, message)
+                for name, is_runtime_error, message in map(json.loads, child.stdout.splitlines())}
+    return outcomes, child
+
+
+@pytest.mark.parametrize("case", ZERO_SIZED)
+def test_zero_sized_dims_are_refused(case, zero_sized_outcomes):
+    outcomes, child = zero_sized_outcomes
+    assert case in outcomes, f"the child process died (exit code {child.returncode}):\n{child.stderr[-3000:]}"
+    is_runtime_error, message = outcomes[case]
+    assert is_runtime_error, f"expected a RuntimeError, got {message}"
+    assert re.search(ZERO_SIZED[case][1], message), message
+
+
+def test_zero_sized_child_exits_cleanly(zero_sized_outcomes):
+    _, child = zero_sized_outcomes
+    assert child.returncode == 0, f"exit code {child.returncode}:\n{child.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_pools_and_batches_are_fine(device):
+    key_cache, value_cache = caches(device, num_blocks=0)
+    key, value = kv(num_tokens=0, device=device)
+    paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slots(device=device))
+    paged_attn.copy_blocks([key_cache], [value_cache], [])
+    paged_attn.swap_blocks(key_cache, key_cache.clone(), torch.empty(0, 2, dtype=torch.int64))
+    empty_seqs = torch.zeros(0, dtype=torch.int32, device=device)
+    out = paged_attn.paged_attention(torch.zeros(0, 4, 32, device=device), key_cache, value_cache,
+                                     torch.zeros(0, 1, dtype=torch.int32, device=device), empty_seqs)
+    assert out.shape == (0, 4, 32)
+    # An empty pool still serves sequences of length 0 (zero output rows).
+    query = torch.randn(2, 4, 32, device=device)
+    out = paged_attn.paged_attention(query, key_cache, value_cache, torch.zeros(2, 1, dtype=torch.int32, device=device),
+                                     torch.zeros(2, dtype=torch.int32, device=device))
+    assert torch.count_nonzero(out) == 0
