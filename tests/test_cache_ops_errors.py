@@ -1,5 +1,6 @@
 """Bad input raises a clear error that names what is wrong, and leaves the caches untouched."""
 
+import itertools
 import json
 import os
 import re
@@ -9,8 +10,11 @@ import sys
 import pytest
 import torch
 from conftest import DEVICES, requires_cuda
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import paged_attn
+from paged_attn import reference
 
 NAN = float("nan")
 
@@ -327,3 +331,187 @@ def test_empty_pools_and_batches_are_fine(device):
     out = paged_attn.paged_attention(query, key_cache, value_cache, torch.zeros(2, 1, dtype=torch.int32, device=device),
                                      torch.zeros(2, dtype=torch.int32, device=device))
     assert torch.count_nonzero(out) == 0
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Overlapping arguments: no two tensor arguments of an op may share an element (an output that overlaps an input
+# would be silently overwritten, and two caches that overlap corrupt each other). The one exception is
+# swap_blocks(c, c, ...): src and dst that are exactly the same memory are one cache. Memory is compared element by
+# element, not by [min, max) ranges, so interleaved but disjoint layouts are accepted.
+
+
+def sharing_one_element(device, num_blocks=4):
+    """Two caches whose memory has exactly one element in common: the last of the first, the first of the second."""
+    n = num_blocks * 8 * 2 * 32
+    flat = torch.full((2 * n - 1,), NAN, device=device)
+    return flat[:n].view(num_blocks, 8, 2, 32), flat[n - 1 :].view(num_blocks, 8, 2, 32)
+
+
+def attention_args(device):
+    """The arguments of a small valid paged_attention call, by name (random caches, two sequences)."""
+    key_cache, value_cache = (torch.randn(4, 8, 2, 32, device=device) for _ in range(2))
+    query = torch.randn(2, 4, 32, device=device)
+    return dict(out=torch.empty_like(query), query=query, key_cache=key_cache, value_cache=value_cache,
+                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([5, 9], dtype=torch.int32, device=device), scale=0.5,
+                alibi_slopes=torch.rand(4, device=device), sliding_window=0, logits_soft_cap=0.0)
+
+
+# Each case: (op, a function of (key, value, key_cache, value_cache, slot_mapping) giving the op's arguments,
+# the two arguments the error names). The caches are separate NaN-filled [4, 8, 2, 32] tensors.
+CACHE_OP_OVERLAPS = {
+    "one tensor as both caches": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, v, kc, kc, s),
+                                  "key_cache and value_cache"),
+    "caches sharing one element": (
+        "reshape_and_cache", lambda k, v, kc, vc, s: (k, v, *sharing_one_element(kc.device), s),
+        "key_cache and value_cache"),
+    "caches one block apart": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, v, kc[:3], kc[1:], s),
+                               "key_cache and value_cache"),
+    "one tensor as key and value": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, k, kc, vc, s), "key and value"),
+    "key and value expanded from one row": (
+        "reshape_and_cache", lambda k, v, kc, vc, s: (k[:1].expand(3, -1, -1), k[:1].expand(3, -1, -1), kc, vc, s),
+        "key and value"),
+    "key inside key_cache": ("reshape_and_cache", lambda k, v, kc, vc, s: (kc[3, :3], v, kc, vc, s),
+                             "key and key_cache"),
+    "value inside key_cache": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, kc[0, 5:], kc, vc, s),
+                               "value and key_cache"),
+    "slot_mapping inside value_cache": (
+        "reshape_and_cache", lambda k, v, kc, vc, s: (k, v, kc, vc, vc[0, 0, 0, :6].view(torch.int64)),
+        "value_cache and slot_mapping"),
+    "one tensor as a layer's two caches": (
+        "copy_blocks", lambda k, v, kc, vc, s: ([kc], [kc], torch.tensor([[0, 1]])),
+        r"key_caches\[0\] and value_caches\[0\]"),
+    "one cache in two layers": (
+        "copy_blocks", lambda k, v, kc, vc, s: ([kc, kc.clone()], [vc, kc], torch.tensor([[0, 1]])),
+        r"key_caches\[0\] and value_caches\[1\]"),
+    "two layers sharing one element": (
+        "copy_blocks", lambda k, v, kc, vc, s: (list(sharing_one_element(kc.device)), [vc, vc.clone()],
+                                                torch.tensor([[0, 1]])),
+        r"key_caches\[0\] and key_caches\[1\]"),
+    "dst one block into src": ("swap_blocks", lambda k, v, kc, vc, s: (kc, kc[1:], torch.tensor([[0, 1]])),
+                               "src and dst"),
+    "dst a prefix of src": ("swap_blocks", lambda k, v, kc, vc, s: (kc, kc[:2], torch.tensor([[3, 1]])),
+                            "src and dst"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CACHE_OP_OVERLAPS)
+def test_cache_ops_refuse_overlapping_arguments(case, device, validation):
+    op, make_args, names = CACHE_OP_OVERLAPS[case]
+    key, value = kv(device=device)
+    key_cache, value_cache = caches(device)
+    args = make_args(key, value, key_cache, value_cache, slots(0, 9, 17, device=device))
+    with pytest.raises(RuntimeError, match=f"{names} must not overlap in memory"):
+        getattr(paged_attn, op)(*args)
+    assert key_cache.isnan().all() and value_cache.isnan().all(), "a failed call wrote to the cache"
+
+
+# Each case: a function of paged_attention's arguments (by name) that makes two of them overlap, and their names.
+ATTENTION_OVERLAPS = {
+    "out inside value_cache (the probe's case)": (
+        lambda a: {**a, "out": a["value_cache"][1, :4].view(2, 4, 32)}, "out and value_cache"),
+    "out inside key_cache, shifted by one element": (
+        lambda a: {**a, "out": a["key_cache"].flatten()[1:257].view(2, 4, 32)}, "out and key_cache"),
+    "out is query": (lambda a: {**a, "out": a["query"]}, "out and query"),
+    "one tensor as both caches": (lambda a: {**a, "value_cache": a["key_cache"]}, "key_cache and value_cache"),
+    "block_tables inside out": (
+        lambda a: {**a, "block_tables": a["out"].view(torch.int32).flatten()[-4:].view(2, 2)}, "out and block_tables"),
+    "alibi_slopes inside out": (lambda a: {**a, "alibi_slopes": a["out"][1, 2, :4]}, "out and alibi_slopes"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ATTENTION_OVERLAPS)
+def test_paged_attention_refuses_overlapping_arguments(case, device, validation):
+    make_args, names = ATTENTION_OVERLAPS[case]
+    args = make_args(attention_args(device))
+    before = {name: arg.clone() for name, arg in args.items() if isinstance(arg, torch.Tensor)}
+    with pytest.raises(RuntimeError, match=f"{names} must not overlap in memory"):
+        torch.ops.paged_attn.paged_attention(**args)
+    for name, arg in before.items():
+        torch.testing.assert_close(args[name], arg, rtol=0, atol=0, equal_nan=True, msg=f"{name} was written")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_interleaved_and_adjacent_layouts_are_accepted(device):
+    # The [:, 0] and [:, 1] halves of one [num_blocks, 2, ...] allocation interleave but share no element; nor do
+    # the query, key and value slices of one fused QKV tensor, rows expanded from different rows, or tensors that
+    # merely touch (one ends where the next begins).
+    alloc = torch.full((4, 2, 8, 2, 32), NAN, device=device)
+    key_cache, value_cache = alloc[:, 0], alloc[:, 1]
+    qkv = torch.randn(3, 4 + 2 + 2, 32, device=device)
+    query, key, value = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slots(0, 1, 2, device=device))
+    assert torch.equal(key_cache[0, :3], key) and torch.equal(value_cache[0, :3], value)
+    rows = torch.randn(2, 1, 2, 32, device=device)
+    paged_attn.reshape_and_cache(rows[0].expand(3, -1, -1), rows[1].expand(3, -1, -1), key_cache, value_cache,
+                                 slots(8, 9, 10, device=device))
+    assert torch.equal(key_cache[1, :3], rows[0].expand(3, -1, -1))
+    paged_attn.copy_blocks([key_cache], [value_cache], [(0, 2)])
+    paged_attn.swap_blocks(key_cache, value_cache, [(2, 3)])  # from one half into the other
+    assert torch.equal(value_cache[3, :3], key)
+
+    buffer = torch.empty(3 * 4 * 32 + 4, device=device)  # out, then the ALiBi slopes right after it
+    out, alibi_slopes = buffer[:-4].view(3, 4, 32), buffer[-4:].uniform_()
+    block_tables = torch.tensor([[0], [1], [0]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([3, 3, 2], dtype=torch.int32, device=device)
+    paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes=alibi_slopes,
+                               out=out)
+    expected = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         alibi_slopes=alibi_slopes)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swap_blocks_views_of_one_cache_are_one_cache(device):
+    # src and dst that are exactly the same memory (c and c[:]) are one cache, so a destination must not be a source.
+    cache = torch.randn(4, 8, 2, 32, device=device)
+    with pytest.raises(RuntimeError, match="block 1 is both a source and a destination"):
+        paged_attn.swap_blocks(cache, cache[:], [(0, 1), (1, 2)])
+    expected = cache.clone()
+    expected[1] = cache[0]
+    paged_attn.swap_blocks(cache, cache[:], [(0, 1)])
+    assert torch.equal(cache, expected)
+
+
+def element_bytes(t):
+    """Every byte address t's elements cover, by brute force."""
+    element = t.element_size()
+    return {t.data_ptr() + sum(i * s for i, s in zip(index, t.stride())) * element + b
+            for index in itertools.product(*map(range, t.shape)) for b in range(element)}
+
+
+@st.composite
+def views(draw, storage):
+    """A random strided view of storage (any dtype that divides it, sizes 0..4, strides 0..12, rank 0..3)."""
+    base = storage.view(draw(st.sampled_from([torch.uint8, torch.float16, torch.float32, torch.int64])))
+    rank = draw(st.integers(0, 3))
+    sizes = draw(st.lists(st.integers(0, 4), min_size=rank, max_size=rank))
+    strides = draw(st.lists(st.integers(0, 12), min_size=rank, max_size=rank))
+    extent = sum((n - 1) * s for n, s in zip(sizes, strides) if n > 0)
+    return base.as_strided(sizes, strides, draw(st.integers(0, base.numel() - 1 - extent)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_tensors_overlap_matches_brute_force(data):
+    storage = torch.zeros(1024, dtype=torch.uint8)
+    a, b = data.draw(views(storage)), data.draw(views(storage))
+    expected = bool(element_bytes(a) & element_bytes(b))
+    assert paged_attn._C._tensors_overlap(a, b) == expected
+    assert paged_attn._C._tensors_overlap(b, a) == expected
+
+
+def test_tensors_overlap_examples():
+    overlap = paged_attn._C._tensors_overlap
+    alloc = torch.zeros(5, 2, 8, 2, 32)
+    assert not overlap(alloc[:, 0], alloc[:, 1]) and overlap(alloc[:, 0], alloc[1:, 0])
+    assert overlap(alloc[:, 0], alloc.flatten()[8 * 2 * 32 - 1 :])  # one element, the last of block 0's key half
+    qkv = torch.zeros(7, 12, 64)
+    assert not overlap(qkv[:, 8:10], qkv[:, 10:]) and overlap(qkv[:, 8:11], qkv[:, 10:])
+    assert not overlap(alloc, torch.zeros_like(alloc)) and not overlap(alloc[:0], alloc)
+    matrix = torch.zeros(6, 6)
+    assert not overlap(matrix[:, ::2], matrix[:, 1::2]) and overlap(matrix[:, ::2], matrix[:, 2::3])
+    assert not overlap(matrix[0, :1].expand(4, 6), matrix[1:])
