@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -331,7 +332,7 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
 
 void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, const std::optional<at::Tensor>& alibi_slopes,
+                                const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
                                 int64_t sliding_window, double logits_soft_cap) {
   check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3, "query must have shape [num_seqs, num_heads, head_dim], got ", query.sizes());
@@ -366,7 +367,9 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                 " entries, got ", alibi_slopes->size(0));
   }
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be positive (or 0 for none), got ", sliding_window);
-  TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be positive (or 0 for none), got ", logits_soft_cap);
+  TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
+              "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap);
   const at::Tensor no_slopes;
   check_no_overlap({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
                     {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},

@@ -75,7 +75,7 @@ void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_cach
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
 void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, const std::optional<at::Tensor>& alibi_slopes,
+                                const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
                                 int64_t sliding_window, double logits_soft_cap);
 
 // Every seq_lens[s] is in [0, max_blocks_per_seq * block_size], and the block-table entries that sequence s

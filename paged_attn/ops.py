@@ -9,6 +9,8 @@ allocation). Token ``t`` of a sequence lives in block ``block_table[t // block_s
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Sequence, Union
 
 import torch
@@ -114,10 +116,12 @@ def paged_attention(
     if query.dim() != 3 or query.shape[1] == 0 or query.shape[2] == 0:
         raise ValueError(f"query must have shape [num_seqs, num_heads, head_dim] with positive num_heads and "
                          f"head_dim, got {tuple(query.shape)}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
-    if logits_soft_cap is not None and logits_soft_cap <= 0:
-        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    if sliding_window is not None and not (_is_int(sliding_window) and sliding_window > 0):
+        raise ValueError(f"sliding_window must be a positive integer number of tokens or None, got {sliding_window!r}")
+    if logits_soft_cap is not None and not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+        raise ValueError(f"logits_soft_cap must be positive and finite, or None, got {logits_soft_cap}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite or None, got {scale}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
@@ -147,6 +151,10 @@ def validation_enabled() -> bool:
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension contains the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("paged_attn::reshape_and_cache", "CUDA")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:

@@ -9,6 +9,7 @@ entries past a sequence's end hold garbage (-1 and huge ids).
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 from conftest import DEVICES, HAS_CUDA_OPS, requires_cuda
@@ -312,6 +313,18 @@ ERRORS = {
                     "alibi_slopes must be Float"),
     "window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": 0}, ValueError, "sliding_window"),
     "soft cap": (lambda q, k, v, t, s: (q, k, v, t, s), {"logits_soft_cap": -1.0}, ValueError, "logits_soft_cap"),
+    "infinite soft cap": (lambda q, k, v, t, s: (q, k, v, t, s), {"logits_soft_cap": math.inf}, ValueError,
+                          "logits_soft_cap must be positive and finite"),
+    "NaN soft cap": (lambda q, k, v, t, s: (q, k, v, t, s), {"logits_soft_cap": NAN}, ValueError,
+                     "logits_soft_cap must be positive and finite"),
+    "infinite scale": (lambda q, k, v, t, s: (q, k, v, t, s), {"scale": -math.inf}, ValueError, "scale must be finite"),
+    "NaN scale": (lambda q, k, v, t, s: (q, k, v, t, s), {"scale": NAN}, ValueError, "scale must be finite"),
+    "fractional window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": 3.7}, ValueError,
+                          "sliding_window must be a positive integer"),
+    "float window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": 3.0}, ValueError,
+                     "sliding_window must be a positive integer"),
+    "bool window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": True}, ValueError,
+                    "sliding_window must be a positive integer"),
     "out shape": (lambda q, k, v, t, s: (q, k, v, t, s), {"out": torch.empty(2, 4, 32)}, RuntimeError,
                   "out must be a Float tensor of shape"),
 }
@@ -324,6 +337,29 @@ def test_errors(case, device, validation):
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(error, match=message):
         paged_attn.paged_attention(*make_args(*error_case(device)), **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale,logits_soft_cap,message", [
+    (math.inf, 0.0, "scale must be finite, got inf"),
+    (NAN, 0.0, "scale must be finite, got nan"),
+    (1.0, math.inf, "logits_soft_cap must be positive and finite"),
+    (1.0, NAN, "logits_soft_cap must be positive and finite"),
+])
+def test_op_refuses_non_finite_scalars(scale, logits_soft_cap, message, device):
+    # The op itself, without the Python wrapper's checks: anyone can call torch.ops.paged_attn.paged_attention.
+    query, key_cache, value_cache, block_tables, seq_lens = error_case(device)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.paged_attn.paged_attention(torch.empty_like(query), query, key_cache, value_cache, block_tables,
+                                             seq_lens, scale, None, 0, logits_soft_cap)
+
+
+def test_integer_window_types_are_accepted():
+    # Any integer type but bool, numpy's too (a float such as 3.7 is refused: it used to become 3 silently).
+    case = error_case()
+    expected = reference.paged_attention(*case, sliding_window=3)
+    for window in (3, np.int64(3)):
+        torch.testing.assert_close(paged_attn.paged_attention(*case, sliding_window=window), expected)
 
 
 @requires_cuda
