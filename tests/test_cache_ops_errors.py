@@ -515,3 +515,60 @@ def test_tensors_overlap_examples():
     matrix = torch.zeros(6, 6)
     assert not overlap(matrix[:, ::2], matrix[:, 1::2]) and overlap(matrix[:, ::2], matrix[:, 2::3])
     assert not overlap(matrix[0, :1].expand(4, 6), matrix[1:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# An argument on the meta device next to real caches dispatches to the op's fake kernel (meta wins), which must
+# refuse it as the kernel would, not silently do nothing (or, for paged_attention, leave `out` unwritten).
+
+META = "meta"
+META_ARGUMENTS = {
+    "reshape_and_cache: slot_mapping": (
+        lambda kc, vc: paged_attn.reshape_and_cache(*kv(), kc, vc, slots(0, 9, 17, device=META)),
+        "slot_mapping must be on cpu, got meta"),
+    "reshape_and_cache: key and value": (
+        lambda kc, vc: paged_attn.reshape_and_cache(*kv(device=META), kc, vc, slots(0, 9, 17)),
+        "key and key_cache must be on the same device, got meta and cpu"),
+    "copy_blocks: block_mapping": (
+        lambda kc, vc: paged_attn.copy_blocks([kc], [vc], torch.tensor([[0, 1]], device=META)),
+        "block_mapping must be on the CPU or on the caches' device cpu, got meta"),
+    "copy_blocks: a layer's value cache": (
+        lambda kc, vc: paged_attn.copy_blocks([kc], [vc.to(META)], [(0, 1)]),
+        r"key_caches\[0\] and value_caches\[0\] must be on the same device, got cpu and meta"),
+    "swap_blocks: block_mapping": (
+        lambda kc, vc: paged_attn.swap_blocks(kc, vc, torch.tensor([[0, 1]], device=META)),
+        "block_mapping must be on cpu, got meta"),
+    "swap_blocks: dst": (lambda kc, vc: paged_attn.swap_blocks(kc, vc.to(META), [(0, 1)]),
+                         "swap_blocks supports CPU and CUDA tensors, got meta"),
+    "paged_attention: block_tables": (
+        lambda kc, vc: attend_with(kc, vc, block_tables=META), "block_tables must be on cpu, got meta"),
+    "paged_attention: seq_lens": (lambda kc, vc: attend_with(kc, vc, seq_lens=META), "seq_lens must be on cpu, got meta"),
+    "paged_attention: alibi_slopes": (
+        lambda kc, vc: attend_with(kc, vc, alibi_slopes=META), "alibi_slopes must be on cpu, got meta"),
+    "paged_attention: out": (lambda kc, vc: attend_with(kc, vc, out=META), r"out must be a Float tensor .* on meta"),
+}
+
+
+def attend_with(key_cache, value_cache, **on_meta):
+    """paged_attention over the given caches, with the arguments named in on_meta moved to that device."""
+    args = {**attention_args("cpu"), "key_cache": key_cache, "value_cache": value_cache}
+    args.update({name: args[name].to(device) for name, device in on_meta.items()})
+    torch.ops.paged_attn.paged_attention(**args)
+
+
+@pytest.mark.parametrize("case", META_ARGUMENTS)
+def test_meta_arguments_next_to_real_caches_are_refused(case):
+    call, message = META_ARGUMENTS[case]
+    key_cache, value_cache = caches()
+    with pytest.raises(RuntimeError, match=message):
+        call(key_cache, value_cache)
+    assert key_cache.isnan().all() and value_cache.isnan().all()
+
+
+def test_all_meta_calls_propagate_shapes():
+    # Everything on the meta device (no real tensor anywhere) is a valid shape-only call of the fake kernels.
+    key_cache, value_cache = caches(META)
+    paged_attn.reshape_and_cache(*kv(device=META), key_cache, value_cache, slots(0, 9, 17, device=META))
+    paged_attn.copy_blocks([key_cache], [value_cache], torch.tensor([[0, 1]], device=META))
+    args = {name: arg.to(META) if isinstance(arg, torch.Tensor) else arg for name, arg in attention_args("cpu").items()}
+    torch.ops.paged_attn.paged_attention(**args)
