@@ -158,9 +158,13 @@ def _is_int(x) -> bool:
 
 
 def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:
+    """A tensor as it is (the op checks it); a sequence must be of (src_block, dst_block) integer pairs."""
     if isinstance(block_mapping, torch.Tensor):
         return block_mapping
-    return torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
+    pairs = list(block_mapping)
+    if not all(hasattr(pair, "__len__") and len(pair) == 2 and all(map(_is_int, pair)) for pair in pairs):
+        raise ValueError(f"block_mapping must be a list of (src_block, dst_block) integer pairs, got {block_mapping!r}")
+    return torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

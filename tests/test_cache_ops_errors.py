@@ -132,6 +132,31 @@ def test_copy_blocks_layer_errors(device):
     assert key_cache.isnan().all()
 
 
+# A block mapping given as a list must be a list of (src_block, dst_block) pairs ([(0, 1, 2, 3)] was once read as
+# two pairs); an empty list is no pairs.
+BAD_LIST_MAPPINGS = {
+    "a 4-tuple": [(0, 1, 2, 3)],
+    "a flat pair": [0, 1],
+    "a single id": [(0,)],
+    "a fractional id": [(0.5, 1)],
+    "a bool id": [(True, 1)],
+}
+
+
+@pytest.mark.parametrize("case", BAD_LIST_MAPPINGS)
+def test_list_mappings_must_be_pairs(case):
+    key_cache, value_cache = caches()
+    key_cache[0] = 1.0
+    before = key_cache.clone()
+    for call in (lambda m: paged_attn.copy_blocks([key_cache], [value_cache], m),
+                 lambda m: paged_attn.swap_blocks(key_cache, value_cache, m)):
+        with pytest.raises(ValueError, match=r"block_mapping must be a list of \(src_block, dst_block\) integer pairs"):
+            call(BAD_LIST_MAPPINGS[case])
+        call([])
+    torch.testing.assert_close(key_cache, before, rtol=0, atol=0, equal_nan=True)
+    assert value_cache.isnan().all()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # swap_blocks
 
