@@ -20,8 +20,21 @@ NAN = float("nan")
 
 
 def caches(device="cpu", num_blocks=4, block_size=8, num_kv_heads=2, head_dim=32, dtype=torch.float32):
-    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype, device=device)
-    return key_cache, torch.full_like(key_cache, NAN)
+    """NaN-filled key and value caches, each followed in memory by a NaN guard block (see guard): a range check
+    that let block id num_blocks through would write there, and fail the test instead of corrupting the heap."""
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    key_alloc = torch.full(shape, NAN, dtype=dtype, device=device)
+    return key_alloc[:num_blocks], torch.full_like(key_alloc, NAN)[:num_blocks]
+
+
+def guard(cache):
+    """The block right after a cache from caches(), in memory."""
+    return cache.as_strided(cache.shape[1:], cache.stride()[1:], cache.storage_offset() + len(cache) * cache.stride(0))
+
+
+def untouched(*caches):
+    """Each cache from caches(), and its guard block, is still all NaN."""
+    return all(cache.isnan().all() and guard(cache).isnan().all() for cache in caches)
 
 
 def kv(num_tokens=3, num_kv_heads=2, head_dim=32, dtype=torch.float32, device="cpu"):
@@ -79,7 +92,7 @@ def test_reshape_and_cache_errors(case, device, validation):
     args = make_args(key, value, key_cache, value_cache, slots(0, 9, 17, device=device))
     with pytest.raises(RuntimeError, match=message):
         paged_attn.reshape_and_cache(*args)
-    assert key_cache.isnan().all() and value_cache.isnan().all(), "a failed call wrote to the cache"
+    assert untouched(key_cache, value_cache), "a failed call wrote to the cache"
 
 
 @requires_cuda
@@ -101,6 +114,7 @@ COPY_ERRORS = {
     "source range": (lambda m: torch.tensor([[4, 1]]), r"source block 4 is out of range \[0, 4\)"),
     "negative source": (lambda m: torch.tensor([[-1, 1]]), r"source block -1 is out of range"),
     "destination range": (lambda m: torch.tensor([[0, 7]]), r"destination block 7 is out of range \[0, 4\)"),
+    "destination = num_blocks": (lambda m: torch.tensor([[0, 4]]), r"destination block 4 is out of range \[0, 4\)"),
     "duplicate destination": (lambda m: torch.tensor([[0, 2], [1, 2]]), "destination block 2 appears more than once"),
     "destination is source": (lambda m: torch.tensor([[0, 1], [1, 2]]), "block 1 is both a source and a destination"),
 }
@@ -116,7 +130,7 @@ def test_copy_blocks_errors(case, device, validation):
     with pytest.raises(RuntimeError, match=message):
         paged_attn.copy_blocks([key_cache], [value_cache], make_mapping(torch.tensor([[0, 1]])))
     torch.testing.assert_close(key_cache, before, rtol=0, atol=0, equal_nan=True)
-    assert value_cache.isnan().all()
+    assert untouched(value_cache) and guard(key_cache).isnan().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,7 +168,7 @@ def test_list_mappings_must_be_pairs(case):
             call(BAD_LIST_MAPPINGS[case])
         call([])
     torch.testing.assert_close(key_cache, before, rtol=0, atol=0, equal_nan=True)
-    assert value_cache.isnan().all()
+    assert untouched(value_cache) and guard(key_cache).isnan().all()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,10 +200,10 @@ SWAP_ERRORS = {
 def test_swap_blocks_errors(case, device):
     make_args, message = SWAP_ERRORS[case]
     src = torch.randn(6, 8, 2, 32, device=device)
-    dst = torch.full((3, 8, 2, 32), NAN)
+    dst, _ = caches(num_blocks=3)
     with pytest.raises(RuntimeError, match=message):
         paged_attn.swap_blocks(*make_args(src, dst, torch.tensor([[0, 1]])))
-    assert dst.isnan().all()
+    assert untouched(dst)
 
 
 @requires_cuda
@@ -430,7 +444,7 @@ def test_cache_ops_refuse_overlapping_arguments(case, device, validation):
     args = make_args(key, value, key_cache, value_cache, slots(0, 9, 17, device=device))
     with pytest.raises(RuntimeError, match=f"{names} must not overlap in memory"):
         getattr(paged_attn, op)(*args)
-    assert key_cache.isnan().all() and value_cache.isnan().all(), "a failed call wrote to the cache"
+    assert untouched(key_cache, value_cache), "a failed call wrote to the cache"
 
 
 # Each case: a function of paged_attention's arguments (by name) that makes two of them overlap, and their names.
@@ -587,7 +601,7 @@ def test_meta_arguments_next_to_real_caches_are_refused(case):
     key_cache, value_cache = caches()
     with pytest.raises(RuntimeError, match=message):
         call(key_cache, value_cache)
-    assert key_cache.isnan().all() and value_cache.isnan().all()
+    assert untouched(key_cache, value_cache)
 
 
 def test_all_meta_calls_propagate_shapes():

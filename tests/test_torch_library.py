@@ -90,7 +90,7 @@ def error_call(op, name):
         key_cache, value_cache = errors.caches()
         return paged_attn.copy_blocks, ([key_cache], [value_cache], errors.COPY_ERRORS[name][0](torch.tensor([[0, 1]]))), {}
     if op == "swap_blocks":
-        src, dst = torch.randn(6, 8, 2, 32), torch.zeros(3, 8, 2, 32)
+        src, (dst, _) = torch.randn(6, 8, 2, 32), errors.caches(num_blocks=3)
         return paged_attn.swap_blocks, errors.SWAP_ERRORS[name][0](src, dst, torch.tensor([[0, 1]])), {}
     make_args, kwargs, _, _ = attention.ERRORS[name]
     return paged_attn.paged_attention, make_args(*attention.error_case()), kwargs
