@@ -118,9 +118,9 @@ def paged_attention(
                          f"head_dim, got {tuple(query.shape)}")
     if sliding_window is not None and not (_is_int(sliding_window) and sliding_window > 0):
         raise ValueError(f"sliding_window must be a positive integer number of tokens or None, got {sliding_window!r}")
-    if logits_soft_cap is not None and not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+    if logits_soft_cap is not None and not (_is_finite(logits_soft_cap) and logits_soft_cap > 0):
         raise ValueError(f"logits_soft_cap must be positive and finite, or None, got {logits_soft_cap}")
-    if scale is not None and not math.isfinite(scale):
+    if scale is not None and not _is_finite(scale):
         raise ValueError(f"scale must be finite or None, got {scale}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
@@ -154,7 +154,11 @@ def has_cuda_kernels() -> bool:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    return isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
+
+
+def _is_finite(x) -> bool:
+    return abs(x) < math.inf  # False for inf and NaN; unlike math.isfinite, torch.compile traces it on dynamic floats
 
 
 def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:
@@ -181,7 +185,7 @@ _DTYPE_NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "
 
 def _require(condition, *message) -> None:
     if not condition:
-        raise RuntimeError("".join(_DTYPE_NAMES.get(m, m) if isinstance(m, torch.dtype) else str(m)
+        raise RuntimeError("".join(_DTYPE_NAMES.get(m, str(m)) if isinstance(m, torch.dtype) else str(m)
                                    for m in message))
 
 
@@ -301,6 +305,6 @@ def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_s
         _require(alibi_slopes.shape[0] == num_heads, "alibi_slopes must have num_heads = ", num_heads,
                  " entries, got ", alibi_slopes.shape[0])
     _require(sliding_window >= 0, "sliding_window must be positive (or 0 for none), got ", sliding_window)
-    _require(math.isfinite(scale), "scale must be finite, got ", scale)
-    _require(math.isfinite(logits_soft_cap) and logits_soft_cap >= 0,
+    _require(_is_finite(scale), "scale must be finite, got ", scale)
+    _require(_is_finite(logits_soft_cap) and logits_soft_cap >= 0,
              "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap)

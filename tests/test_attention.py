@@ -271,6 +271,19 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled(*case), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_torch_compile_dynamic_scalars():
+    # With dynamic=True the scalars are symbolic while tracing: the wrapper's and the fake's checks must trace them.
+    case = make_case([5, 33], 4, 2, 64, 16, torch.float32, "cpu")
+
+    def attend(sliding_window, logits_soft_cap, scale, *case):
+        return paged_attn.paged_attention(*case, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                          scale=scale)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True)
+    for scalars in [(3, 2.0, 0.3), (7, 4.0, 0.1)]:
+        torch.testing.assert_close(compiled(*scalars, *case), attend(*scalars, *case), rtol=1e-5, atol=1e-5)
+
+
 @requires_cuda
 def test_cuda_graph_capture_and_replay():
     query, key_cache, value_cache, block_tables, seq_lens = make_case(
