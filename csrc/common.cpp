@@ -1,11 +1,15 @@
 // Implementations of the shared host-side checks declared in common.h.
 #include "common.h"
 
+#include <c10/util/SmallVector.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace paged_attn {
@@ -33,6 +37,9 @@ void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
               cache.sizes());
   check_kv_dtype(cache, name);
+  // NOTE: num_blocks = 0 is an empty pool and fine; a zero block_size would divide by zero in the index math.
+  TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
+              ": block_size, num_kv_heads and head_dim must be positive, got shape ", cache.sizes());
   const int64_t num_kv_heads = cache.size(2), head_dim = cache.size(3);
   TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == head_dim && cache.stride(1) == num_kv_heads * head_dim,
               name, ": the last three dimensions [block_size, num_kv_heads, head_dim] must be contiguous, got shape ",
@@ -40,6 +47,142 @@ void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.size(0) <= 1 || cache.stride(0) >= cache.size(1) * num_kv_heads * head_dim, name,
               ": blocks must not overlap (block stride >= block_size * num_kv_heads * head_dim), got shape ",
               cache.sizes(), " with strides ", cache.strides());
+}
+
+namespace {
+
+// [begin, end): the bytes from t's first element to the end of its last one. t is not empty.
+// NOTE: PyTorch has no negative strides, so no element lies before data_ptr.
+std::pair<int64_t, int64_t> byte_range(const at::Tensor& t) {
+  int64_t last = 0;  // offset of the last element, in elements
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto begin = static_cast<int64_t>(address_of(t));
+  return {begin, begin + (last + 1) * static_cast<int64_t>(t.element_size())};
+}
+
+// The bytes a tensor's elements cover, as a lattice of contiguous runs: a run of `run` bytes starts at
+// begin + sum(i_d * stride_d) for every index i_d < size_d of the outer dims. The run is made of the innermost
+// dims that continue it without a gap; dims of size 1 or stride 0 add no bytes and are dropped.
+struct Footprint {
+  struct Dim {
+    int64_t stride, size;  // stride in bytes
+  };
+  int64_t begin = 0, run = 0;
+  c10::SmallVector<Dim, 4> outer;  // by increasing stride
+};
+
+Footprint footprint_of(const at::Tensor& t) {  // t is not empty
+  const int64_t elem = t.element_size();
+  Footprint f;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1 && t.stride(d) != 0) f.outer.push_back({t.stride(d) * elem, t.size(d)});
+  }
+  std::sort(f.outer.begin(), f.outer.end(), [](const auto& x, const auto& y) { return x.stride < y.stride; });
+  f.begin = static_cast<int64_t>(address_of(t));
+  f.run = elem;
+  size_t inner = 0;  // dims that continue the run: their copies of it leave no gap
+  for (; inner < f.outer.size() && f.outer[inner].stride <= f.run; ++inner) {
+    f.run += (f.outer[inner].size - 1) * f.outer[inner].stride;
+  }
+  f.outer.erase(f.outer.begin(), f.outer.begin() + inner);
+  return f;
+}
+
+int64_t floor_div(int64_t x, int64_t y) {  // y > 0
+  return x >= 0 ? x / y : -((-x + y - 1) / y);
+}
+
+// Runs of la bytes at a + i * s (i < na) and runs of lb bytes at b + j * s (j < nb) intersect iff some
+// k = i - j in [-(nb - 1), na - 1] has b - a - la < k * s < b - a + lb. Checks the smallest k with k * s > b - a - la.
+bool lattices_intersect(int64_t a, int64_t la, int64_t na, int64_t b, int64_t lb, int64_t nb, int64_t s) {
+  const int64_t k = std::max(floor_div(b - a - la, s) + 1, -(nb - 1));
+  return k <= na - 1 && k * s < b - a + lb;
+}
+
+// Every run of f as a [start, end) interval, sorted by start (runs may overlap when t's own elements do).
+std::vector<std::pair<int64_t, int64_t>> runs_of(const Footprint& f) {
+  int64_t count = 1;
+  for (const auto& dim : f.outer) count *= dim.size;
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  runs.reserve(count);
+  c10::SmallVector<int64_t, 4> index(f.outer.size(), 0);
+  int64_t start = f.begin;
+  for (int64_t n = 0; n < count; ++n) {
+    runs.emplace_back(start, start + f.run);
+    for (size_t d = 0; d < f.outer.size(); ++d) {  // next index, first outer dim fastest
+      if (++index[d] < f.outer[d].size) {
+        start += f.outer[d].stride;
+        break;
+      }
+      start -= (f.outer[d].size - 1) * f.outer[d].stride;
+      index[d] = 0;
+    }
+  }
+  std::sort(runs.begin(), runs.end());
+  return runs;
+}
+
+// For two footprints whose byte ranges intersect.
+bool footprints_overlap(const Footprint& a, const Footprint& b) {
+  if (a.outer.size() <= 1 && b.outer.size() <= 1) {
+    if (a.outer.empty() && b.outer.empty()) return true;  // two single runs whose ranges intersect
+    const int64_t s = a.outer.empty() ? b.outer[0].stride : a.outer[0].stride;
+    if (b.outer.empty() || b.outer[0].stride == s) {  // one common stride: closed form
+      return lattices_intersect(a.begin, a.run, a.outer.empty() ? 1 : a.outer[0].size, b.begin, b.run,
+                                b.outer.empty() ? 1 : b.outer[0].size, s);
+    }
+  }
+  // Unusual layouts: sweep both lists of runs. A run is passed over only when it ends before the other list's
+  // current run starts, and so before every later run of that list starts.
+  const auto ra = runs_of(a), rb = runs_of(b);
+  for (size_t i = 0, j = 0; i < ra.size() && j < rb.size();) {
+    if (ra[i].second <= rb[j].first) {
+      ++i;
+    } else if (rb[j].second <= ra[i].first) {
+      ++j;
+    } else {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+bool tensors_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
+  const auto [a_begin, a_end] = byte_range(a);
+  const auto [b_begin, b_end] = byte_range(b);
+  if (a_end <= b_begin || b_end <= a_begin) return false;  // e.g. separate allocations: O(1)
+  return footprints_overlap(footprint_of(a), footprint_of(b));
+}
+
+bool same_memory(const at::Tensor& a, const at::Tensor& b) {
+  return a.device() == b.device() && a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() &&
+         a.strides() == b.strides();
+}
+
+void check_no_overlap(c10::ArrayRef<NamedTensor> tensors) {
+  struct Entry {
+    int64_t begin, end;
+    size_t index;  // into tensors
+  };
+  c10::SmallVector<Entry, 8> entries;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = *tensors[i].tensor;
+    if (!t.defined() || t.numel() == 0) continue;
+    const auto [begin, end] = byte_range(t);
+    entries.push_back({begin, end, i});
+  }
+  std::sort(entries.begin(), entries.end(), [](const Entry& x, const Entry& y) { return x.begin < y.begin; });
+  for (size_t i = 0; i < entries.size(); ++i) {
+    // Only tensors that start before this one ends can overlap it.
+    for (size_t j = i + 1; j < entries.size() && entries[j].begin < entries[i].end; ++j) {
+      const auto [first, second] = std::minmax(entries[i].index, entries[j].index);
+      TORCH_CHECK(!tensors_overlap(*tensors[first].tensor, *tensors[second].tensor), tensors[first].name, " and ",
+                  tensors[second].name, " must not overlap in memory, but they share at least one element");
+    }
+  }
 }
 
 void check_same_layout(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
@@ -126,6 +269,8 @@ void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value
   check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, key_cache.device());
   TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping must have num_tokens = ", key.size(0),
               " entries, got ", slot_mapping.size(0));
+  check_no_overlap({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                    {&slot_mapping, "slot_mapping"}});
 }
 
 void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
@@ -134,18 +279,25 @@ void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_cach
               "of layers, got ", key_caches.size(), " and ", value_caches.size());
   if (key_caches.empty()) return;
   const at::Tensor& first = key_caches[0];
+  std::vector<std::string> names;  // key_caches[0], value_caches[0], key_caches[1], ... (reserved: c_str() stays put)
+  std::vector<NamedTensor> args;   // the caches in that order, then block_mapping
+  names.reserve(2 * key_caches.size());
   for (size_t layer = 0; layer < key_caches.size(); ++layer) {
-    const std::string key_name = "key_caches[" + std::to_string(layer) + "]";
-    const std::string value_name = "value_caches[" + std::to_string(layer) + "]";
-    check_cache(key_caches[layer], key_name.c_str());
-    check_cache(value_caches[layer], value_name.c_str());
-    check_same_layout(first, "key_caches[0]", key_caches[layer], key_name.c_str());
-    check_same_layout(first, "key_caches[0]", value_caches[layer], value_name.c_str());
+    for (const bool is_value : {false, true}) {
+      const at::Tensor& cache = is_value ? value_caches[layer] : key_caches[layer];
+      const std::string& name =
+          names.emplace_back((is_value ? "value_caches[" : "key_caches[") + std::to_string(layer) + "]");
+      check_cache(cache, name.c_str());
+      check_same_layout(first, "key_caches[0]", cache, name.c_str());
+      args.push_back({&cache, name.c_str()});
+    }
   }
   TORCH_CHECK(block_mapping.device().is_cpu() || block_mapping.device() == first.device(),
               "block_mapping must be on the CPU or on the caches' device ", first.device(), ", got ",
               block_mapping.device());
   check_block_mapping_shape(block_mapping, block_mapping.device());
+  args.push_back({&block_mapping, "block_mapping"});
+  check_no_overlap(args);  // any two caches of any layers, and the mapping
 }
 
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping) {
@@ -154,6 +306,9 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
               src.scalar_type(), " and ", dst.scalar_type());
   TORCH_CHECK(src.sizes().slice(1) == dst.sizes().slice(1), "src and dst must have the same per-block shape, got ",
               src.sizes(), " and ", dst.sizes());
+  const auto block_shape = src.sizes().slice(1);
+  TORCH_CHECK(std::find(block_shape.begin(), block_shape.end(), 0) == block_shape.end(),
+              "src and dst must have positive sizes after the block dimension, got ", src.sizes());
   for (const at::Tensor* t : {&src, &dst}) {
     TORCH_CHECK(t->device().is_cpu() || t->device().is_cuda(), "swap_blocks supports CPU and CUDA tensors, got ",
                 t->device());
@@ -166,11 +321,18 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
                 " with strides ", t->strides());
   }
   check_block_mapping_shape(block_mapping, at::Device(at::kCPU));
+  // src and dst may be one cache (exactly the same memory; the caller then forbids destinations that are sources),
+  // but not two different views of shared memory.
+  if (same_memory(src, dst)) {
+    check_no_overlap({{&src, "src"}, {&block_mapping, "block_mapping"}});
+  } else {
+    check_no_overlap({{&src, "src"}, {&dst, "dst"}, {&block_mapping, "block_mapping"}});
+  }
 }
 
 void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, const std::optional<at::Tensor>& alibi_slopes,
+                                const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
                                 int64_t sliding_window, double logits_soft_cap) {
   check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3, "query must have shape [num_seqs, num_heads, head_dim], got ", query.sizes());
@@ -182,9 +344,11 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
               query.strides());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_heads > 0 && head_dim > 0, "query must have positive num_heads and head_dim, got shape ",
+              query.sizes());
   TORCH_CHECK(key_cache.size(3) == head_dim, "query has head_dim ", head_dim, " but the cache has head_dim ",
               key_cache.size(3));
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
                   out.device() == query.device(),
@@ -203,7 +367,13 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                 " entries, got ", alibi_slopes->size(0));
   }
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be positive (or 0 for none), got ", sliding_window);
-  TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be positive (or 0 for none), got ", logits_soft_cap);
+  TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
+              "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap);
+  const at::Tensor no_slopes;
+  check_no_overlap({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                    {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
+                    {alibi_slopes.has_value() ? &*alibi_slopes : &no_slopes, "alibi_slopes"}});
 }
 
 void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu, int64_t num_blocks,

@@ -20,9 +20,29 @@ void set_validation_enabled(bool enabled);
 // float32, float16 or bfloat16, with a message naming the argument.
 void check_kv_dtype(const at::Tensor& t, const char* name);
 
-// A paged cache: [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims contiguous
-// (the block dimension may have any stride, e.g. one half of a [num_blocks, 2, ...] allocation).
+// A paged cache: [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive and contiguous
+// (num_blocks may be 0; the block dimension may have any stride, e.g. one half of a [num_blocks, 2, ...] allocation).
 void check_cache(const at::Tensor& cache, const char* name);
+
+// Whether a and b share at least one byte of memory. Exact: it compares the bytes their elements cover, not their
+// [min, max) ranges, so the interleaved halves of one [num_blocks, 2, ...] allocation, or the key and value slices
+// of one fused QKV tensor, do not overlap. O(1) for tensors in separate allocations and for two lattices of
+// contiguous runs with one common stride (as those two layouts are); other layouts list and sweep their runs.
+// Empty tensors, and tensors on different devices, never overlap.
+bool tensors_overlap(const at::Tensor& a, const at::Tensor& b);
+
+// a and b are exactly the same memory: same device, data pointer, sizes and strides (e.g. two views of one cache).
+bool same_memory(const at::Tensor& a, const at::Tensor& b);
+
+// A tensor argument and its name, for check_no_overlap.
+struct NamedTensor {
+  const at::Tensor* tensor;
+  const char* name;
+};
+
+// No two of the given tensors overlap (tensors_overlap); the error names both. Undefined and empty tensors are
+// skipped. Sorts them by address, so n tensors in separate allocations cost O(n log n).
+void check_no_overlap(c10::ArrayRef<NamedTensor> tensors);
 
 // Two tensors that must agree in shape, dtype and device (e.g. key_cache and value_cache).
 void check_same_layout(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name);
@@ -41,7 +61,8 @@ void check_block_mapping_shape(const at::Tensor& block_mapping, const at::Device
 void check_slot_range(const at::Tensor& slot_mapping_cpu, int64_t num_slots);
 
 // Every source block id is in [0, num_src_blocks), every destination in [0, num_dst_blocks), destinations
-// are distinct, and (when the copy stays within one cache) no destination is also a source. Takes a CPU tensor.
+// are distinct, and (when the copy stays within one cache, e.g. same_memory(src, dst)) no destination is also a
+// source. Takes a CPU tensor.
 void check_block_mapping_range(const at::Tensor& block_mapping_cpu, int64_t num_src_blocks,
                                int64_t num_dst_blocks, bool same_cache);
 
@@ -54,7 +75,7 @@ void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_cach
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
 void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, const std::optional<at::Tensor>& alibi_slopes,
+                                const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
                                 int64_t sliding_window, double logits_soft_cap);
 
 // Every seq_lens[s] is in [0, max_blocks_per_seq * block_size], and the block-table entries that sequence s

@@ -9,6 +9,7 @@ entries past a sequence's end hold garbage (-1 and huge ids).
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 from conftest import DEVICES, HAS_CUDA_OPS, requires_cuda
@@ -165,8 +166,7 @@ def test_cpu_bfloat16_group_sizes(num_heads, num_kv_heads):
     check(make_case([3, 64, 100], num_heads, num_kv_heads, 64, 16, torch.bfloat16, "cpu"), torch.bfloat16)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_cpu_bfloat16_is_as_exact_as_float32_math(head_dim):
+def check_bfloat16_is_as_exact_as_float32_math(head_dim):
     """Stricter than the half-type tolerance: every path must compute in float32 (the AVX-512 bf16 path splits p
     into two bf16 terms for that), so the bf16 output is the reference's to within one bf16 unit in the last
     place, plus 1e-5 for the order of the float32 sums. Rounding p to a single bf16 misses this by ~2e-3."""
@@ -176,6 +176,15 @@ def test_cpu_bfloat16_is_as_exact_as_float32_math(head_dim):
     ulp = torch.exp2(torch.floor(torch.log2(expected.abs().clamp_min(1e-30))) - 7)  # bf16 keeps 8 bits
     excess = ((actual - expected).abs() - ulp).max().item()
     assert excess <= 1e-5, f"{excess:.3g} beyond one bf16 ulp"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_bfloat16_is_as_exact_as_float32_math(head_dim):
+    # NOTE: this checks the AVX-512 bf16 path only where the CPU has AVX512_BF16 (the path is picked at run time);
+    # elsewhere it checks the portable AVX2 path again. It is the only test of the AVX-512 path's exactness, so a
+    # change to that path must be tested on such a CPU. The AVX2 path's exactness is checked on every CPU by
+    # test_cpu_avx2_path_when_avx512_is_switched_off.
+    check_bfloat16_is_as_exact_as_float32_math(head_dim)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -262,6 +271,19 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled(*case), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_torch_compile_dynamic_scalars():
+    # With dynamic=True the scalars are symbolic while tracing: the wrapper's and the fake's checks must trace them.
+    case = make_case([5, 33], 4, 2, 64, 16, torch.float32, "cpu")
+
+    def attend(sliding_window, logits_soft_cap, scale, *case):
+        return paged_attn.paged_attention(*case, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                          scale=scale)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True)
+    for scalars in [(3, 2.0, 0.3), (7, 4.0, 0.1)]:
+        torch.testing.assert_close(compiled(*scalars, *case), attend(*scalars, *case), rtol=1e-5, atol=1e-5)
+
+
 @requires_cuda
 def test_cuda_graph_capture_and_replay():
     query, key_cache, value_cache, block_tables, seq_lens = make_case(
@@ -287,8 +309,18 @@ def error_case(device="cpu"):
     return make_case([5, 20], 4, 2, 64, 16, torch.float32, device)
 
 
+def with_entry(t, row, col, value):
+    """A copy of t with t[row, col] (or t[row] when col is None) set to value."""
+    t = t.clone()
+    t[row if col is None else (row, col)] = value
+    return t
+
+
 ERRORS = {
     "query rank": (lambda q, k, v, t, s: (q[0], k, v, t, s), {}, ValueError, "query must have shape"),
+    "no heads": (lambda q, k, v, t, s: (q[:, :0], k, v, t, s), {}, ValueError, "positive num_heads and head_dim"),
+    "query head_dim 0": (lambda q, k, v, t, s: (q[..., :0], k, v, t, s), {}, ValueError,
+                         "positive num_heads and head_dim"),
     "query dtype": (lambda q, k, v, t, s: (q.half(), k, v, t, s), {}, RuntimeError, "same dtype"),
     "head_dim": (lambda q, k, v, t, s: (q[..., :32], k, v, t, s), {}, RuntimeError, "head_dim 32 but the cache"),
     "head ratio": (lambda q, k, v, t, s: (q[:, :3], k, v, t, s), {}, RuntimeError,
@@ -303,12 +335,28 @@ ERRORS = {
     "negative length": (lambda q, k, v, t, s: (q, k, v, t, -s), {}, RuntimeError, r"seq_lens\[0\] = -5"),
     "block id": (lambda q, k, v, t, s: (q, k, v, torch.full_like(t, 999), s), {}, RuntimeError,
                  r"block_tables\[0, 0\] = 999 is out of range"),
+    "block id = num_blocks": (lambda q, k, v, t, s: (q, k, v, with_entry(t, 1, 1, k.shape[0]), s), {}, RuntimeError,
+                              r"block_tables\[1, 1\] = 6 is out of range \[0, 6\) \(sequence 1 has 20 tokens\)"),
+    "seq one past the table": (lambda q, k, v, t, s: (q, k, v, t, with_entry(s, 1, None, t.shape[1] * 16 + 1)), {},
+                               RuntimeError, r"seq_lens\[1\] = 65 is out of range \[0, 64\]"),
     "alibi shape": (lambda q, k, v, t, s: (q, k, v, t, s), {"alibi_slopes": torch.ones(3)}, RuntimeError,
                     "alibi_slopes must have num_heads = 4"),
     "alibi dtype": (lambda q, k, v, t, s: (q, k, v, t, s), {"alibi_slopes": torch.ones(4).double()}, RuntimeError,
                     "alibi_slopes must be Float"),
     "window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": 0}, ValueError, "sliding_window"),
     "soft cap": (lambda q, k, v, t, s: (q, k, v, t, s), {"logits_soft_cap": -1.0}, ValueError, "logits_soft_cap"),
+    "infinite soft cap": (lambda q, k, v, t, s: (q, k, v, t, s), {"logits_soft_cap": math.inf}, ValueError,
+                          "logits_soft_cap must be positive and finite"),
+    "NaN soft cap": (lambda q, k, v, t, s: (q, k, v, t, s), {"logits_soft_cap": NAN}, ValueError,
+                     "logits_soft_cap must be positive and finite"),
+    "infinite scale": (lambda q, k, v, t, s: (q, k, v, t, s), {"scale": -math.inf}, ValueError, "scale must be finite"),
+    "NaN scale": (lambda q, k, v, t, s: (q, k, v, t, s), {"scale": NAN}, ValueError, "scale must be finite"),
+    "fractional window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": 3.7}, ValueError,
+                          "sliding_window must be a positive integer"),
+    "float window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": 3.0}, ValueError,
+                     "sliding_window must be a positive integer"),
+    "bool window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": True}, ValueError,
+                    "sliding_window must be a positive integer"),
     "out shape": (lambda q, k, v, t, s: (q, k, v, t, s), {"out": torch.empty(2, 4, 32)}, RuntimeError,
                   "out must be a Float tensor of shape"),
 }
@@ -321,6 +369,40 @@ def test_errors(case, device, validation):
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(error, match=message):
         paged_attn.paged_attention(*make_args(*error_case(device)), **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequences_filling_their_block_table(device):
+    # The boundary the range checks must let through: seq_len = max_blocks_per_seq * block_size, reading every
+    # entry of the table, and the last block id, num_blocks - 1.
+    query, key_cache, value_cache, block_tables, seq_lens = make_case([5, 32], 4, 2, 64, 16, torch.float32, device)
+    case = (query, key_cache, value_cache, with_entry(block_tables[:, :2], 0, 0, key_cache.shape[0] - 1), seq_lens)
+    key_cache[-1, :5] = torch.randn(5, 2, 64)
+    value_cache[-1, :5] = torch.randn(5, 2, 64)
+    check(case, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale,logits_soft_cap,message", [
+    (math.inf, 0.0, "scale must be finite, got inf"),
+    (NAN, 0.0, "scale must be finite, got nan"),
+    (1.0, math.inf, "logits_soft_cap must be positive and finite"),
+    (1.0, NAN, "logits_soft_cap must be positive and finite"),
+])
+def test_op_refuses_non_finite_scalars(scale, logits_soft_cap, message, device):
+    # The op itself, without the Python wrapper's checks: anyone can call torch.ops.paged_attn.paged_attention.
+    query, key_cache, value_cache, block_tables, seq_lens = error_case(device)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.paged_attn.paged_attention(torch.empty_like(query), query, key_cache, value_cache, block_tables,
+                                             seq_lens, scale, None, 0, logits_soft_cap)
+
+
+def test_integer_window_types_are_accepted():
+    # Any integer type but bool, numpy's too (a float such as 3.7 is refused: it used to become 3 silently).
+    case = error_case()
+    expected = reference.paged_attention(*case, sliding_window=3)
+    for window in (3, np.int64(3)):
+        torch.testing.assert_close(paged_attn.paged_attention(*case, sliding_window=window), expected)
 
 
 @requires_cuda
@@ -341,12 +423,14 @@ def test_cpu_avx2_path_when_avx512_is_switched_off():
     script = (
         "import torch, paged_attn\n"
         "from paged_attn import reference\n"
-        "from test_attention import make_case\n"
+        "from test_attention import make_case, check_bfloat16_is_as_exact_as_float32_math\n"
         "torch.manual_seed(0)\n"
         "for heads, kv_heads, head_dim, block_size in [(32, 8, 128, 16), (9, 3, 64, 5), (16, 1, 256, 8)]:\n"
         "    case = make_case([1, 17, 300, 1100], heads, kv_heads, head_dim, block_size, torch.bfloat16, 'cpu')\n"
         "    torch.testing.assert_close(paged_attn.paged_attention(*case), reference.paged_attention(*case),\n"
         "                               rtol=2e-2, atol=2e-2)\n"
+        "for head_dim in (64, 128):\n"
+        "    check_bfloat16_is_as_exact_as_float32_math(head_dim)\n"
     )
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PAGED_ATTN_NO_AVX512="1", PYTHONPATH=os.pathsep.join([tests_dir] + sys.path))

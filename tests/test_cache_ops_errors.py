@@ -1,21 +1,40 @@
 """Bad input raises a clear error that names what is wrong, and leaves the caches untouched."""
 
+import itertools
+import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import DEVICES, requires_cuda
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import paged_attn
+from paged_attn import reference
 
 NAN = float("nan")
 
 
 def caches(device="cpu", num_blocks=4, block_size=8, num_kv_heads=2, head_dim=32, dtype=torch.float32):
-    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype, device=device)
-    return key_cache, torch.full_like(key_cache, NAN)
+    """NaN-filled key and value caches, each followed in memory by a NaN guard block (see guard): a range check
+    that let block id num_blocks through would write there, and fail the test instead of corrupting the heap."""
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    key_alloc = torch.full(shape, NAN, dtype=dtype, device=device)
+    return key_alloc[:num_blocks], torch.full_like(key_alloc, NAN)[:num_blocks]
+
+
+def guard(cache):
+    """The block right after a cache from caches(), in memory."""
+    return cache.as_strided(cache.shape[1:], cache.stride()[1:], cache.storage_offset() + len(cache) * cache.stride(0))
+
+
+def untouched(*caches):
+    """Each cache from caches(), and its guard block, is still all NaN."""
+    return all(cache.isnan().all() and guard(cache).isnan().all() for cache in caches)
 
 
 def kv(num_tokens=3, num_kv_heads=2, head_dim=32, dtype=torch.float32, device="cpu"):
@@ -73,7 +92,7 @@ def test_reshape_and_cache_errors(case, device, validation):
     args = make_args(key, value, key_cache, value_cache, slots(0, 9, 17, device=device))
     with pytest.raises(RuntimeError, match=message):
         paged_attn.reshape_and_cache(*args)
-    assert key_cache.isnan().all() and value_cache.isnan().all(), "a failed call wrote to the cache"
+    assert untouched(key_cache, value_cache), "a failed call wrote to the cache"
 
 
 @requires_cuda
@@ -95,6 +114,7 @@ COPY_ERRORS = {
     "source range": (lambda m: torch.tensor([[4, 1]]), r"source block 4 is out of range \[0, 4\)"),
     "negative source": (lambda m: torch.tensor([[-1, 1]]), r"source block -1 is out of range"),
     "destination range": (lambda m: torch.tensor([[0, 7]]), r"destination block 7 is out of range \[0, 4\)"),
+    "destination = num_blocks": (lambda m: torch.tensor([[0, 4]]), r"destination block 4 is out of range \[0, 4\)"),
     "duplicate destination": (lambda m: torch.tensor([[0, 2], [1, 2]]), "destination block 2 appears more than once"),
     "destination is source": (lambda m: torch.tensor([[0, 1], [1, 2]]), "block 1 is both a source and a destination"),
 }
@@ -110,7 +130,7 @@ def test_copy_blocks_errors(case, device, validation):
     with pytest.raises(RuntimeError, match=message):
         paged_attn.copy_blocks([key_cache], [value_cache], make_mapping(torch.tensor([[0, 1]])))
     torch.testing.assert_close(key_cache, before, rtol=0, atol=0, equal_nan=True)
-    assert value_cache.isnan().all()
+    assert untouched(value_cache) and guard(key_cache).isnan().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,6 +144,31 @@ def test_copy_blocks_layer_errors(device):
     with pytest.raises(RuntimeError, match=r"key_caches\[0\] and value_caches\[0\] must have the same dtype"):
         paged_attn.copy_blocks([key_cache], [value_cache.half()], [(0, 1)])
     assert key_cache.isnan().all()
+
+
+# A block mapping given as a list must be a list of (src_block, dst_block) pairs ([(0, 1, 2, 3)] was once read as
+# two pairs); an empty list is no pairs.
+BAD_LIST_MAPPINGS = {
+    "a 4-tuple": [(0, 1, 2, 3)],
+    "a flat pair": [0, 1],
+    "a single id": [(0,)],
+    "a fractional id": [(0.5, 1)],
+    "a bool id": [(True, 1)],
+}
+
+
+@pytest.mark.parametrize("case", BAD_LIST_MAPPINGS)
+def test_list_mappings_must_be_pairs(case):
+    key_cache, value_cache = caches()
+    key_cache[0] = 1.0
+    before = key_cache.clone()
+    for call in (lambda m: paged_attn.copy_blocks([key_cache], [value_cache], m),
+                 lambda m: paged_attn.swap_blocks(key_cache, value_cache, m)):
+        with pytest.raises(ValueError, match=r"block_mapping must be a list of \(src_block, dst_block\) integer pairs"):
+            call(BAD_LIST_MAPPINGS[case])
+        call([])
+    torch.testing.assert_close(key_cache, before, rtol=0, atol=0, equal_nan=True)
+    assert untouched(value_cache) and guard(key_cache).isnan().all()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,10 +200,10 @@ SWAP_ERRORS = {
 def test_swap_blocks_errors(case, device):
     make_args, message = SWAP_ERRORS[case]
     src = torch.randn(6, 8, 2, 32, device=device)
-    dst = torch.full((3, 8, 2, 32), NAN)
+    dst, _ = caches(num_blocks=3)
     with pytest.raises(RuntimeError, match=message):
         paged_attn.swap_blocks(*make_args(src, dst, torch.tensor([[0, 1]])))
-    assert dst.isnan().all()
+    assert untouched(dst)
 
 
 @requires_cuda
@@ -208,3 +253,361 @@ def test_cuda_without_validation():
     paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slots(0, 9, 17, device="cuda"))
     paged_attn.set_validation(before)
     assert torch.equal(key_cache[1, 1], key[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Zero-sized dimensions: an empty pool (num_blocks = 0) and empty batches are fine, but a zero block_size,
+# num_kv_heads or head_dim (or a query with no heads) is refused at the door by every op. A zero block_size once
+# divided by zero and killed the process, so these calls run in one child process: a crash fails the cases it
+# reached, not the whole test session.
+
+ZERO_SIZED_SETUP = """
+import torch, paged_attn
+
+def caches(num_blocks=4, block_size=8, num_kv_heads=2, head_dim=32):
+    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    return key_cache, torch.zeros_like(key_cache)
+
+def layers(**dims):  # one layer's caches, as copy_blocks takes them
+    key_cache, value_cache = caches(**dims)
+    return [key_cache], [value_cache]
+
+def kv(num_kv_heads=2, head_dim=32):
+    return torch.zeros(1, num_kv_heads, head_dim), torch.zeros(1, num_kv_heads, head_dim)
+
+def attend(query, key_cache, value_cache):  # the op itself, no wrapper; one empty sequence per query row
+    n = query.shape[0]
+    torch.ops.paged_attn.paged_attention(torch.empty_like(query), query, key_cache, value_cache,
+                                         torch.zeros(n, 1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
+                                         1.0, None, 0, 0.0)
+
+def attend_wrapped(query, key_cache, value_cache):
+    n = query.shape[0]
+    return paged_attn.paged_attention(query, key_cache, value_cache, torch.zeros(n, 1, dtype=torch.int32),
+                                      torch.zeros(n, dtype=torch.int32))
+"""
+
+POSITIVE_DIMS = "block_size, num_kv_heads and head_dim must be positive"
+ZERO_SIZED = {
+    "reshape_and_cache block_size": (
+        "paged_attn.reshape_and_cache(*kv(), *caches(block_size=0), torch.tensor([-1]))", f"key_cache: {POSITIVE_DIMS}"),
+    "reshape_and_cache num_kv_heads": (
+        "paged_attn.reshape_and_cache(*kv(num_kv_heads=0), *caches(num_kv_heads=0), torch.tensor([0]))",
+        f"key_cache: {POSITIVE_DIMS}"),
+    "reshape_and_cache head_dim": (
+        "paged_attn.reshape_and_cache(*kv(head_dim=0), *caches(head_dim=0), torch.tensor([0]))",
+        f"key_cache: {POSITIVE_DIMS}"),
+    "copy_blocks block_size": (
+        "paged_attn.copy_blocks(*layers(block_size=0), [(0, 1)])", rf"key_caches\[0\]: {POSITIVE_DIMS}"),
+    "swap_blocks block shape": (
+        "paged_attn.swap_blocks(torch.zeros(4, 0, 2, 32), torch.zeros(4, 0, 2, 32), [(0, 1)])",
+        "src and dst must have positive sizes after the block dimension"),
+    "paged_attention block_size": ("attend(torch.zeros(1, 4, 32), *caches(block_size=0))", f"key_cache: {POSITIVE_DIMS}"),
+    "paged_attention num_kv_heads": (
+        "attend(torch.zeros(1, 4, 32), *caches(num_kv_heads=0))", f"key_cache: {POSITIVE_DIMS}"),
+    "paged_attention head_dim": ("attend(torch.zeros(1, 4, 0), *caches(head_dim=0))", f"key_cache: {POSITIVE_DIMS}"),
+    "paged_attention num_heads": (
+        "attend(torch.zeros(1, 0, 32), *caches())", "query must have positive num_heads and head_dim"),
+    "paged_attention query head_dim": (
+        "attend(torch.zeros(1, 4, 0), *caches())", "query must have positive num_heads and head_dim"),
+    "compiled paged_attention block_size": (
+        "torch.compile(attend_wrapped, fullgraph=True)(torch.zeros(1, 4, 32), *caches(block_size=0))",
+        f"key_cache: {POSITIVE_DIMS}"),
+    "compiled reshape_and_cache block_size": (
+        "torch.compile(paged_attn.reshape_and_cache, fullgraph=True)(*kv(), *caches(block_size=0), torch.tensor([-1]))",
+        f"key_cache: {POSITIVE_DIMS}"),
+}
+
+ZERO_SIZED_RUNNER = """
+import json, sys
+for name, statement in json.loads(sys.argv[1]).items():
+    try:
+        exec(statement)
+        outcome = [name, None, "accepted"]
+    except Exception as error:
+        outcome = [name, isinstance(error, RuntimeError), f"{type(error).__name__}: {error}"]
+    print(json.dumps(outcome), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def zero_sized_outcomes():
+    statements = {name: statement for name, (statement, _) in ZERO_SIZED.items()}
+    child = subprocess.run([sys.executable, "-c", ZERO_SIZED_SETUP + ZERO_SIZED_RUNNER, json.dumps(statements)],
+                           capture_output=True, text=True, timeout=600)
+    outcomes = {name: (is_runtime_error, message)
+                for name, is_runtime_error, message in map(json.loads, child.stdout.splitlines())}
+    return outcomes, child
+
+
+@pytest.mark.parametrize("case", ZERO_SIZED)
+def test_zero_sized_dims_are_refused(case, zero_sized_outcomes):
+    outcomes, child = zero_sized_outcomes
+    assert case in outcomes, f"the child process died (exit code {child.returncode}):\n{child.stderr[-3000:]}"
+    is_runtime_error, message = outcomes[case]
+    assert is_runtime_error, f"expected a RuntimeError, got {message}"
+    assert re.search(ZERO_SIZED[case][1], message), message
+
+
+def test_zero_sized_child_exits_cleanly(zero_sized_outcomes):
+    _, child = zero_sized_outcomes
+    assert child.returncode == 0, f"exit code {child.returncode}:\n{child.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_pools_and_batches_are_fine(device):
+    key_cache, value_cache = caches(device, num_blocks=0)
+    key, value = kv(num_tokens=0, device=device)
+    paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slots(device=device))
+    paged_attn.copy_blocks([key_cache], [value_cache], [])
+    paged_attn.swap_blocks(key_cache, key_cache.clone(), torch.empty(0, 2, dtype=torch.int64))
+    empty_seqs = torch.zeros(0, dtype=torch.int32, device=device)
+    out = paged_attn.paged_attention(torch.zeros(0, 4, 32, device=device), key_cache, value_cache,
+                                     torch.zeros(0, 1, dtype=torch.int32, device=device), empty_seqs)
+    assert out.shape == (0, 4, 32)
+    # An empty pool still serves sequences of length 0 (zero output rows).
+    query = torch.randn(2, 4, 32, device=device)
+    out = paged_attn.paged_attention(query, key_cache, value_cache, torch.zeros(2, 1, dtype=torch.int32, device=device),
+                                     torch.zeros(2, dtype=torch.int32, device=device))
+    assert torch.count_nonzero(out) == 0
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Overlapping arguments: no two tensor arguments of an op may share an element (an output that overlaps an input
+# would be silently overwritten, and two caches that overlap corrupt each other). The one exception is
+# swap_blocks(c, c, ...): src and dst that are exactly the same memory are one cache. Memory is compared element by
+# element, not by [min, max) ranges, so interleaved but disjoint layouts are accepted.
+
+
+def sharing_one_element(device, num_blocks=4):
+    """Two caches whose memory has exactly one element in common: the last of the first, the first of the second."""
+    n = num_blocks * 8 * 2 * 32
+    flat = torch.full((2 * n - 1,), NAN, device=device)
+    return flat[:n].view(num_blocks, 8, 2, 32), flat[n - 1 :].view(num_blocks, 8, 2, 32)
+
+
+def attention_args(device):
+    """The arguments of a small valid paged_attention call, by name (random caches, two sequences)."""
+    key_cache, value_cache = (torch.randn(4, 8, 2, 32, device=device) for _ in range(2))
+    query = torch.randn(2, 4, 32, device=device)
+    return dict(out=torch.empty_like(query), query=query, key_cache=key_cache, value_cache=value_cache,
+                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([5, 9], dtype=torch.int32, device=device), scale=0.5,
+                alibi_slopes=torch.rand(4, device=device), sliding_window=0, logits_soft_cap=0.0)
+
+
+# Each case: (op, a function of (key, value, key_cache, value_cache, slot_mapping) giving the op's arguments,
+# the two arguments the error names). The caches are separate NaN-filled [4, 8, 2, 32] tensors.
+CACHE_OP_OVERLAPS = {
+    "one tensor as both caches": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, v, kc, kc, s),
+                                  "key_cache and value_cache"),
+    "caches sharing one element": (
+        "reshape_and_cache", lambda k, v, kc, vc, s: (k, v, *sharing_one_element(kc.device), s),
+        "key_cache and value_cache"),
+    "caches one block apart": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, v, kc[:3], kc[1:], s),
+                               "key_cache and value_cache"),
+    "one tensor as key and value": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, k, kc, vc, s), "key and value"),
+    "key and value expanded from one row": (
+        "reshape_and_cache", lambda k, v, kc, vc, s: (k[:1].expand(3, -1, -1), k[:1].expand(3, -1, -1), kc, vc, s),
+        "key and value"),
+    "key inside key_cache": ("reshape_and_cache", lambda k, v, kc, vc, s: (kc[3, :3], v, kc, vc, s),
+                             "key and key_cache"),
+    "value inside key_cache": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, kc[0, 5:], kc, vc, s),
+                               "value and key_cache"),
+    "slot_mapping inside value_cache": (
+        "reshape_and_cache", lambda k, v, kc, vc, s: (k, v, kc, vc, vc[0, 0, 0, :6].view(torch.int64)),
+        "value_cache and slot_mapping"),
+    "one tensor as a layer's two caches": (
+        "copy_blocks", lambda k, v, kc, vc, s: ([kc], [kc], torch.tensor([[0, 1]])),
+        r"key_caches\[0\] and value_caches\[0\]"),
+    "one cache in two layers": (
+        "copy_blocks", lambda k, v, kc, vc, s: ([kc, kc.clone()], [vc, kc], torch.tensor([[0, 1]])),
+        r"key_caches\[0\] and value_caches\[1\]"),
+    "two layers sharing one element": (
+        "copy_blocks", lambda k, v, kc, vc, s: (list(sharing_one_element(kc.device)), [vc, vc.clone()],
+                                                torch.tensor([[0, 1]])),
+        r"key_caches\[0\] and key_caches\[1\]"),
+    "dst one block into src": ("swap_blocks", lambda k, v, kc, vc, s: (kc, kc[1:], torch.tensor([[0, 1]])),
+                               "src and dst"),
+    "dst a prefix of src": ("swap_blocks", lambda k, v, kc, vc, s: (kc, kc[:2], torch.tensor([[3, 1]])),
+                            "src and dst"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CACHE_OP_OVERLAPS)
+def test_cache_ops_refuse_overlapping_arguments(case, device, validation):
+    op, make_args, names = CACHE_OP_OVERLAPS[case]
+    key, value = kv(device=device)
+    key_cache, value_cache = caches(device)
+    args = make_args(key, value, key_cache, value_cache, slots(0, 9, 17, device=device))
+    with pytest.raises(RuntimeError, match=f"{names} must not overlap in memory"):
+        getattr(paged_attn, op)(*args)
+    assert untouched(key_cache, value_cache), "a failed call wrote to the cache"
+
+
+# Each case: a function of paged_attention's arguments (by name) that makes two of them overlap, and their names.
+ATTENTION_OVERLAPS = {
+    "out inside value_cache (the probe's case)": (
+        lambda a: {**a, "out": a["value_cache"][1, :4].view(2, 4, 32)}, "out and value_cache"),
+    "out inside key_cache, shifted by one element": (
+        lambda a: {**a, "out": a["key_cache"].flatten()[1:257].view(2, 4, 32)}, "out and key_cache"),
+    "out is query": (lambda a: {**a, "out": a["query"]}, "out and query"),
+    "one tensor as both caches": (lambda a: {**a, "value_cache": a["key_cache"]}, "key_cache and value_cache"),
+    "block_tables inside out": (
+        lambda a: {**a, "block_tables": a["out"].view(torch.int32).flatten()[-4:].view(2, 2)}, "out and block_tables"),
+    "alibi_slopes inside out": (lambda a: {**a, "alibi_slopes": a["out"][1, 2, :4]}, "out and alibi_slopes"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ATTENTION_OVERLAPS)
+def test_paged_attention_refuses_overlapping_arguments(case, device, validation):
+    make_args, names = ATTENTION_OVERLAPS[case]
+    args = make_args(attention_args(device))
+    before = {name: arg.clone() for name, arg in args.items() if isinstance(arg, torch.Tensor)}
+    with pytest.raises(RuntimeError, match=f"{names} must not overlap in memory"):
+        torch.ops.paged_attn.paged_attention(**args)
+    for name, arg in before.items():
+        torch.testing.assert_close(args[name], arg, rtol=0, atol=0, equal_nan=True, msg=f"{name} was written")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_interleaved_and_adjacent_layouts_are_accepted(device):
+    # The [:, 0] and [:, 1] halves of one [num_blocks, 2, ...] allocation interleave but share no element; nor do
+    # the query, key and value slices of one fused QKV tensor, rows expanded from different rows, or tensors that
+    # merely touch (one ends where the next begins).
+    alloc = torch.full((4, 2, 8, 2, 32), NAN, device=device)
+    key_cache, value_cache = alloc[:, 0], alloc[:, 1]
+    qkv = torch.randn(3, 4 + 2 + 2, 32, device=device)
+    query, key, value = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slots(0, 1, 2, device=device))
+    assert torch.equal(key_cache[0, :3], key) and torch.equal(value_cache[0, :3], value)
+    rows = torch.randn(2, 1, 2, 32, device=device)
+    paged_attn.reshape_and_cache(rows[0].expand(3, -1, -1), rows[1].expand(3, -1, -1), key_cache, value_cache,
+                                 slots(8, 9, 10, device=device))
+    assert torch.equal(key_cache[1, :3], rows[0].expand(3, -1, -1))
+    paged_attn.copy_blocks([key_cache], [value_cache], [(0, 2)])
+    paged_attn.swap_blocks(key_cache, value_cache, [(2, 3)])  # from one half into the other
+    assert torch.equal(value_cache[3, :3], key)
+
+    buffer = torch.empty(3 * 4 * 32 + 4, device=device)  # out, then the ALiBi slopes right after it
+    out, alibi_slopes = buffer[:-4].view(3, 4, 32), buffer[-4:].uniform_()
+    block_tables = torch.tensor([[0], [1], [0]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([3, 3, 2], dtype=torch.int32, device=device)
+    paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes=alibi_slopes,
+                               out=out)
+    expected = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         alibi_slopes=alibi_slopes)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swap_blocks_views_of_one_cache_are_one_cache(device):
+    # src and dst that are exactly the same memory (c and c[:]) are one cache, so a destination must not be a source.
+    cache = torch.randn(4, 8, 2, 32, device=device)
+    with pytest.raises(RuntimeError, match="block 1 is both a source and a destination"):
+        paged_attn.swap_blocks(cache, cache[:], [(0, 1), (1, 2)])
+    expected = cache.clone()
+    expected[1] = cache[0]
+    paged_attn.swap_blocks(cache, cache[:], [(0, 1)])
+    assert torch.equal(cache, expected)
+
+
+def element_bytes(t):
+    """Every byte address t's elements cover, by brute force."""
+    element = t.element_size()
+    return {t.data_ptr() + sum(i * s for i, s in zip(index, t.stride())) * element + b
+            for index in itertools.product(*map(range, t.shape)) for b in range(element)}
+
+
+@st.composite
+def views(draw, storage):
+    """A random strided view of storage (any dtype that divides it, sizes 0..4, strides 0..12, rank 0..3)."""
+    base = storage.view(draw(st.sampled_from([torch.uint8, torch.float16, torch.float32, torch.int64])))
+    rank = draw(st.integers(0, 3))
+    sizes = draw(st.lists(st.integers(0, 4), min_size=rank, max_size=rank))
+    strides = draw(st.lists(st.integers(0, 12), min_size=rank, max_size=rank))
+    extent = sum((n - 1) * s for n, s in zip(sizes, strides) if n > 0)
+    return base.as_strided(sizes, strides, draw(st.integers(0, base.numel() - 1 - extent)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_tensors_overlap_matches_brute_force(data):
+    storage = torch.zeros(1024, dtype=torch.uint8)
+    a, b = data.draw(views(storage)), data.draw(views(storage))
+    expected = bool(element_bytes(a) & element_bytes(b))
+    assert paged_attn._C._tensors_overlap(a, b) == expected
+    assert paged_attn._C._tensors_overlap(b, a) == expected
+
+
+def test_tensors_overlap_examples():
+    overlap = paged_attn._C._tensors_overlap
+    alloc = torch.zeros(5, 2, 8, 2, 32)
+    assert not overlap(alloc[:, 0], alloc[:, 1]) and overlap(alloc[:, 0], alloc[1:, 0])
+    assert overlap(alloc[:, 0], alloc.flatten()[8 * 2 * 32 - 1 :])  # one element, the last of block 0's key half
+    qkv = torch.zeros(7, 12, 64)
+    assert not overlap(qkv[:, 8:10], qkv[:, 10:]) and overlap(qkv[:, 8:11], qkv[:, 10:])
+    assert not overlap(alloc, torch.zeros_like(alloc)) and not overlap(alloc[:0], alloc)
+    matrix = torch.zeros(6, 6)
+    assert not overlap(matrix[:, ::2], matrix[:, 1::2]) and overlap(matrix[:, ::2], matrix[:, 2::3])
+    assert not overlap(matrix[0, :1].expand(4, 6), matrix[1:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# An argument on the meta device next to real caches dispatches to the op's fake kernel (meta wins), which must
+# refuse it as the kernel would, not silently do nothing (or, for paged_attention, leave `out` unwritten).
+
+META = "meta"
+META_ARGUMENTS = {
+    "reshape_and_cache: slot_mapping": (
+        lambda kc, vc: paged_attn.reshape_and_cache(*kv(), kc, vc, slots(0, 9, 17, device=META)),
+        "slot_mapping must be on cpu, got meta"),
+    "reshape_and_cache: key and value": (
+        lambda kc, vc: paged_attn.reshape_and_cache(*kv(device=META), kc, vc, slots(0, 9, 17)),
+        "key and key_cache must be on the same device, got meta and cpu"),
+    "copy_blocks: block_mapping": (
+        lambda kc, vc: paged_attn.copy_blocks([kc], [vc], torch.tensor([[0, 1]], device=META)),
+        "block_mapping must be on the CPU or on the caches' device cpu, got meta"),
+    "copy_blocks: a layer's value cache": (
+        lambda kc, vc: paged_attn.copy_blocks([kc], [vc.to(META)], [(0, 1)]),
+        r"key_caches\[0\] and value_caches\[0\] must be on the same device, got cpu and meta"),
+    "swap_blocks: block_mapping": (
+        lambda kc, vc: paged_attn.swap_blocks(kc, vc, torch.tensor([[0, 1]], device=META)),
+        "block_mapping must be on cpu, got meta"),
+    "swap_blocks: dst": (lambda kc, vc: paged_attn.swap_blocks(kc, vc.to(META), [(0, 1)]),
+                         "swap_blocks supports CPU and CUDA tensors, got meta"),
+    "paged_attention: block_tables": (
+        lambda kc, vc: attend_with(kc, vc, block_tables=META), "block_tables must be on cpu, got meta"),
+    "paged_attention: seq_lens": (lambda kc, vc: attend_with(kc, vc, seq_lens=META), "seq_lens must be on cpu, got meta"),
+    "paged_attention: alibi_slopes": (
+        lambda kc, vc: attend_with(kc, vc, alibi_slopes=META), "alibi_slopes must be on cpu, got meta"),
+    "paged_attention: out": (lambda kc, vc: attend_with(kc, vc, out=META), r"out must be a Float tensor .* on meta"),
+}
+
+
+def attend_with(key_cache, value_cache, **on_meta):
+    """paged_attention over the given caches, with the arguments named in on_meta moved to that device."""
+    args = {**attention_args("cpu"), "key_cache": key_cache, "value_cache": value_cache}
+    args.update({name: args[name].to(device) for name, device in on_meta.items()})
+    torch.ops.paged_attn.paged_attention(**args)
+
+
+@pytest.mark.parametrize("case", META_ARGUMENTS)
+def test_meta_arguments_next_to_real_caches_are_refused(case):
+    call, message = META_ARGUMENTS[case]
+    key_cache, value_cache = caches()
+    with pytest.raises(RuntimeError, match=message):
+        call(key_cache, value_cache)
+    assert untouched(key_cache, value_cache)
+
+
+def test_all_meta_calls_propagate_shapes():
+    # Everything on the meta device (no real tensor anywhere) is a valid shape-only call of the fake kernels.
+    key_cache, value_cache = caches(META)
+    paged_attn.reshape_and_cache(*kv(device=META), key_cache, value_cache, slots(0, 9, 17, device=META))
+    paged_attn.copy_blocks([key_cache], [value_cache], torch.tensor([[0, 1]], device=META))
+    args = {name: arg.to(META) if isinstance(arg, torch.Tensor) else arg for name, arg in attention_args("cpu").items()}
+    torch.ops.paged_attn.paged_attention(**args)

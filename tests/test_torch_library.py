@@ -1,8 +1,14 @@
 """The ops as torch.library citizens: schemas and fake kernels pass opcheck, torch.compile traces them whole."""
 
+import re
+
 import pytest
+import test_attention as attention
+import test_cache_ops_errors as errors
 import torch
+import torch.utils._pytree as pytree
 from conftest import DEVICES
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import paged_attn
 from paged_attn import reference
@@ -57,3 +63,65 @@ def test_torch_compile_fullgraph():
     for actual, want in zip((key_cache, value_cache, cpu_cache), expected):
         torch.testing.assert_close(actual, want, rtol=0, atol=0)
     torch.testing.assert_close(total, expected[0].sum() + expected[1].sum())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fake kernels check what the kernels check, short of strides, shared memory and index values (which need the
+# real tensors), and with the same messages: every error case of the op tests, run once for real and once on fake
+# tensors.
+
+KERNEL_ONLY = re.compile(r"contiguous|must not overlap|out of range|more than once|both a source")
+
+
+def error_cases():
+    """(op, case name) for every error case of tests/test_cache_ops_errors.py and tests/test_attention.py."""
+    cases = [("reshape_and_cache", name) for name in errors.RESHAPE_ERRORS]
+    cases += [("copy_blocks", name) for name in errors.COPY_ERRORS]
+    cases += [("swap_blocks", name) for name in errors.SWAP_ERRORS]
+    return cases + [("paged_attention", name) for name in attention.ERRORS]
+
+
+def error_call(op, name):
+    """The wrapper, positional and keyword arguments of one error case, on the CPU."""
+    if op == "reshape_and_cache":
+        return paged_attn.reshape_and_cache, errors.RESHAPE_ERRORS[name][0](
+            *errors.kv(), *errors.caches(), errors.slots(0, 9, 17)), {}
+    if op == "copy_blocks":
+        key_cache, value_cache = errors.caches()
+        return paged_attn.copy_blocks, ([key_cache], [value_cache], errors.COPY_ERRORS[name][0](torch.tensor([[0, 1]]))), {}
+    if op == "swap_blocks":
+        src, (dst, _) = torch.randn(6, 8, 2, 32), errors.caches(num_blocks=3)
+        return paged_attn.swap_blocks, errors.SWAP_ERRORS[name][0](src, dst, torch.tensor([[0, 1]])), {}
+    make_args, kwargs, _, _ = attention.ERRORS[name]
+    return paged_attn.paged_attention, make_args(*attention.error_case()), kwargs
+
+
+def error_of(call):
+    try:
+        call()
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@pytest.mark.parametrize("op,name", error_cases())
+def test_fakes_give_the_kernels_errors(op, name):
+    fn, args, kwargs = error_call(op, name)
+    real = error_of(lambda: fn(*args, **kwargs))
+    assert real is not None, "not an error case"
+    with FakeTensorMode() as mode:
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        fake = error_of(lambda: fn(*fake_args, **fake_kwargs))
+    if KERNEL_ONLY.search(real):
+        assert fake in (None, real)
+    else:
+        assert fake == real
+
+
+def test_torch_compile_refuses_bad_input_while_tracing():
+    key, value, key_cache, value_cache, slot_mapping = small_case("cpu")
+    compiled = torch.compile(paged_attn.reshape_and_cache, fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match="slot_mapping must be Long, got Int"):
+        compiled(key, value, key_cache, value_cache, slot_mapping.int())
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match="key_cache: block_size, num_kv_heads and head_dim"):
+        compiled(key, value, key_cache[:, :0], value_cache[:, :0], slot_mapping)

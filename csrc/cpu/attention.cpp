@@ -763,7 +763,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_seqs, num_head
                          double scale,
                          const std::optional<at::Tensor>& alibi_slopes,  // [num_heads], float32
                          int64_t sliding_window, double logits_soft_cap) {
-  check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+  check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                              sliding_window, logits_soft_cap);
   const int64_t block_size = key_cache.size(1);
   check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size);

@@ -91,7 +91,7 @@ void swap_blocks_cpu(const at::Tensor& src,             // [num_src_blocks, ...b
                      at::Tensor& dst,                   // [num_dst_blocks, ...block shape]
                      const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64, CPU
   check_swap_blocks_args(src, dst, block_mapping);
-  check_block_mapping_range(block_mapping, src.size(0), dst.size(0), /*same_cache=*/src.is_same(dst));
+  check_block_mapping_range(block_mapping, src.size(0), dst.size(0), /*same_cache=*/same_memory(src, dst));
   const int64_t num_pairs = block_mapping.size(0), elem = src.element_size();
   if (num_pairs == 0) return;
   const int64_t block_bytes = src.numel() / std::max<int64_t>(1, src.size(0)) * elem;

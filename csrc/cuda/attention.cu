@@ -464,7 +464,7 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_seqs, num_he
                           const at::Tensor& seq_lens,       // [num_seqs], int32
                           double scale, const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                           double logits_soft_cap) {
-  check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+  check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                              sliding_window, logits_soft_cap);
   TORCH_CHECK(query.is_cuda(), "paged_attention: expected CUDA tensors, got ", query.device());
   const int64_t block_size = key_cache.size(1);

@@ -213,7 +213,7 @@ void swap_blocks_cuda(const at::Tensor& src,             // [num_src_blocks, ...
                       at::Tensor& dst,                   // [num_dst_blocks, ...block shape]
                       const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64, CPU
   check_swap_blocks_args(src, dst, block_mapping);
-  check_block_mapping_range(block_mapping, src.size(0), dst.size(0), /*same_cache=*/src.is_same(dst));
+  check_block_mapping_range(block_mapping, src.size(0), dst.size(0), /*same_cache=*/same_memory(src, dst));
   if (block_mapping.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
