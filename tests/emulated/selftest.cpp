@@ -1,0 +1,765 @@
+// Self-test of simt.h: small kernels that exercise the emulator, one case per run, driven by tests/test_emulator.py.
+//
+//   selftest <case> [forward|reverse|random] [seed]
+//
+// Exit status: 0 when the case ran and its own checks passed; 1 when a check failed (the mismatch is printed);
+// 3 when the launch threw simt::Error (the message goes to stderr). Some cases print results that the Python side
+// checks against its own model (shuffles, conversions, fp8, order).
+#include "simt.h"
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+// Reports a failed check and makes the case fail.
+int g_failures = 0;
+#define CHECK(cond, ...)                                              \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                              \
+      std::fputc('\n', stderr);                                       \
+      ++g_failures;                                                   \
+    }                                                                 \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Shuffles: every combination of kind, width, mask and operand prints, per thread, the thread id it read (or -1
+// for lanes outside the mask). The Python side checks them against its model of PTX shfl.sync.
+
+enum ShuffleKind { kIdx, kUp, kDown, kXor };
+const char* const kShuffleNames[] = {"idx", "up", "down", "xor"};
+
+// A distinct value per thread id, and the id back from it; 64-bit types use their high bits.
+template <typename T> struct Probe;
+template <> struct Probe<float> {
+  static constexpr const char* name = "float";
+  static float make(int id) { return 0.5f + id; }
+  static long long id(float v) { return static_cast<long long>(v - 0.5f); }
+};
+template <> struct Probe<double> {
+  static constexpr const char* name = "double";
+  static double make(int id) { return 1e10 + 0.25 + id; }
+  static long long id(double v) { return static_cast<long long>(v - (1e10 + 0.25)); }
+};
+template <> struct Probe<int> {
+  static constexpr const char* name = "int";
+  static int make(int id) { return -1000 + id; }
+  static long long id(int v) { return v + 1000; }
+};
+template <> struct Probe<unsigned> {
+  static constexpr const char* name = "unsigned";
+  static unsigned make(int id) { return 4000000000u + id; }
+  static long long id(unsigned v) { return v - 4000000000u; }
+};
+template <> struct Probe<long long> {
+  static constexpr const char* name = "long_long";
+  static long long make(int id) { return (1LL << 40) + id; }
+  static long long id(long long v) { return v - (1LL << 40); }
+};
+template <> struct Probe<__half> {
+  static constexpr const char* name = "half";
+  static __half make(int id) { return __float2half_rn(id - 64.0f); }
+  static long long id(__half v) { return static_cast<long long>(__half2float(v)) + 64; }
+};
+
+template <typename T>
+__global__ void shuffle_kernel(int kind, unsigned mask, int operand, int width, long long* out) {
+  const int tid = threadIdx.x, lane = tid % 32;
+  if (!(mask >> lane & 1u)) {  // lanes outside the mask take no part and exit at once
+    out[tid] = -1;
+    return;
+  }
+  const T v = Probe<T>::make(tid);
+  T r = v;
+  switch (kind) {
+    case kIdx: r = __shfl_sync(mask, v, operand - lane, width); break;  // per-lane source, negative for some
+    case kUp: r = __shfl_up_sync(mask, v, operand, width); break;
+    case kDown: r = __shfl_down_sync(mask, v, operand, width); break;
+    case kXor: r = __shfl_xor_sync(mask, v, operand, width); break;
+  }
+  out[tid] = Probe<T>::id(r);
+}
+
+// Prints "<type> <kind> <width> <mask> <operand>: <64 source ids>", or ": error <message>".
+template <typename T>
+void print_shuffles(const simt::Options& options, const std::vector<int>& widths, const std::vector<unsigned>& masks,
+                    const std::vector<int>& operands) {
+  for (int kind : {kIdx, kUp, kDown, kXor})
+    for (int width : widths)
+      for (unsigned mask : masks)
+        for (int operand : operands) {
+          std::vector<long long> out(64, -2);
+          std::printf("%s %s %d 0x%08x %d:", Probe<T>::name, kShuffleNames[kind], width, mask, operand);
+          try {
+            simt::launch(options, shuffle_kernel<T>, dim3(1), dim3(64), 0, kind, mask, operand, width, out.data());
+            for (long long id : out) std::printf(" %lld", id);
+          } catch (const simt::Error& e) {
+            std::printf(" error %s", e.what());
+          }
+          std::printf("\n");
+        }
+}
+
+int shuffles(const simt::Options& options) {
+  print_shuffles<int>(options, {32, 16, 8, 4, 2, 1}, {0xffffffffu, 0x0000ffffu, 0xffff0000u, 0x00ff00ffu, 0x0f0f0f0fu},
+                      {0, 1, 3, 8, 17, 33});
+  print_shuffles<float>(options, {32, 4}, {0xffffffffu}, {1, 5});
+  print_shuffles<double>(options, {32, 4}, {0xffffffffu}, {1, 5});
+  print_shuffles<unsigned>(options, {32, 4}, {0xffffffffu}, {1, 5});
+  print_shuffles<long long>(options, {32, 4}, {0xffffffffu}, {1, 5});
+  print_shuffles<__half>(options, {32, 4}, {0xffffffffu}, {1, 5});
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Votes: ballot/any/all over the whole warp, and over half of it while the other half does something else.
+
+__global__ void vote_kernel(unsigned* out) {  // [64][6]
+  const int tid = threadIdx.x, lane = tid % 32;
+  unsigned* o = out + 6 * tid;
+  o[0] = __ballot_sync(0xffffffffu, lane % 3 == 0);
+  o[1] = __any_sync(0xffffffffu, tid == 40);  // true in warp 1 only
+  o[2] = __all_sync(0xffffffffu, tid < 48);   // true in warp 0 only
+  if (lane < 16) {
+    o[3] = __ballot_sync(0x0000ffffu, lane & 1);
+    o[4] = __all_sync(0x0000ffffu, lane < 16);
+    o[5] = __any_sync(0x0000ffffu, lane == 99);
+  } else {
+    o[3] = __ballot_sync(0xffff0000u, lane >= 30);
+    o[4] = __all_sync(0xffff0000u, lane != 20);
+    o[5] = __any_sync(0xffff0000u, lane == 20);
+  }
+}
+
+int votes(const simt::Options& options) {
+  std::vector<unsigned> out(64 * 6);
+  simt::launch(options, vote_kernel, dim3(1), dim3(64), 0, out.data());
+  for (int tid = 0; tid < 64; ++tid) {
+    const int lane = tid % 32, warp = tid / 32;
+    const unsigned* o = &out[6 * tid];
+    CHECK(o[0] == 0x49249249u, "thread %d ballot %08x", tid, o[0]);
+    CHECK(o[1] == (warp == 1 ? 1u : 0u), "thread %d any %u", tid, o[1]);
+    CHECK(o[2] == (warp == 0 ? 1u : 0u), "thread %d all %u", tid, o[2]);
+    CHECK(o[3] == (lane < 16 ? 0x0000aaaau : 0xc0000000u), "thread %d half ballot %08x", tid, o[3]);
+    CHECK(o[4] == (lane < 16 ? 1u : 0u), "thread %d half all %u", tid, o[4]);
+    CHECK(o[5] == (lane < 16 ? 0u : 1u), "thread %d half any %u", tid, o[5]);
+  }
+  return g_failures ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Block reductions on a 2-D block: a shared-memory tree with __syncthreads, and warp shuffles plus one barrier.
+
+__global__ void block_reduce_kernel(const float* in, float* tree_out, float* warp_out) {  // block (16, 8)
+  PA_SHARED(float, tree_s, [128]);
+  PA_SHARED(float, partial_s, [4]);
+  const int n = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const float v = in[blockIdx.x * n + tid];
+
+  tree_s[tid] = v;
+  __syncthreads();
+  for (int stride = n / 2; stride > 0; stride /= 2) {
+    if (tid < stride) tree_s[tid] += tree_s[tid + stride];
+    __syncthreads();
+  }
+  if (tid == 0) tree_out[blockIdx.x] = tree_s[0];
+
+  float w = v;
+  for (int offset = 16; offset > 0; offset /= 2) w += __shfl_down_sync(0xffffffffu, w, offset);
+  if (tid % 32 == 0) partial_s[tid / 32] = w;
+  __syncthreads();
+  if (tid < 32) {
+    float total = tid < n / 32 ? partial_s[tid] : 0.0f;
+    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    if (tid == 0) warp_out[blockIdx.x] = total;
+  }
+}
+
+int block_reduce(const simt::Options& options) {
+  constexpr int kBlocks = 3, kThreads = 128;
+  std::vector<float> in(kBlocks * kThreads), tree(kBlocks), warp(kBlocks);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>((i * 37) % 101) - 50.0f;  // exact sums
+  simt::launch(options, block_reduce_kernel, dim3(kBlocks), dim3(16, 8), 0, in.data(), tree.data(), warp.data());
+  for (int b = 0; b < kBlocks; ++b) {
+    float expected = 0.0f;
+    for (int t = 0; t < kThreads; ++t) expected += in[b * kThreads + t];
+    CHECK(tree[b] == expected, "block %d tree %g expected %g", b, tree[b], expected);
+    CHECK(warp[b] == expected, "block %d warp %g expected %g", b, warp[b], expected);
+  }
+  return g_failures ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Warps that run different numbers of shuffles, and the two halves of a warp running different collectives under
+// disjoint masks at the same time: legitimate, must pass.
+
+__global__ void uneven_warps_kernel(int* out) {  // 96 threads: out [96][3]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  int v = lane;
+  for (int i = 0; i <= 2 * warp; ++i) v = __shfl_xor_sync(0xffffffffu, v, 1) + 1;  // warp w: 2w + 1 shuffles
+  int half = lane;
+  unsigned ballot = 0;
+  if (warp == 0) {
+    if (lane < 16) {
+      for (int i = 0; i < 3; ++i) half = __shfl_down_sync(0x0000ffffu, half, 1, 16);
+    } else {
+      half = __shfl_up_sync(0xffff0000u, half, 2, 16);
+      ballot = __ballot_sync(0xffff0000u, lane & 1);
+    }
+  }
+  __syncthreads();
+  out[3 * tid] = v, out[3 * tid + 1] = half, out[3 * tid + 2] = static_cast<int>(ballot);
+}
+
+int uneven_warps(const simt::Options& options) {
+  std::vector<int> out(96 * 3);
+  simt::launch(options, uneven_warps_kernel, dim3(1), dim3(96), 0, out.data());
+  for (int tid = 0; tid < 96; ++tid) {
+    const int warp = tid / 32, lane = tid % 32;
+    CHECK(out[3 * tid] == (lane ^ 1) + 2 * warp + 1, "thread %d: %d", tid, out[3 * tid]);
+    const int half = warp != 0 ? lane : lane < 16 ? std::min(lane + 3, 15) : lane - 2 >= 16 ? lane - 2 : lane;
+    CHECK(out[3 * tid + 1] == half, "thread %d half %d expected %d", tid, out[3 * tid + 1], half);
+    const int ballot = warp == 0 && lane >= 16 ? static_cast<int>(0xaaaa0000u) : 0;
+    CHECK(out[3 * tid + 2] == ballot, "thread %d ballot %08x", tid, out[3 * tid + 2]);
+  }
+  return g_failures ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Shared memory: NaN-filled at every block start (static and dynamic), one copy per block, shared by its threads.
+
+constexpr int kDynamicBytes = 24;
+
+__global__ void shared_poison_kernel(unsigned char* bytes, int* flags) {  // bytes [blocks][32 + 16 + 24]
+  PA_SHARED(float, static_s, [8]);
+  PA_SHARED(__half, half_s, [8]);
+  PA_EXTERN_SHARED(unsigned char, dynamic_s);
+  const int tid = threadIdx.x, b = blockIdx.x;
+  // Read before any write: thread 0 copies what it finds, and tests it as floats.
+  if (tid == 0) {
+    unsigned char* o = bytes + b * (32 + 16 + kDynamicBytes);
+    std::memcpy(o, static_s, 32);
+    std::memcpy(o + 32, half_s, 16);
+    std::memcpy(o + 48, dynamic_s, kDynamicBytes);
+    flags[4 * b] = std::isnan(static_s[3]) && __hisnan(half_s[5]) && std::isnan(reinterpret_cast<float*>(dynamic_s)[1]);
+  }
+  __syncthreads();
+  // The block's threads share one copy: the last thread writes, everybody reads it after the barrier.
+  if (tid == 31) static_s[0] = 100.0f + b, dynamic_s[0] = static_cast<unsigned char>(b);
+  __syncthreads();
+  const bool seen = static_s[0] == 100.0f + b && dynamic_s[0] == b;
+  if (tid == 0) flags[4 * b + 1] = 1;
+  __syncthreads();
+  if (!seen) flags[4 * b + 1] = 0;
+  // The addresses are the same for every thread of the block.
+  if (tid == 7) flags[4 * b + 2] = static_cast<int>(reinterpret_cast<uintptr_t>(&static_s[0]) & 0xfffffff);
+  __syncthreads();
+  const int address = static_cast<int>(reinterpret_cast<uintptr_t>(&static_s[0]) & 0xfffffff);
+  if (tid == 0) flags[4 * b + 3] = flags[4 * b + 2] == address;
+}
+
+int shared_poison(const simt::Options& options) {
+  constexpr int kBlocks = 4;
+  std::vector<unsigned char> bytes(kBlocks * (32 + 16 + kDynamicBytes), 0);
+  std::vector<int> flags(4 * kBlocks, -1);
+  simt::launch(options, shared_poison_kernel, dim3(kBlocks), dim3(32), kDynamicBytes, bytes.data(), flags.data());
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    CHECK(bytes[i] == 0xFF, "byte %zu of the blocks' shared memory: %02x", i, bytes[i]);
+  }
+  for (int b = 0; b < kBlocks; ++b) {
+    CHECK(flags[4 * b] == 1, "block %d: unwritten shared memory is not NaN", b);
+    CHECK(flags[4 * b + 1] == 1, "block %d: a thread did not see the block's shared write", b);
+    CHECK(flags[4 * b + 3] == 1, "block %d: threads see different shared addresses", b);
+  }
+  return g_failures ? 1 : 0;
+}
+
+// A kernel that forgets to initialize its accumulator in shared memory: the NaN fill makes its result NaN.
+__global__ void uninitialized_shared_kernel(float* out) {
+  PA_SHARED(float, sum_s, [1]);  // BUG (on purpose): never set to 0
+  __syncthreads();
+  atomicAdd(&sum_s[0], 1.0f);
+  __syncthreads();
+  if (threadIdx.x == 0) *out = sum_s[0];
+}
+
+int uninitialized_shared(const simt::Options& options) {
+  float out = 0.0f;
+  simt::launch(options, uninitialized_shared_kernel, dim3(1), dim3(64), 0, &out);
+  std::printf("result %g\n", out);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Atomics on global and shared memory from 3 blocks of 128 threads.
+
+struct AtomicCounters {
+  int i = 0;
+  unsigned u = 0;
+  unsigned long long ull = 0;
+  float f = 0.0f, block_sums = 0.0f;
+  double d = 0.0;
+  int max = -1, min = 1, sub = 0, cas = -1, cas_winners = 0, exchanged = -1;
+  unsigned long long exchanged_sum = 0;
+};
+
+__global__ void atomics_kernel(AtomicCounters* c) {
+  PA_SHARED(float, block_sum_s, [1]);
+  const int gid = blockIdx.x * blockDim.x + threadIdx.x;
+  if (threadIdx.x == 0) block_sum_s[0] = 0.0f;
+  __syncthreads();
+  atomicAdd(&block_sum_s[0], 0.25f);
+  atomicAdd(&c->i, 1);
+  atomicAdd(&c->u, 2u);
+  atomicAdd(&c->ull, 1ull << 33);
+  atomicAdd(&c->f, 0.5f);
+  atomicAdd(&c->d, 0.125);
+  atomicMax(&c->max, gid);
+  atomicMin(&c->min, -gid);
+  atomicSub(&c->sub, 3);
+  if (atomicCAS(&c->cas, -1, gid) == -1) atomicAdd(&c->cas_winners, 1);
+  const int old = atomicExch(&c->exchanged, gid);
+  atomicAdd(&c->exchanged_sum, static_cast<unsigned long long>(old + 1));
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(&c->block_sums, block_sum_s[0]);
+}
+
+int atomics(const simt::Options& options) {
+  constexpr int kBlocks = 3, kThreads = 128, n = kBlocks * kThreads;
+  AtomicCounters c;
+  simt::launch(options, atomics_kernel, dim3(kBlocks), dim3(kThreads), 0, &c);
+  CHECK(c.i == n, "%d", c.i);
+  CHECK(c.u == 2u * n, "%u", c.u);
+  CHECK(c.ull == (1ull << 33) * n, "%llu", c.ull);
+  CHECK(c.f == 0.5f * n, "%g", c.f);
+  CHECK(c.d == 0.125 * n, "%g", c.d);
+  CHECK(c.block_sums == 0.25f * n, "%g", c.block_sums);
+  CHECK(c.max == n - 1 && c.min == -(n - 1), "%d %d", c.max, c.min);
+  CHECK(c.sub == -3 * n, "%d", c.sub);
+  CHECK(c.cas_winners == 1 && c.cas >= 0, "%d winners, %d", c.cas_winners, c.cas);
+  // Every old value (the initial -1 and all ids but the last one written) comes back exactly once.
+  const unsigned long long all_ids = static_cast<unsigned long long>(n) * (n + 1) / 2;  // sum of id + 1
+  CHECK(c.exchanged_sum + c.exchanged + 1 == all_ids, "%llu + %d", c.exchanged_sum, c.exchanged);
+  return g_failures ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vector types keep their alignment everywhere: globals, shared memory, the fiber stacks.
+
+static_assert(alignof(uint4) == 16 && alignof(float4) == 16 && sizeof(uint4) == 16, "16-byte vectors");
+static_assert(alignof(uint2) == 8 && alignof(float2) == 8 && sizeof(float2) == 8, "8-byte vectors");
+static_assert(alignof(__half2) == 4 && alignof(__nv_bfloat162) == 4, "paired halves");
+
+bool aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
+__global__ void alignment_kernel(const uint4* in, float* out, int* ok) {  // 32 threads; out [32][8]
+  PA_SHARED(char, odd_s, [3]);
+  PA_SHARED(uint4, vec_s, [32]);
+  PA_SHARED(float2, pair_s, [3]);
+  PA_EXTERN_SHARED(float4, dynamic_s);
+  const int tid = threadIdx.x;
+  uint4 local[3];
+  float2 local_pair;
+  if (tid < 3) odd_s[tid] = 0;
+  vec_s[tid] = in[tid];  // 16-byte loads and stores
+  __syncthreads();
+  local[tid % 3] = vec_s[(tid + 1) % 32];
+  // Read a vector as 8 halves, the way the attention kernel does.
+  const __half2* h = reinterpret_cast<const __half2*>(&local[tid % 3]);
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __half22float2(h[k]);
+    out[8 * tid + 2 * k] = f.x, out[8 * tid + 2 * k + 1] = f.y;
+  }
+  local_pair = make_float2(1.0f, 2.0f);
+  if (tid < 3) pair_s[tid] = local_pair;
+  ok[tid] = aligned(vec_s, 16) && aligned(dynamic_s, 16) && aligned(pair_s, 8) && aligned(&local[tid % 3], 16) &&
+            aligned(&local_pair, 8);
+}
+
+int alignment(const simt::Options& options) {
+  alignas(16) uint4 in[32];
+  std::vector<__half> halves(8 * 32);
+  for (int i = 0; i < 8 * 32; ++i) halves[i] = __float2half_rn(i * 0.5f - 40.0f);
+  std::memcpy(in, halves.data(), sizeof in);
+  std::vector<float> out(8 * 32);
+  std::vector<int> ok(32, 0);
+  simt::launch(options, alignment_kernel, dim3(1), dim3(32), 64, in, out.data(), ok.data());
+  for (int t = 0; t < 32; ++t) {
+    CHECK(ok[t] == 1, "thread %d saw a misaligned vector", t);
+    for (int k = 0; k < 8; ++k) {
+      const float expected = __half2float(halves[8 * ((t + 1) % 32) + k]);
+      CHECK(out[8 * t + k] == expected, "thread %d element %d: %g expected %g", t, k, out[8 * t + k], expected);
+    }
+  }
+  return g_failures ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// __syncwarp orders memory between the lanes of a warp (no race under TSan); a shuffle does not.
+
+__global__ void syncwarp_exchange_kernel(int* out) {  // 64 threads
+  PA_SHARED(int, buf_s, [64]);
+  const int tid = threadIdx.x, lane = tid % 32, base = tid - lane;
+  buf_s[tid] = 3 * tid;
+  __syncwarp();
+  const int neighbor = buf_s[base + (lane + 1) % 32];
+  __syncwarp();
+  buf_s[tid] = neighbor;  // overwrites what a neighbor has just read: ordered by the second __syncwarp
+  __syncwarp();
+  out[tid] = buf_s[base + (lane + 31) % 32];
+}
+
+int syncwarp_exchange(const simt::Options& options) {
+  std::vector<int> out(64);
+  simt::launch(options, syncwarp_exchange_kernel, dim3(1), dim3(64), 0, out.data());
+  for (int t = 0; t < 64; ++t) CHECK(out[t] == 3 * t, "thread %d: %d", t, out[t]);
+  return g_failures ? 1 : 0;
+}
+
+__global__ void race_over_shuffle_kernel(int* out) {  // 32 threads
+  PA_SHARED(int, buf_s, [32]);
+  const int lane = threadIdx.x;
+  buf_s[lane] = lane;
+  const int token = __shfl_xor_sync(0xffffffffu, lane, 1);  // exchanges a value, orders no memory
+  out[lane] = buf_s[token];  // BUG (on purpose): reads a neighbor's write without __syncwarp
+}
+
+int race_over_shuffle(const simt::Options& options) {
+  std::vector<int> out(32);
+  simt::launch(options, race_over_shuffle_kernel, dim3(1), dim3(32), 0, out.data());
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Order: the last writer to one shared slot wins, so the answer depends on the thread order; blocks record the
+// order in which they ran.
+
+__global__ void last_writer_kernel(int* winner, int* position, int* counter) {
+  PA_SHARED(int, slot_s, [1]);
+  slot_s[0] = threadIdx.x;  // BUG (on purpose): every thread writes the one slot
+  __syncthreads();
+  if (threadIdx.x == 0) winner[blockIdx.x] = slot_s[0], position[blockIdx.x] = atomicAdd(counter, 1);
+}
+
+int order(const simt::Options& options) {
+  constexpr int kBlocks = 5;
+  std::vector<int> winner(kBlocks), position(kBlocks);
+  int counter = 0;
+  simt::launch(options, last_writer_kernel, dim3(kBlocks), dim3(64), 0, winner.data(), position.data(), &counter);
+  std::printf("winners");
+  for (int w : winner) std::printf(" %d", w);
+  std::printf("\npositions");
+  for (int p : position) std::printf(" %d", p);
+  std::printf("\n");
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Launch limits: each refused launch prints its message; the limits themselves are accepted.
+
+__global__ void empty_kernel() {}
+
+__global__ void big_static_kernel() {
+  PA_SHARED(float, big_s, [12 * 1024 + 1]);  // 48 KiB + 4 bytes
+  big_s[0] = 0.0f;
+}
+
+__global__ void static_plus_dynamic_kernel() {
+  PA_SHARED(float, s, [8 * 1024]);  // 32 KiB, plus the launch's dynamic bytes
+  s[threadIdx.x] = 0.0f;
+}
+
+int launch_limits(const simt::Options& options) {
+  auto refused = [&](const char* what, auto kernel, dim3 grid, dim3 block, size_t dynamic_bytes) {
+    try {
+      simt::launch(options, kernel, grid, block, dynamic_bytes);
+      CHECK(false, "%s was accepted", what);
+    } catch (const simt::Error& e) {
+      std::printf("%s: %s\n", what, e.what());
+    }
+  };
+  refused("block_1025", empty_kernel, dim3(1), dim3(1025), 0);
+  refused("block_32x32x2", empty_kernel, dim3(1), dim3(32, 32, 2), 0);
+  refused("block_z_65", empty_kernel, dim3(1), dim3(1, 1, 65), 0);
+  refused("grid_x_2^31", empty_kernel, dim3(0x80000000u), dim3(1), 0);
+  refused("grid_y_65536", empty_kernel, dim3(1, 65536), dim3(1), 0);
+  refused("grid_z_65536", empty_kernel, dim3(1, 1, 65536), dim3(1), 0);
+  refused("grid_x_0", empty_kernel, dim3(0), dim3(1), 0);
+  refused("dynamic_shared", empty_kernel, dim3(1), dim3(1), simt::kMaxSharedBytes + 1);
+  refused("static_shared", big_static_kernel, dim3(1), dim3(1), 0);
+  refused("static_plus_dynamic", static_plus_dynamic_kernel, dim3(1), dim3(32), simt::kMaxSharedBytes - 32 * 1024 + 1);
+  // At the limits: accepted.
+  simt::launch(options, empty_kernel, dim3(2, 1, 1), dim3(1024), 0);
+  simt::launch(options, empty_kernel, dim3(1), dim3(1, 1, 64), 0);
+  simt::launch(options, static_plus_dynamic_kernel, dim3(1), dim3(32), simt::kMaxSharedBytes - 32 * 1024);
+  return g_failures ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host conversions (cuda_fp16.h, cuda_bf16.h, cuda_fp8.h compiled by g++). The Python side checks them with torch.
+
+// stdin: float32 bit patterns in hex, one a line. stdout per line:
+//   f32 half(rn) bf16(rn) f32(half) f32(bf16) fp8e4m3 fp8e5m2   (all hex; the fp8 encodings without saturation)
+int conversions(const simt::Options&) {
+  unsigned bits;
+  while (std::scanf("%x", &bits) == 1) {
+    float x;
+    std::memcpy(&x, &bits, 4);
+    const __half h = __float2half_rn(x);
+    const __nv_bfloat16 b = __float2bfloat16_rn(x);
+    // The paired conversions agree with the scalar ones.
+    const __half2 h2 = __floats2half2_rn(x, -x);
+    const __nv_bfloat162 b2 = __float22bfloat162_rn(make_float2(x, -x));
+    const float hf = __half2float(h), bf = __bfloat162float(b);
+    CHECK(__half_as_ushort(h2.x) == __half_as_ushort(h) &&
+              __half_as_ushort(h2.y) == __half_as_ushort(__float2half_rn(-x)),
+          "half2 of %08x", bits);
+    CHECK(__bfloat16_as_ushort(b2.x) == __bfloat16_as_ushort(b), "bfloat162 of %08x", bits);
+    const float2 hf2 = __half22float2(h2), bf2 = __bfloat1622float2(b2);
+    CHECK(std::memcmp(&hf2.x, &hf, 4) == 0 && std::memcmp(&bf2.x, &bf, 4) == 0, "x2 back of %08x", bits);
+    unsigned hf_bits, bf_bits;
+    std::memcpy(&hf_bits, &hf, 4);
+    std::memcpy(&bf_bits, &bf, 4);
+    std::printf("%08x %04x %04x %08x %08x %02x %02x\n", bits, __half_as_ushort(h), __bfloat16_as_ushort(b), hf_bits,
+                bf_bits, __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E4M3),
+                __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E5M2));
+  }
+  return g_failures ? 1 : 0;
+}
+
+// Every 16-bit pattern decoded as half and as bfloat16, and every fp8 byte decoded (to half) as e4m3 and e5m2:
+//   "h <bits> <f32 of half> <f32 of bf16>" and "f8 <byte> <half of e4m3> <half of e5m2>" (hex).
+int decodes(const simt::Options&) {
+  for (unsigned bits = 0; bits < 65536; ++bits) {
+    const float hf = __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    const float bf = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(bits)));
+    unsigned hf_bits, bf_bits;
+    std::memcpy(&hf_bits, &hf, 4);
+    std::memcpy(&bf_bits, &bf, 4);
+    std::printf("h %04x %08x %08x\n", bits, hf_bits, bf_bits);
+  }
+  for (unsigned byte = 0; byte < 256; ++byte) {
+    const __half_raw e4m3 = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(byte), __NV_E4M3);
+    const __half_raw e5m2 = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(byte), __NV_E5M2);
+    // The paired decode (the one the kernels will use) agrees with the single one, in both halves.
+    const auto two_bytes = static_cast<__nv_fp8x2_storage_t>(byte << 8 | (255 - byte));
+    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(two_bytes, __NV_E4M3);
+    const __half_raw other = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(255 - byte), __NV_E4M3);
+    CHECK(pair.x == other.x && pair.y == e4m3.x, "fp8x2 of %02x", byte);
+    std::printf("f8 %02x %04x %04x\n", byte, e4m3.x, e5m2.x);
+  }
+  return g_failures ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Errors the emulator must report (each case is expected to exit with status 3 and a message).
+
+__global__ void barrier_skipped_kernel(int* out) {
+  if (threadIdx.x != 5) __syncthreads();  // BUG: thread 5 skips the first barrier...
+  __syncthreads();                        // ...and meets the others' second one
+  out[threadIdx.x] = 1;
+}
+__global__ void barrier_two_sites_kernel(int* out) {
+  if (threadIdx.x < 32) {
+    out[threadIdx.x] = 1;
+    __syncthreads();  // BUG: two barriers, one per branch
+  } else {
+    __syncthreads();
+  }
+}
+__global__ void barrier_early_return_kernel(int* out, int n) {
+  if (static_cast<int>(threadIdx.x) >= n) return;  // BUG: returns before the barrier the others wait at
+  out[threadIdx.x] = 1;
+  __syncthreads();
+}
+__global__ void shuffle_divergent_kernel(int* out) {
+  int v = threadIdx.x;
+  if (threadIdx.x % 32 < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);  // BUG: full mask in a divergent branch
+  out[threadIdx.x] = v;
+}
+__global__ void different_collectives_kernel(int* out) {
+  int v = threadIdx.x;
+  if (threadIdx.x % 2 == 0) {
+    v = __shfl_xor_sync(0xffffffffu, v, 1);  // BUG: odd lanes run another collective
+  } else {
+    v = __shfl_down_sync(0xffffffffu, v, 1);
+  }
+  out[threadIdx.x] = v;
+}
+__global__ void mismatched_masks_kernel(int* out) {
+  const unsigned mask = threadIdx.x % 32 < 16 ? 0xffffffffu : 0xffff0000u;  // BUG: the lanes disagree
+  out[threadIdx.x] = __shfl_xor_sync(mask, static_cast<int>(threadIdx.x), 1);
+}
+__global__ void collective_vs_barrier_kernel(int* out) {
+  int v = threadIdx.x;
+  if (threadIdx.x == 0) {
+    __syncthreads();  // BUG: lane 0 leaves its warp's shuffle for a barrier
+  } else {
+    v = __shfl_xor_sync(0xffffffffu, v, 1);
+    __syncthreads();
+  }
+  out[threadIdx.x] = v;
+}
+__global__ void read_outside_mask_kernel(int* out) {
+  if (threadIdx.x >= 16) return;  // lanes 16-31 are not in the mask: fine
+  // BUG: lanes 8-15 read lanes 16-23, which are not in the mask.
+  out[threadIdx.x] = __shfl_down_sync(0x0000ffffu, static_cast<int>(threadIdx.x), 8);
+}
+__global__ void mask_without_self_kernel(int* out) {
+  const int lane = threadIdx.x % 32;
+  const unsigned mask = 1u << (lane == 3 ? 0 : lane);  // every lane alone; BUG: lane 3 names lane 0 instead
+  out[threadIdx.x] = __shfl_sync(mask, lane, lane);
+}
+__global__ void bad_width_kernel(int* out) {
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<int>(threadIdx.x), 1, 12);  // BUG: not a power of 2
+}
+
+template <typename... Params, typename... Args>
+int run_error_kernel(const simt::Options& options, void (*kernel)(Params...), int threads, Args... args) {
+  std::vector<int> out(threads);
+  simt::launch(options, kernel, dim3(2), dim3(threads), 0, out.data(), args...);
+  std::printf("no error was reported\n");
+  return 1;
+}
+
+// Sanitizer cases: the sanitizer, not the emulator, reports these.
+
+// Indexing the array itself: UBSan's bounds check reports it. Through a pointer: only ASan can, from the heap
+// allocation's redzone.
+__global__ void shared_index_out_of_bounds_kernel(float* out) {
+  PA_SHARED(float, row_s, [32]);
+  row_s[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = row_s[threadIdx.x + 1];  // BUG: thread 31 reads row_s[32]
+}
+__global__ void shared_out_of_bounds_kernel(float* out) {
+  PA_SHARED(float, row_s, [32]);
+  float* row = row_s;
+  row[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = row[threadIdx.x + 1];  // BUG: thread 31 reads row_s[32]
+}
+__global__ void dynamic_out_of_bounds_kernel(float* out) {
+  PA_EXTERN_SHARED(float, row_s);  // 32 floats
+  row_s[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = row_s[threadIdx.x + 1];  // BUG: thread 31 reads past the launch's 128 bytes
+}
+__global__ void stack_out_of_bounds_kernel(const int* index, float* out) {
+  float local[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+  const float* volatile p = local;  // opaque to UBSan's object-size check: ASan's stack redzone must catch it
+  __syncthreads();                  // the frame stays live across switches to other threads
+  out[threadIdx.x] = p[*index];  // BUG: index 4
+}
+__global__ void misaligned_load_kernel(const unsigned char* bytes, uint4* out) {
+  out[threadIdx.x] = *reinterpret_cast<const uint4*>(bytes + 4 + 16 * threadIdx.x);  // BUG: 4 bytes off
+}
+__global__ void race_kernel(float* out) {
+  PA_SHARED(float, sum_s, [1]);
+  if (threadIdx.x == 0) sum_s[0] = 0.0f;
+  __syncthreads();
+  if (threadIdx.x < 2) sum_s[0] += 1.0f;  // BUG: two threads update one slot between barriers
+  __syncthreads();
+  if (threadIdx.x == 0) *out = sum_s[0];
+}
+
+int shared_index_out_of_bounds(const simt::Options& options) {
+  std::vector<float> out(32);
+  simt::launch(options, shared_index_out_of_bounds_kernel, dim3(1), dim3(32), 0, out.data());
+  return 0;
+}
+int shared_out_of_bounds(const simt::Options& options) {
+  std::vector<float> out(32);
+  simt::launch(options, shared_out_of_bounds_kernel, dim3(1), dim3(32), 0, out.data());
+  return 0;
+}
+int dynamic_out_of_bounds(const simt::Options& options) {
+  std::vector<float> out(32);
+  simt::launch(options, dynamic_out_of_bounds_kernel, dim3(1), dim3(32), 32 * sizeof(float), out.data());
+  return 0;
+}
+int stack_out_of_bounds(const simt::Options& options) {
+  std::vector<float> out(32);
+  const int index = 4;
+  simt::launch(options, stack_out_of_bounds_kernel, dim3(1), dim3(32), 0, &index, out.data());
+  return 0;
+}
+int misaligned_load(const simt::Options& options) {
+  alignas(16) unsigned char bytes[16 * 33] = {};
+  std::vector<uint4> out(32);
+  simt::launch(options, misaligned_load_kernel, dim3(1), dim3(32), 0, bytes, out.data());
+  return 0;
+}
+int race(const simt::Options& options) {
+  float out = 0.0f;
+  simt::launch(options, race_kernel, dim3(1), dim3(64), 0, &out);
+  return 0;
+}
+
+using Case = int (*)(const simt::Options&);
+
+const std::map<std::string, Case> kCases = {
+    {"shuffles", shuffles},
+    {"votes", votes},
+    {"block_reduce", block_reduce},
+    {"uneven_warps", uneven_warps},
+    {"shared_poison", shared_poison},
+    {"atomics", atomics},
+    {"alignment", alignment},
+    {"syncwarp_exchange", syncwarp_exchange},
+    {"launch_limits", launch_limits},
+    {"order", order},
+    {"uninitialized_shared", uninitialized_shared},
+    {"conversions", conversions},
+    {"decodes", decodes},
+    {"barrier_skipped", [](const simt::Options& o) { return run_error_kernel(o, barrier_skipped_kernel, 64); }},
+    {"barrier_two_sites", [](const simt::Options& o) { return run_error_kernel(o, barrier_two_sites_kernel, 64); }},
+    {"barrier_early_return",
+     [](const simt::Options& o) { return run_error_kernel(o, barrier_early_return_kernel, 64, 40); }},
+    {"shuffle_divergent", [](const simt::Options& o) { return run_error_kernel(o, shuffle_divergent_kernel, 64); }},
+    {"different_collectives",
+     [](const simt::Options& o) { return run_error_kernel(o, different_collectives_kernel, 64); }},
+    {"mismatched_masks", [](const simt::Options& o) { return run_error_kernel(o, mismatched_masks_kernel, 64); }},
+    {"collective_vs_barrier",
+     [](const simt::Options& o) { return run_error_kernel(o, collective_vs_barrier_kernel, 64); }},
+    {"read_outside_mask", [](const simt::Options& o) { return run_error_kernel(o, read_outside_mask_kernel, 32); }},
+    {"mask_without_self", [](const simt::Options& o) { return run_error_kernel(o, mask_without_self_kernel, 32); }},
+    {"bad_width", [](const simt::Options& o) { return run_error_kernel(o, bad_width_kernel, 32); }},
+    {"shared_index_out_of_bounds", shared_index_out_of_bounds},
+    {"shared_out_of_bounds", shared_out_of_bounds},
+    {"dynamic_out_of_bounds", dynamic_out_of_bounds},
+    {"stack_out_of_bounds", stack_out_of_bounds},
+    {"misaligned_load", misaligned_load},
+    {"race", race},
+    {"race_over_shuffle", race_over_shuffle},
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || kCases.count(argv[1]) == 0) {
+    std::fprintf(stderr, "usage: selftest <case> [forward|reverse|random] [seed]; cases:");
+    for (const auto& [name, run] : kCases) std::fprintf(stderr, " %s", name.c_str());
+    std::fprintf(stderr, "\n");
+    return 2;
+  }
+  simt::Options options;
+  const std::string order = argc > 2 ? argv[2] : "forward";
+  options.order = order == "reverse"  ? simt::Order::kReverse
+                  : order == "random" ? simt::Order::kRandom
+                                      : simt::Order::kForward;
+  options.seed = argc > 3 ? std::stoull(argv[3]) : 0;
+  try {
+    return kCases.at(argv[1])(options);
+  } catch (const simt::Error& e) {
+    std::fprintf(stderr, "simt::Error: %s\n", e.what());
+    return 3;
+  }
+}

@@ -1,0 +1,938 @@
+// simt.h: a CPU emulator of the CUDA device API, so that our kernels' own source runs on the CPU, thread by thread,
+// under AddressSanitizer, UndefinedBehaviorSanitizer and ThreadSanitizer. Header-only C++17; needs only the CUDA
+// toolkit's headers (for dim3, uint4, __half, __nv_bfloat16, fp8) and, under a sanitizer, gcc's sanitizer headers.
+//
+// Use: include this header before the kernel header (it defines PA_SHARED / PA_EXTERN_SHARED, which the kernel
+// headers define for nvcc only when they are not defined yet), then
+//     simt::launch(simt::Options{simt::Order::kReverse}, my_kernel<float>, grid, block, dynamic_shared_bytes, args...);
+// runs every block and thread of the grid, and throws simt::Error on an invalid launch or a synchronization error.
+//
+// The model
+//   - Every CUDA thread is a fiber (makecontext/swapcontext) with its own mmap'd stack and a PROT_NONE guard page
+//     below it. Blocks run one after another; the threads of a block take turns on the calling OS thread.
+//     threadIdx, blockIdx, blockDim and gridDim are macros reading the running fiber's record.
+//   - A thread runs until it reaches a synchronization point (__syncthreads, a warp collective) or exits; then the
+//     scheduler runs the next ready thread. Ready threads (and blocks) are taken in forward, reverse or seeded
+//     random order: code that relies on an order the hardware does not promise gives different answers.
+//   - Every synchronization point is a *meeting*: an operation (barrier, shuffle mode, vote, __syncwarp), its call
+//     site (file:line) and its attendees (every thread of the block, or the lanes of the mask in one warp of 32
+//     consecutive linear thread ids). It completes when all attendees have arrived; the last to arrive computes the
+//     collective's results. A thread that must attend but has exited, or waits at another meeting (another site,
+//     operation or mask), is an error at once: divergent barriers and collective mismatches cannot hang. Should no
+//     thread be able to proceed anyway, that is an error listing where each thread waits.
+//   - Shared memory is heap-allocated per block at exactly the declared (or launched) size and filled with 0xFF
+//     bytes, a NaN as float, half and bfloat16: AddressSanitizer catches an index out of bounds, and a read before
+//     any write yields NaN.
+//   - AddressSanitizer is told about every fiber switch (it still warns once that it does not fully support
+//     swapcontext: the warning is about programs that do not tell it). Under ThreadSanitizer every CUDA thread is
+//     its own TSan fiber, switching creates no happens-before, and only __syncthreads and __syncwarp order memory,
+//     as in CUDA's memory model (shuffles and votes exchange values but are not memory fences): TSan reports races
+//     between the threads of a block. The emulator's own bookkeeping is hidden from TSan.
+//
+// What it cannot catch
+//   - Races between blocks: blocks run one after another and TSan sees each block happen after the previous one.
+//   - Weak memory ordering: every thread sees one coherent memory in program order.
+//   - A thread spinning on a value another thread of its block will write: threads only switch at synchronization
+//     points, so that loop never ends.
+//   - Exact results of the fast-math intrinsics (__expf here is expf), register and occupancy limits, the static
+//     shared memory limit beyond what the threads actually declare, bank conflicts, speed.
+#pragma once
+
+#include <vector_types.h>  // dim3, uint3, uint4, float4, ...; also crt/host_defines.h: __global__, __device__, ...
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <list>
+#include <map>
+#include <new>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+extern "C" void __tsan_ignore_thread_begin();  // exported by libtsan; not in gcc's public header
+extern "C" void __tsan_ignore_thread_end();
+#endif
+
+// CUDA keywords. crt/host_defines.h already turns __global__, __device__, __host__, __forceinline__, __noinline__
+// and __align__ into what the host compiler understands.
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+// A plain __shared__ variable would silently become one copy per thread: refuse it.
+#undef __shared__
+#define __shared__ \
+  _Pragma("GCC error \"plain __shared__ is not supported by the simt emulator: use PA_SHARED / PA_EXTERN_SHARED\"")
+
+// Shared memory declarations, as the kernel headers write them:
+//   PA_SHARED(float, logits_s, [kMaxGroup][kTile]);   nvcc: __shared__ float logits_s[kMaxGroup][kTile];
+//   PA_EXTERN_SHARED(float, weights_s);               nvcc: extern __shared__ float weights_s[];
+// Each declaration site is keyed by a static local; the first thread of a block to reach it allocates.
+#ifndef PA_SHARED
+#define PA_SHARED(type, name, dims)      \
+  static char simt_shared_key_##name; \
+  auto& name = ::simt::shared<type dims>(&simt_shared_key_##name)
+#endif
+#ifndef PA_EXTERN_SHARED
+#define PA_EXTERN_SHARED(type, name) type* const name = ::simt::dynamic_shared<type>()
+#endif
+
+namespace simt {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Public API.
+
+// A launch CUDA would refuse, or a synchronization error found while running one.
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The order in which ready threads run between synchronization points, and in which blocks run.
+enum class Order { kForward, kReverse, kRandom };
+
+struct Options {
+  Order order = Order::kForward;
+  uint64_t seed = 0;                // for Order::kRandom
+  size_t stack_bytes = 128 << 10;   // per CUDA thread
+};
+
+// Runs kernel<<<grid, block, dynamic_shared_bytes>>>(args...) to completion (defined at the end of this file).
+template <typename... Params, typename... Args>
+void launch(const Options& options, void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_shared_bytes,
+            Args&&... args);
+
+// What the launch checks, as sm_90 defines it.
+constexpr unsigned kMaxThreadsPerBlock = 1024, kMaxBlockDimXY = 1024, kMaxBlockDimZ = 64;
+constexpr unsigned kMaxGridDimX = 0x7fffffff, kMaxGridDimYZ = 65535;
+constexpr size_t kMaxStaticSharedBytes = 48 << 10;  // nvcc refuses more static shared memory
+constexpr size_t kMaxSharedBytes = 227 << 10;       // per block, with the opt-in (228 KiB per SM, 1 KiB reserved)
+
+// The running CUDA thread's built-in variables (threadIdx and friends read these).
+struct Builtins {
+  uint3 thread_idx, block_idx;
+  dim3 block_dim, grid_dim;
+};
+const Builtins& builtins();
+
+// A synchronization point's call site: a default argument of every synchronizing function, so it is the caller's.
+struct Site {
+  const char* file;
+  int line;
+  static Site here(const char* file = __builtin_FILE(), int line = __builtin_LINE()) { return {file, line}; }
+  bool operator==(const Site& other) const { return line == other.line && std::strcmp(file, other.file) == 0; }
+  std::string str() const { return std::string(file) + ":" + std::to_string(line); }
+};
+
+// Shared memory behind PA_SHARED and PA_EXTERN_SHARED.
+template <typename T>
+T& shared(const void* key);
+template <typename T>
+T* dynamic_shared();
+
+// ---------------------------------------------------------------------------------------------------------------
+// The engine.
+namespace detail {
+
+// Bookkeeping shared between fibers is invisible to ThreadSanitizer: only the kernel's own accesses are checked.
+struct Untracked {
+#if defined(__SANITIZE_THREAD__)
+  Untracked() { __tsan_ignore_thread_begin(); }
+  ~Untracked() { __tsan_ignore_thread_end(); }
+#else
+  ~Untracked() {}  // not trivial, so that a guard is not an "unused variable"
+#endif
+};
+
+enum class Op { kSyncthreads, kSyncwarp, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll };
+
+inline const char* op_name(Op op) {
+  switch (op) {
+    case Op::kSyncthreads: return "__syncthreads";
+    case Op::kSyncwarp: return "__syncwarp";
+    case Op::kShflIdx: return "__shfl_sync";
+    case Op::kShflUp: return "__shfl_up_sync";
+    case Op::kShflDown: return "__shfl_down_sync";
+    case Op::kShflXor: return "__shfl_xor_sync";
+    case Op::kBallot: return "__ballot_sync";
+    case Op::kAny: return "__any_sync";
+    case Op::kAll: return "__all_sync";
+  }
+  return "?";
+}
+
+// Barriers and __syncwarp order memory between their attendees; shuffles and votes only exchange values.
+inline bool orders_memory(Op op) { return op == Op::kSyncthreads || op == Op::kSyncwarp; }
+
+inline std::string hex(unsigned x) {
+  char text[16];
+  std::snprintf(text, sizeof text, "0x%08x", x);
+  return text;
+}
+
+// One instance of a synchronization point.
+struct Meeting {
+  Op op;
+  Site site;
+  unsigned mask;  // attending lanes of `warp` (collectives); unused by __syncthreads
+  int warp;       // -1 for __syncthreads
+  int attendees, arrived = 0, left = 0;
+
+  bool is(Op other_op, const Site& other_site, unsigned other_mask) const {
+    return op == other_op && site == other_site && (op == Op::kSyncthreads || mask == other_mask);
+  }
+  // Whether this meeting waits for lane `lane` of warp `w`.
+  bool needs(int w, int lane) const { return op == Op::kSyncthreads || (warp == w && (mask >> lane & 1u)); }
+  std::string str() const {
+    return std::string(op_name(op)) + (op == Op::kSyncthreads ? "()" : "(mask " + hex(mask) + ")") + " at " +
+           site.str();
+  }
+};
+
+enum class State { kReady, kWaiting, kExited };
+
+// Thrown in a waiting thread to unwind it after another thread's error (deliberately not a std::exception).
+struct Cancelled {};
+
+struct Thread {
+  Builtins builtins;
+  int id = 0, warp = 0, lane = 0;   // id: linear index in the block; warp = id / 32, lane = id % 32
+  State state = State::kReady;
+  bool started = false;             // has entered the kernel
+  Meeting* meeting = nullptr;       // while waiting, and until it leaves the completed meeting
+  // A collective's operands and result; values travel as up to 8 raw bytes.
+  uint64_t value = 0, result = 0;
+  int operand = 0, width = 32;      // source lane, delta or lane mask; segment width
+  // The fiber.
+  ucontext_t context;
+  char* stack = nullptr;            // lowest address of the usable stack (the guard page is just below)
+  void* asan_fake_stack = nullptr;
+  void* tsan_fiber = nullptr;
+
+  std::string name() const {
+    const uint3& t = builtins.thread_idx;
+    return "thread " + std::to_string(id) + " (" + std::to_string(t.x) + "," + std::to_string(t.y) + "," +
+           std::to_string(t.z) + ")";
+  }
+};
+
+// "threads 0-15, 17, 20-31" or "thread 5", for sorted ids.
+inline std::string id_list(const std::vector<int>& ids) {
+  std::string text;
+  for (size_t i = 0; i < ids.size();) {
+    size_t j = i;
+    while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+    text += (text.empty() ? "" : ", ") + std::to_string(ids[i]) + (j > i ? "-" + std::to_string(ids[j]) : "");
+    i = j + 1;
+  }
+  return (ids.size() == 1 ? "thread " : "threads ") + text;
+}
+// "threads 0-4 wait" or "thread 5 waits"; "have" or "has".
+inline std::string id_list(const std::vector<int>& ids, const char* plural_verb, const char* singular_verb) {
+  return id_list(ids) + " " + (ids.size() == 1 ? singular_verb : plural_verb);
+}
+
+// Source lane of a shuffle, as PTX shfl.sync defines it. CUDA's wrappers pass c = ((32 - width) << 8) | clamp,
+// clamp = 0 for up and 31 otherwise; PTX then takes segmask = c[12:8], b = the operand's low 5 bits, and
+//   max_lane = (lane & segmask) | (clamp & ~segmask), min_lane = lane & segmask
+//   up: j = lane - b, valid if j >= max_lane     down: j = lane + b, valid if j <= max_lane
+//   xor: j = lane ^ b, valid if j <= max_lane    idx: j = min_lane | (b & ~segmask), valid if j <= max_lane
+// An invalid j reads the caller's own value. So up/down stay within the width-lane segment, idx wraps within it,
+// and xor may read an earlier segment but not a later one.
+inline int source_lane(Op op, int lane, int operand, int width) {
+  const int segmask = (32 - width) & 31, clamp = op == Op::kShflUp ? 0 : 31, b = operand & 31;
+  const int max_lane = (lane & segmask) | (clamp & ~segmask), min_lane = lane & segmask;
+  switch (op) {
+    case Op::kShflUp: return lane - b >= max_lane ? lane - b : lane;
+    case Op::kShflDown: return lane + b <= max_lane ? lane + b : lane;
+    case Op::kShflXor: return (lane ^ b) <= max_lane ? lane ^ b : lane;
+    default: return min_lane | (b & ~segmask);
+  }
+}
+
+class Run;
+inline thread_local Run* t_run = nullptr;        // the launch this OS thread runs
+inline thread_local Thread* t_thread = nullptr;  // the CUDA thread running now; nullptr in the scheduler
+
+// One launch: its grid, the threads of the block being run, their stacks, and the block's shared memory.
+class Run {
+ public:
+  // body(context) runs the kernel in the calling CUDA thread.
+  Run(const Options& options, dim3 grid, dim3 block, size_t dynamic_shared_bytes, void (*body)(void*), void* context)
+      : options_(options), grid_(grid), block_(block), dynamic_bytes_(dynamic_shared_bytes), body_(body),
+        context_(context), rng_(options.seed) {
+    check_launch();
+    threads_.resize(static_cast<size_t>(block.x) * block.y * block.z);
+    map_stacks();
+  }
+  ~Run() {
+#if defined(__SANITIZE_ADDRESS__)
+    ASAN_UNPOISON_MEMORY_REGION(stacks_, stacks_bytes_);  // fiber_main's last frames (it never returns)
+#endif
+    munmap(stacks_, stacks_bytes_);
+  }
+  Run(const Run&) = delete;
+  Run& operator=(const Run&) = delete;
+
+  // Runs every block in the chosen order; rethrows the first error.
+  void run_grid() {
+    const uint64_t blocks_per_slice = static_cast<uint64_t>(grid_.x) * grid_.y;
+    for (uint64_t linear : in_order(blocks_per_slice * grid_.z)) {
+      run_block(uint3{static_cast<unsigned>(linear % grid_.x), static_cast<unsigned>(linear / grid_.x % grid_.y),
+                      static_cast<unsigned>(linear / blocks_per_slice)});
+    }
+  }
+
+  // ---- Synchronization, called by the running CUDA thread.
+
+  // `self` arrives at a meeting and returns once the meeting has completed. Throws Error on a mismatch.
+  void meet(Thread& self, Op op, const Site& site, unsigned mask) {
+    Meeting* meeting = op == Op::kSyncthreads ? find_barrier(self, site) : find_collective(self, op, site, mask);
+    if (meeting == nullptr) {
+      const int attendees = op == Op::kSyncthreads ? static_cast<int>(threads_.size()) : __builtin_popcount(mask);
+      meeting = &meetings_.emplace_back(Meeting{op, site, mask, op == Op::kSyncthreads ? -1 : self.warp, attendees});
+    }
+    self.meeting = meeting;
+    self.state = State::kWaiting;
+#if defined(__SANITIZE_THREAD__)
+    if (orders_memory(op)) __tsan_release(meeting);  // a fresh sync object per meeting, so that a thread leaving
+#endif                                               // late cannot acquire what others did after the meeting
+    if (++meeting->arrived == meeting->attendees) complete(*meeting);
+    yield(self, /*exiting=*/false);
+    if (cancelling_) throw Cancelled{};
+#if defined(__SANITIZE_THREAD__)
+    if (orders_memory(op)) __tsan_acquire(meeting);
+#endif
+    self.meeting = nullptr;
+    if (++meeting->left == meeting->attendees) meetings_.remove_if([=](const Meeting& m) { return &m == meeting; });
+  }
+
+  // `self` returns from the kernel. Throws Error if a thread waits for it.
+  void exit_kernel(Thread& self) {
+    std::vector<int> at_barrier;
+    for (Thread& other : threads_) {
+      if (other.state != State::kWaiting) continue;
+      if (other.meeting->op == Op::kSyncthreads) {
+        at_barrier.push_back(other.id);
+      } else if (other.meeting->needs(self.warp, self.lane)) {
+        throw error(self.name() + " exits while lane " + std::to_string(other.lane) + " = " + other.name() +
+                    " waits for it at " + other.meeting->str());
+      }
+    }
+    if (!at_barrier.empty()) {
+      throw error(self.name() + " exits while " + id_list(at_barrier, "wait", "waits") + " at " +
+                  threads_[at_barrier[0]].meeting->str());
+    }
+    self.state = State::kExited;
+    ++exited_;
+  }
+
+  // ---- Shared memory of the running block.
+
+  void* static_shared(const void* key, size_t bytes, size_t alignment) {
+    auto found = static_shared_.find(key);
+    if (found != static_shared_.end()) return found->second.data;
+    static_bytes_ += bytes;
+    if (static_bytes_ > kMaxStaticSharedBytes || static_bytes_ + dynamic_bytes_ > kMaxSharedBytes) {
+      throw error("shared memory exceeds the limit: " + std::to_string(static_bytes_) + " bytes static (at most " +
+                  std::to_string(kMaxStaticSharedBytes) + ") + " + std::to_string(dynamic_bytes_) +
+                  " bytes dynamic (at most " + std::to_string(kMaxSharedBytes) + " in all)");
+    }
+    return static_shared_.emplace(key, Allocation(bytes, alignment)).first->second.data;
+  }
+  void* dynamic_shared() const { return dynamic_.data; }
+
+  std::string block_name() const {
+    return "block (" + std::to_string(block_idx_.x) + "," + std::to_string(block_idx_.y) + "," +
+           std::to_string(block_idx_.z) + ")";
+  }
+  Error error(const std::string& message) const { return Error("simt: " + block_name() + ": " + message); }
+
+ private:
+  // Heap storage at exactly `bytes`, filled with 0xFF (NaN as float, half and bfloat16).
+  struct Allocation {
+    void* data = nullptr;
+    size_t alignment = 16;
+    Allocation() = default;
+    Allocation(size_t bytes, size_t align) : alignment(std::max<size_t>(align, 16)) {
+      data = ::operator new(bytes, std::align_val_t(alignment));
+      std::memset(data, 0xFF, bytes);
+    }
+    Allocation(Allocation&& other) noexcept : data(std::exchange(other.data, nullptr)), alignment(other.alignment) {}
+    Allocation& operator=(Allocation&& other) noexcept {
+      std::swap(data, other.data), std::swap(alignment, other.alignment);
+      return *this;
+    }
+    ~Allocation() {
+      if (data != nullptr) ::operator delete(data, std::align_val_t(alignment));
+    }
+  };
+
+  void check_launch() const {
+    auto refuse = [](const std::string& what) { throw Error("simt: invalid launch: " + what); };
+    auto dims = [](dim3 d) {
+      return "(" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + ")";
+    };
+    const uint64_t threads = static_cast<uint64_t>(block_.x) * block_.y * block_.z;
+    if (grid_.x == 0 || grid_.y == 0 || grid_.z == 0 || grid_.x > kMaxGridDimX || grid_.y > kMaxGridDimYZ ||
+        grid_.z > kMaxGridDimYZ) {
+      refuse("grid " + dims(grid_) + " (each dimension at least 1, x at most 2^31-1, y and z at most 65535)");
+    }
+    if (threads == 0 || threads > kMaxThreadsPerBlock || block_.x > kMaxBlockDimXY || block_.y > kMaxBlockDimXY ||
+        block_.z > kMaxBlockDimZ) {
+      refuse("block " + dims(block_) + " (at most 1024 threads, x and y at most 1024, z at most 64)");
+    }
+    if (dynamic_bytes_ > kMaxSharedBytes) {
+      refuse(std::to_string(dynamic_bytes_) + " bytes of dynamic shared memory (at most " +
+             std::to_string(kMaxSharedBytes) + ")");
+    }
+  }
+
+  // 0, 1, ..., n - 1 in the chosen order.
+  std::vector<uint64_t> in_order(uint64_t n) {
+    std::vector<uint64_t> order(n);
+    for (uint64_t i = 0; i < n; ++i) order[i] = options_.order == Order::kReverse ? n - 1 - i : i;
+    if (options_.order == Order::kRandom) {
+      for (uint64_t i = n; i > 1; --i) std::swap(order[i - 1], order[rng_() % i]);  // Fisher-Yates
+    }
+    return order;
+  }
+
+  // ---- Blocks.
+
+  void run_block(uint3 block_idx) {
+    block_idx_ = block_idx;
+    exited_ = 0;
+    dynamic_ = Allocation(dynamic_bytes_, 16);
+    for (size_t i = 0; i < threads_.size(); ++i) start_fiber(threads_[i], static_cast<int>(i));
+#if defined(__SANITIZE_THREAD__)
+    __tsan_release(&block_start_);  // whatever the host did before the launch happens before the block
+#endif
+    // Rounds: every thread ready at the start of a round runs, in order, until it waits or exits.
+    while (exited_ < threads_.size() && !error_) {
+      std::vector<Thread*> ready;
+      for (uint64_t i : in_order(threads_.size())) {
+        if (threads_[i].state == State::kReady) ready.push_back(&threads_[i]);
+      }
+      if (ready.empty()) error_ = std::make_exception_ptr(deadlock());
+      for (Thread* thread : ready) {
+        if (!error_) resume(*thread);
+      }
+    }
+    if (error_) cancel();
+#if defined(__SANITIZE_THREAD__)
+    __tsan_acquire(&block_done_);  // the block's threads happen before what the host does next
+#endif
+    meetings_.clear();
+    static_shared_.clear();
+    static_bytes_ = 0;
+    dynamic_ = Allocation();
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  // After an error: every thread still inside the kernel resumes and throws Cancelled from where it waits, so
+  // that its frames unwind (destructors run, no sanitizer state is left behind) before its stack is reused.
+  void cancel() {
+    cancelling_ = true;
+    for (Thread& t : threads_) {
+      if (t.started && t.state != State::kExited) resume(t);
+    }
+    cancelling_ = false;
+  }
+
+  Error deadlock() const {
+    std::map<const Meeting*, std::vector<int>> waiting;
+    for (const Thread& t : threads_) {
+      if (t.state == State::kWaiting) waiting[t.meeting].push_back(t.id);
+    }
+    std::string text = "no thread can proceed:";
+    for (const auto& [meeting, ids] : waiting) {
+      text += " " + id_list(ids, "wait", "waits") + " at " + meeting->str() + ";";
+    }
+    return error(text);
+  }
+
+  // ---- Fibers.
+
+  void map_stacks() {
+    page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    options_.stack_bytes = (options_.stack_bytes + page_ - 1) / page_ * page_;
+    const size_t slot = page_ + options_.stack_bytes;  // guard page, then the stack
+    stacks_bytes_ = slot * threads_.size();
+    void* region = mmap(nullptr, stacks_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+    if (region == MAP_FAILED) throw Error("simt: cannot map " + std::to_string(stacks_bytes_) + " bytes of stacks");
+    stacks_ = static_cast<char*>(region);
+    for (size_t i = 0; i < threads_.size(); ++i) {
+      mprotect(stacks_ + i * slot, page_, PROT_NONE);
+      threads_[i].stack = stacks_ + i * slot + page_;
+    }
+  }
+
+  void start_fiber(Thread& t, int id) {
+    t.id = id, t.warp = id / 32, t.lane = id % 32;
+    t.builtins = Builtins{uint3{id % block_.x, id / block_.x % block_.y, id / (block_.x * block_.y)}, block_idx_,
+                          block_, grid_};
+    t.state = State::kReady;
+    t.started = false;
+    t.meeting = nullptr;
+    getcontext(&t.context);
+    t.context.uc_stack.ss_sp = t.stack;
+    t.context.uc_stack.ss_size = options_.stack_bytes;
+    t.context.uc_link = nullptr;
+    makecontext(&t.context, &fiber_main, 0);
+    // makecontext has set up the stack; clearing uc_stack keeps ASan's swapcontext interceptor from unpoisoning
+    // the whole stack (live frames included) at every switch.
+    t.context.uc_stack = stack_t{};
+#if defined(__SANITIZE_ADDRESS__)
+    ASAN_UNPOISON_MEMORY_REGION(t.stack, options_.stack_bytes);  // redzones left by the previous block
+#endif
+#if defined(__SANITIZE_THREAD__)
+    t.tsan_fiber = tsan_fiber(id);
+    __tsan_set_fiber_name(t.tsan_fiber, (t.name() + " of " + block_name()).c_str());  // for TSan's reports
+#endif
+  }
+
+#if defined(__SANITIZE_THREAD__)
+  // TSan fiber number `id` of this OS thread. Creating one costs about half a millisecond, so they are kept and
+  // reused by every block and launch: that orders nothing new, since blocks already happen one after another.
+  static void* tsan_fiber(int id) {
+    static thread_local std::vector<void*> fibers;
+    while (static_cast<int>(fibers.size()) <= id) fibers.push_back(__tsan_create_fiber(0));
+    return fibers[id];
+  }
+#endif
+
+  // The body of every fiber: the kernel, then the exit checks. Errors end the launch.
+  static void fiber_main() {
+    Run& run = *t_run;
+    Thread& self = *t_thread;
+    self.started = true;
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(nullptr, &run.scheduler_stack_, &run.scheduler_stack_bytes_);
+#endif
+#if defined(__SANITIZE_THREAD__)
+    __tsan_acquire(&run.block_start_);
+#endif
+    try {
+      run.body_(run.context_);
+      Untracked untracked;
+      run.exit_kernel(self);
+    } catch (const Cancelled&) {
+    } catch (...) {
+      Untracked untracked;
+      if (!run.error_) run.error_ = std::current_exception();
+    }
+    self.state = State::kExited;  // (exit_kernel has done so already unless the block is being abandoned)
+    run.yield(self, /*exiting=*/true);
+    std::abort();  // an exited fiber is never resumed
+  }
+
+  // Scheduler: runs `t` until it waits or exits.
+  void resume(Thread& t) {
+    t_thread = &t;
+#if defined(__SANITIZE_ADDRESS__)
+    void* fake_stack = nullptr;
+    __sanitizer_start_switch_fiber(&fake_stack, t.stack, options_.stack_bytes);
+#endif
+#if defined(__SANITIZE_THREAD__)
+    __tsan_switch_to_fiber(t.tsan_fiber, __tsan_switch_to_fiber_no_sync);  // switching orders nothing
+#endif
+    swapcontext(&scheduler_, &t.context);
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#endif
+    t_thread = nullptr;
+  }
+
+  // Running thread: back to the scheduler; returns when the scheduler resumes `self`.
+  void yield(Thread& self, bool exiting) {
+#if defined(__SANITIZE_THREAD__)
+    __tsan_release(&block_done_);
+    __tsan_switch_to_fiber(scheduler_tsan_fiber_, __tsan_switch_to_fiber_no_sync);
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_start_switch_fiber(exiting ? nullptr : &self.asan_fake_stack, scheduler_stack_,
+                                   scheduler_stack_bytes_);
+#endif
+    swapcontext(&self.context, &scheduler_);
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(self.asan_fake_stack, nullptr, nullptr);
+#endif
+    (void)exiting;
+  }
+
+  // ---- Matching arrivals to meetings. An arrival is checked against every thread that waits: it joins the
+  // meeting it belongs to, or it is an error if it cannot complete (or keeps another meeting from completing).
+
+  Meeting* find_barrier(Thread& self, const Site& site) {
+    Meeting* found = nullptr;
+    std::vector<int> exited;
+    for (Thread& other : threads_) {
+      if (other.state == State::kExited) exited.push_back(other.id);
+      if (other.state != State::kWaiting) continue;
+      const Meeting& at = *other.meeting;
+      if (at.is(Op::kSyncthreads, site, 0)) {
+        found = other.meeting;
+      } else if (at.op == Op::kSyncthreads) {
+        throw error("divergent __syncthreads: " + self.name() + " arrives at " + site.str() + " while " +
+                    id_list(waiting_at(at), "wait", "waits") + " at " + at.site.str());
+      } else if (at.needs(self.warp, self.lane)) {
+        throw error(self.name() + " arrives at __syncthreads() at " + site.str() + " while lane " +
+                    std::to_string(other.lane) + " = " + other.name() + " waits for it at " + at.str());
+      }
+    }
+    if (!exited.empty()) {
+      throw error(self.name() + " arrives at __syncthreads() at " + site.str() + ", but " +
+                  id_list(exited, "have", "has") + " exited");
+    }
+    return found;
+  }
+
+  Meeting* find_collective(Thread& self, Op op, const Site& site, unsigned mask) {
+    const std::string call = std::string(op_name(op)) + "(mask " + hex(mask) + ") at " + site.str();
+    const int lanes = std::min<int>(32, static_cast<int>(threads_.size()) - 32 * self.warp);
+    const unsigned existing = lanes == 32 ? ~0u : (1u << lanes) - 1;
+    if (!(mask >> self.lane & 1u)) {
+      throw error(self.name() + " calls " + call + ", whose mask leaves out its own lane " + std::to_string(self.lane));
+    }
+    if (mask & ~existing) {
+      throw error(self.name() + " calls " + call + ", whose mask names lanes past the end of the block (warp " +
+                  std::to_string(self.warp) + " has " + std::to_string(lanes) + " lanes)");
+    }
+    Meeting* found = nullptr;
+    for (int lane = 0; lane < lanes; ++lane) {
+      Thread& other = threads_[32 * self.warp + lane];
+      const bool attends = mask >> lane & 1u;
+      if (&other == &self) continue;
+      if (attends && other.state == State::kExited) {
+        throw error(self.name() + " calls " + call + ", but lane " + std::to_string(lane) + " = " + other.name() +
+                    " has exited");
+      }
+      if (other.state != State::kWaiting) continue;
+      const Meeting& at = *other.meeting;
+      if (at.is(op, site, mask)) {
+        found = other.meeting;
+      } else if (attends) {
+        throw error(self.name() + " calls " + call + ", but lane " + std::to_string(lane) + " = " + other.name() +
+                    " waits at " + at.str());
+      } else if (at.op != Op::kSyncthreads && at.needs(self.warp, self.lane)) {
+        throw error(self.name() + " calls " + call + " while lane " + std::to_string(lane) + " = " + other.name() +
+                    " waits for it at " + at.str());
+      }
+    }
+    return found;
+  }
+
+  std::vector<int> waiting_at(const Meeting& meeting) const {
+    std::vector<int> ids;
+    for (const Thread& t : threads_) {
+      if (t.state == State::kWaiting && t.meeting == &meeting) ids.push_back(t.id);
+    }
+    return ids;
+  }
+
+  // The last attendee has arrived: compute the collective's results and release everyone.
+  void complete(Meeting& meeting) {
+    std::vector<Thread*> attendees;
+    for (Thread& t : threads_) {
+      if (t.state == State::kWaiting && t.meeting == &meeting) attendees.push_back(&t);
+    }
+    unsigned ballot = 0;
+    for (Thread* t : attendees) ballot |= (t->value != 0 ? 1u : 0u) << t->lane;
+    for (Thread* t : attendees) {
+      switch (meeting.op) {
+        case Op::kBallot: t->result = ballot; break;
+        case Op::kAny: t->result = ballot != 0; break;
+        case Op::kAll: t->result = ballot == meeting.mask; break;
+        case Op::kShflIdx:
+        case Op::kShflUp:
+        case Op::kShflDown:
+        case Op::kShflXor: {
+          const int source = source_lane(meeting.op, t->lane, t->operand, t->width);
+          if (!(meeting.mask >> source & 1u)) {
+            throw error("lane " + std::to_string(t->lane) + " = " + t->name() + " reads lane " +
+                        std::to_string(source) + ", which is not in the mask, with " + meeting.str());
+          }
+          t->result = threads_[32 * meeting.warp + source].value;
+          break;
+        }
+        default: break;
+      }
+    }
+    for (Thread* t : attendees) t->state = State::kReady;
+  }
+
+  Options options_;
+  const dim3 grid_, block_;
+  const size_t dynamic_bytes_;
+  void (*const body_)(void*);
+  void* const context_;
+  std::mt19937_64 rng_;
+
+  std::vector<Thread> threads_;
+  char* stacks_ = nullptr;
+  size_t stacks_bytes_ = 0, page_ = 0;
+
+  // The block being run.
+  uint3 block_idx_{};
+  size_t exited_ = 0;
+  std::list<Meeting> meetings_;  // open meetings (stable addresses)
+  std::map<const void*, Allocation> static_shared_;
+  size_t static_bytes_ = 0;
+  Allocation dynamic_;
+  std::exception_ptr error_;
+  bool cancelling_ = false;
+
+  // The scheduler's side of the switches.
+  ucontext_t scheduler_{};  // zeroed: ASan's swapcontext interceptor reads its uc_stack
+  const void* scheduler_stack_ = nullptr;
+  size_t scheduler_stack_bytes_ = 0;
+#if defined(__SANITIZE_THREAD__)
+  void* scheduler_tsan_fiber_ = __tsan_get_current_fiber();
+  char block_start_ = 0, block_done_ = 0;  // TSan sync objects (only their addresses matter)
+#endif
+};
+
+inline Run& current_run() {
+  if (t_run == nullptr || t_thread == nullptr) throw Error("simt: a device function was called outside a kernel");
+  return *t_run;
+}
+
+// A collective of the running thread: `value` and `operand` in, the result's raw bytes out.
+inline uint64_t collective(Op op, const Site& site, unsigned mask, uint64_t value, int operand = 0, int width = 32) {
+  Untracked untracked;
+  Run& run = current_run();
+  Thread& self = *t_thread;
+  if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
+    throw run.error(self.name() + " calls " + op_name(op) + " at " + site.str() + " with width " +
+                    std::to_string(width) + " (a power of 2 from 1 to 32)");
+  }
+  self.value = value, self.operand = operand, self.width = width;
+  run.meet(self, op, site, mask);
+  return self.result;
+}
+
+template <typename T>
+uint64_t to_bits(T value) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "shuffled values are at most 8 bytes");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  return bits;
+}
+template <typename T>
+T from_bits(uint64_t bits) {
+  T value;
+  std::memcpy(static_cast<void*>(&value), &bits, sizeof(T));
+  return value;
+}
+
+// A read-modify-write as one atomic operation (a compare-and-swap loop), relaxed like CUDA's atomics.
+template <typename T, typename F>
+T atomic_update(T* address, F update) {
+  T old, desired;
+  __atomic_load(address, &old, __ATOMIC_RELAXED);
+  do {
+    desired = update(old);
+  } while (!__atomic_compare_exchange(address, &old, &desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+  return old;
+}
+
+}  // namespace detail
+
+inline const Builtins& builtins() {
+  if (detail::t_thread == nullptr) throw Error("simt: threadIdx/blockIdx/blockDim/gridDim read outside a kernel");
+  return detail::t_thread->builtins;
+}
+
+template <typename T>
+T& shared(const void* key) {
+  static_assert(std::is_trivially_default_constructible_v<T> && std::is_trivially_destructible_v<T>,
+                "shared memory holds trivial types only (CUDA runs no constructors for it)");
+  detail::Untracked untracked;
+  return *static_cast<T*>(detail::current_run().static_shared(key, sizeof(T), alignof(T)));
+}
+
+template <typename T>
+T* dynamic_shared() {
+  static_assert(alignof(T) <= 16, "dynamic shared memory is 16-byte aligned");
+  detail::Untracked untracked;
+  return static_cast<T*>(detail::current_run().dynamic_shared());
+}
+
+namespace detail {
+// A kernel and its parameters, copied once as CUDA copies them to the device; each thread gets its own copy.
+template <typename... Params>
+struct KernelCall {
+  void (*kernel)(Params...);
+  std::tuple<std::decay_t<Params>...> params;
+
+  static void run(void* call) { static_cast<KernelCall*>(call)->invoke(std::index_sequence_for<Params...>{}); }
+  template <size_t... I>
+  void invoke(std::index_sequence<I...>) {
+    kernel(std::get<I>(params)...);
+  }
+};
+}  // namespace detail
+
+template <typename... Params, typename... Args>
+void launch(const Options& options, void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_shared_bytes,
+            Args&&... args) {
+  detail::KernelCall<Params...> call{kernel, {std::forward<Args>(args)...}};
+  detail::Untracked untracked;
+  detail::Run run(options, grid, block, dynamic_shared_bytes, &detail::KernelCall<Params...>::run, &call);
+  detail::Run* outer = std::exchange(detail::t_run, &run);
+  try {
+    run.run_grid();
+  } catch (...) {
+    detail::t_run = outer;
+    throw;
+  }
+  detail::t_run = outer;
+}
+
+}  // namespace simt
+
+// ---------------------------------------------------------------------------------------------------------------
+// The device API, in the global namespace as CUDA declares it.
+
+#define threadIdx (::simt::builtins().thread_idx)
+#define blockIdx (::simt::builtins().block_idx)
+#define blockDim (::simt::builtins().block_dim)
+#define gridDim (::simt::builtins().grid_dim)
+constexpr int warpSize = 32;
+
+// Waits until every thread of the block reaches this same __syncthreads.
+inline void __syncthreads(simt::Site site = simt::Site::here()) {
+  simt::detail::collective(simt::detail::Op::kSyncthreads, site, 0, 0);
+}
+
+// Waits until every lane of `mask` (which must include the caller) reaches this same __syncwarp.
+inline void __syncwarp(unsigned mask = 0xffffffffu, simt::Site site = simt::Site::here()) {
+  simt::detail::collective(simt::detail::Op::kSyncwarp, site, mask, 0);
+}
+
+// Shuffles: every lane of `mask` calls the same shuffle with the same mask; see source_lane for the lane chosen.
+template <typename T>
+T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize, simt::Site site = simt::Site::here()) {
+  using namespace simt::detail;
+  return from_bits<T>(collective(Op::kShflIdx, site, mask, to_bits(var), src_lane, width));
+}
+template <typename T>
+T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize, simt::Site site = simt::Site::here()) {
+  using namespace simt::detail;
+  return from_bits<T>(collective(Op::kShflUp, site, mask, to_bits(var), static_cast<int>(delta), width));
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize, simt::Site site = simt::Site::here()) {
+  using namespace simt::detail;
+  return from_bits<T>(collective(Op::kShflDown, site, mask, to_bits(var), static_cast<int>(delta), width));
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize, simt::Site site = simt::Site::here()) {
+  using namespace simt::detail;
+  return from_bits<T>(collective(Op::kShflXor, site, mask, to_bits(var), lane_mask, width));
+}
+
+// Votes over the lanes of `mask`.
+inline unsigned __ballot_sync(unsigned mask, int predicate, simt::Site site = simt::Site::here()) {
+  return static_cast<unsigned>(simt::detail::collective(simt::detail::Op::kBallot, site, mask, predicate != 0));
+}
+inline int __any_sync(unsigned mask, int predicate, simt::Site site = simt::Site::here()) {
+  return static_cast<int>(simt::detail::collective(simt::detail::Op::kAny, site, mask, predicate != 0));
+}
+inline int __all_sync(unsigned mask, int predicate, simt::Site site = simt::Site::here()) {
+  return static_cast<int>(simt::detail::collective(simt::detail::Op::kAll, site, mask, predicate != 0));
+}
+
+// Atomics: real atomic operations (relaxed, as CUDA's are), so that ThreadSanitizer sees them as atomics.
+inline int atomicAdd(int* address, int value) { return __atomic_fetch_add(address, value, __ATOMIC_RELAXED); }
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
+}
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
+}
+inline float atomicAdd(float* address, float value) {
+  return simt::detail::atomic_update(address, [=](float old) { return old + value; });
+}
+inline double atomicAdd(double* address, double value) {
+  return simt::detail::atomic_update(address, [=](double old) { return old + value; });
+}
+inline int atomicSub(int* address, int value) { return __atomic_fetch_sub(address, value, __ATOMIC_RELAXED); }
+inline unsigned atomicSub(unsigned* address, unsigned value) {
+  return __atomic_fetch_sub(address, value, __ATOMIC_RELAXED);
+}
+template <typename T>
+T atomicMax(T* address, T value) {
+  static_assert(std::is_integral_v<T>, "CUDA declares atomicMax for integers only");
+  return simt::detail::atomic_update(address, [=](T old) { return old < value ? value : old; });
+}
+template <typename T>
+T atomicMin(T* address, T value) {
+  static_assert(std::is_integral_v<T>, "CUDA declares atomicMin for integers only");
+  return simt::detail::atomic_update(address, [=](T old) { return value < old ? value : old; });
+}
+template <typename T>
+T atomicExch(T* address, T value) {
+  T old;
+  __atomic_exchange(address, &value, &old, __ATOMIC_RELAXED);
+  return old;
+}
+template <typename T>
+T atomicCAS(T* address, T compare, T value) {
+  __atomic_compare_exchange(address, &compare, &value, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return compare;  // the old value either way
+}
+
+// Loads through the read-only cache are plain loads here.
+template <typename T>
+T __ldg(const T* address) {
+  return *address;
+}
+
+// Math. expf, tanhf, fmaxf, fminf, fmaf and INFINITY come from <cmath>; the fast intrinsics are the exact
+// functions here (CUDA's __expf is within 2 + 1.16 * |x| ulp of expf; that difference is not emulated).
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float x, float y) { return x / y; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+
+// min and max with CUDA's overloads (same-type, plus signed/unsigned pairs that resolve to the unsigned type).
+#define SIMT_MIN_MAX(R, A, B)                                                       \
+  inline R min(A a, B b) { return static_cast<R>(a) < static_cast<R>(b) ? static_cast<R>(a) : static_cast<R>(b); } \
+  inline R max(A a, B b) { return static_cast<R>(a) < static_cast<R>(b) ? static_cast<R>(b) : static_cast<R>(a); }
+SIMT_MIN_MAX(int, int, int)
+SIMT_MIN_MAX(unsigned, unsigned, unsigned)
+SIMT_MIN_MAX(unsigned, int, unsigned)
+SIMT_MIN_MAX(unsigned, unsigned, int)
+SIMT_MIN_MAX(long, long, long)
+SIMT_MIN_MAX(unsigned long, unsigned long, unsigned long)
+SIMT_MIN_MAX(unsigned long, long, unsigned long)
+SIMT_MIN_MAX(unsigned long, unsigned long, long)
+SIMT_MIN_MAX(long long, long long, long long)
+SIMT_MIN_MAX(unsigned long long, unsigned long long, unsigned long long)
+SIMT_MIN_MAX(unsigned long long, long long, unsigned long long)
+SIMT_MIN_MAX(unsigned long long, unsigned long long, long long)
+#undef SIMT_MIN_MAX
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
