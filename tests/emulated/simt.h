@@ -27,7 +27,8 @@
 //     swapcontext: the warning is about programs that do not tell it). Under ThreadSanitizer every CUDA thread is
 //     its own TSan fiber, switching creates no happens-before, and only __syncthreads and __syncwarp order memory,
 //     as in CUDA's memory model (shuffles and votes exchange values but are not memory fences): TSan reports races
-//     between the threads of a block. The emulator's own bookkeeping is hidden from TSan.
+//     between the threads of a block. The emulator's own bookkeeping is hidden from TSan. (TSan sleeps a second
+//     at exit when a program had threads, and fibers count: a test program may set atexit_sleep_ms=0.)
 //
 // What it cannot catch
 //   - Races between blocks: blocks run one after another and TSan sees each block happen after the previous one.
@@ -462,11 +463,11 @@ class Run {
     for (const Thread& t : threads_) {
       if (t.state == State::kWaiting) waiting[t.meeting].push_back(t.id);
     }
-    std::string text = "no thread can proceed:";
+    std::string text;
     for (const auto& [meeting, ids] : waiting) {
-      text += " " + id_list(ids, "wait", "waits") + " at " + meeting->str() + ";";
+      text += (text.empty() ? "" : "; ") + id_list(ids, "wait", "waits") + " at " + meeting->str();
     }
-    return error(text);
+    return error("no thread can proceed: " + text);
   }
 
   // ---- Fibers.
