@@ -42,7 +42,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX})"),
 ]
 
-COMMON_FLAGS = ["-std=c++17", "-O1", "-g", "-Wall", "-Wextra"]
+COMMON_FLAGS = ["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unknown-pragmas"]  # see simt.h
 BUILDS = {
     "plain": [],
     "asan": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"],

@@ -177,6 +177,7 @@ __global__ void block_reduce_kernel(const float* in, float* tree_out, float* war
   if (tid == 0) tree_out[blockIdx.x] = tree_s[0];
 
   float w = v;
+#pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) w += __shfl_down_sync(0xffffffffu, w, offset);
   if (tid % 32 == 0) partial_s[tid / 32] = w;
   __syncthreads();

@@ -6,6 +6,8 @@
 // headers define for nvcc only when they are not defined yet), then
 //     simt::launch(simt::Options{simt::Order::kReverse}, my_kernel<float>, grid, block, dynamic_shared_bytes, args...);
 // runs every block and thread of the grid, and throws simt::Error on an invalid launch or a synchronization error.
+// Compile with g++ -std=c++17 -I$CUDA_HOME/include -Wno-unknown-pragmas (g++ does not know CUDA's #pragma unroll,
+// and before gcc 13 a header cannot silence that warning), plus -fsanitize=address,undefined or -fsanitize=thread.
 //
 // The model
 //   - Every CUDA thread is a fiber (makecontext/swapcontext) with its own mmap'd stack and a PROT_NONE guard page
@@ -39,7 +41,13 @@
 //     shared memory limit beyond what the threads actually declare, bank conflicts, speed.
 #pragma once
 
-#include <vector_types.h>  // dim3, uint3, uint4, float4, ...; also crt/host_defines.h: __global__, __device__, ...
+#if defined(PA_SHARED) || defined(PA_EXTERN_SHARED)
+#error "include simt.h before the kernel headers: they define PA_SHARED / PA_EXTERN_SHARED for nvcc otherwise"
+#endif
+
+// cuda_runtime.h first: it names host function parameters gridDim and blockDim, which must be parsed before those
+// names become macros below (a kernel header that includes it later then gets the already included copy).
+#include <cuda_runtime.h>  // also dim3, uint4, float4, ... and crt/host_defines.h: __global__, __device__, ...
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
