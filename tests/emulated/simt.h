@@ -65,6 +65,7 @@
 #include <map>
 #include <new>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -190,6 +191,15 @@ inline const char* op_name(Op op) {
 // Barriers and __syncwarp order memory between their attendees; shuffles and votes only exchange values.
 inline bool orders_memory(Op op) { return op == Op::kSyncthreads || op == Op::kSyncwarp; }
 
+// Concatenates what an ostream prints: cat("lane ", 3, " of ", name).
+template <typename... Parts>
+std::string cat(const Parts&... parts) {
+  std::ostringstream text;
+  (text << ... << parts);
+  return text.str();
+}
+inline std::string dims(unsigned x, unsigned y, unsigned z) { return cat("(", x, ",", y, ",", z, ")"); }
+
 inline std::string hex(unsigned x) {
   char text[16];
   std::snprintf(text, sizeof text, "0x%08x", x);
@@ -237,8 +247,7 @@ struct Thread {
 
   std::string name() const {
     const uint3& t = builtins.thread_idx;
-    return "thread " + std::to_string(id) + " (" + std::to_string(t.x) + "," + std::to_string(t.y) + "," +
-           std::to_string(t.z) + ")";
+    return cat("thread ", id, " ", dims(t.x, t.y, t.z));
   }
 };
 
@@ -248,7 +257,7 @@ inline std::string id_list(const std::vector<int>& ids) {
   for (size_t i = 0; i < ids.size();) {
     size_t j = i;
     while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
-    text += (text.empty() ? "" : ", ") + std::to_string(ids[i]) + (j > i ? "-" + std::to_string(ids[j]) : "");
+    text += cat(text.empty() ? "" : ", ", ids[i], j > i ? cat("-", ids[j]) : "");
     i = j + 1;
   }
   return (ids.size() == 1 ? "thread " : "threads ") + text;
@@ -341,12 +350,12 @@ class Run {
       if (other.meeting->op == Op::kSyncthreads) {
         at_barrier.push_back(other.id);
       } else if (other.meeting->needs(self.warp, self.lane)) {
-        throw error(self.name() + " exits while lane " + std::to_string(other.lane) + " = " + other.name() +
-                    " waits for it at " + other.meeting->str());
+        throw error(self.name(), " exits while lane ", other.lane, " = ", other.name(), " waits for it at ",
+                    other.meeting->str());
       }
     }
     if (!at_barrier.empty()) {
-      throw error(self.name() + " exits while " + id_list(at_barrier, "wait", "waits") + " at " +
+      throw error(self.name(), " exits while ", id_list(at_barrier, "wait", "waits"), " at ",
                   threads_[at_barrier[0]].meeting->str());
     }
     self.state = State::kExited;
@@ -360,19 +369,18 @@ class Run {
     if (found != static_shared_.end()) return found->second.data;
     static_bytes_ += bytes;
     if (static_bytes_ > kMaxStaticSharedBytes || static_bytes_ + dynamic_bytes_ > kMaxSharedBytes) {
-      throw error("shared memory exceeds the limit: " + std::to_string(static_bytes_) + " bytes static (at most " +
-                  std::to_string(kMaxStaticSharedBytes) + ") + " + std::to_string(dynamic_bytes_) +
-                  " bytes dynamic (at most " + std::to_string(kMaxSharedBytes) + " in all)");
+      throw error("shared memory exceeds the limit: ", static_bytes_, " bytes static (at most ", kMaxStaticSharedBytes,
+                  ") + ", dynamic_bytes_, " bytes dynamic (at most ", kMaxSharedBytes, " in all)");
     }
     return static_shared_.emplace(key, Allocation(bytes, alignment)).first->second.data;
   }
   void* dynamic_shared() const { return dynamic_.data; }
 
-  std::string block_name() const {
-    return "block (" + std::to_string(block_idx_.x) + "," + std::to_string(block_idx_.y) + "," +
-           std::to_string(block_idx_.z) + ")";
+  std::string block_name() const { return "block " + dims(block_idx_.x, block_idx_.y, block_idx_.z); }
+  template <typename... Parts>
+  Error error(const Parts&... message) const {
+    return Error(cat("simt: ", block_name(), ": ", message...));
   }
-  Error error(const std::string& message) const { return Error("simt: " + block_name() + ": " + message); }
 
  private:
   // Heap storage at exactly `bytes`, filled with 0xFF (NaN as float, half and bfloat16).
@@ -396,21 +404,19 @@ class Run {
 
   void check_launch() const {
     auto refuse = [](const std::string& what) { throw Error("simt: invalid launch: " + what); };
-    auto dims = [](dim3 d) {
-      return "(" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + ")";
-    };
     const uint64_t threads = static_cast<uint64_t>(block_.x) * block_.y * block_.z;
     if (grid_.x == 0 || grid_.y == 0 || grid_.z == 0 || grid_.x > kMaxGridDimX || grid_.y > kMaxGridDimYZ ||
         grid_.z > kMaxGridDimYZ) {
-      refuse("grid " + dims(grid_) + " (each dimension at least 1, x at most 2^31-1, y and z at most 65535)");
+      refuse(cat("grid ", dims(grid_.x, grid_.y, grid_.z),
+                 " (each dimension at least 1, x at most 2^31-1, y and z at most 65535)"));
     }
     if (threads == 0 || threads > kMaxThreadsPerBlock || block_.x > kMaxBlockDimXY || block_.y > kMaxBlockDimXY ||
         block_.z > kMaxBlockDimZ) {
-      refuse("block " + dims(block_) + " (at most 1024 threads, x and y at most 1024, z at most 64)");
+      refuse(cat("block ", dims(block_.x, block_.y, block_.z),
+                 " (at most 1024 threads, x and y at most 1024, z at most 64)"));
     }
     if (dynamic_bytes_ > kMaxSharedBytes) {
-      refuse(std::to_string(dynamic_bytes_) + " bytes of dynamic shared memory (at most " +
-             std::to_string(kMaxSharedBytes) + ")");
+      refuse(cat(dynamic_bytes_, " bytes of dynamic shared memory (at most ", kMaxSharedBytes, ")"));
     }
   }
 
@@ -487,7 +493,7 @@ class Run {
     stacks_bytes_ = slot * threads_.size();
     void* region = mmap(nullptr, stacks_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                         -1, 0);
-    if (region == MAP_FAILED) throw Error("simt: cannot map " + std::to_string(stacks_bytes_) + " bytes of stacks");
+    if (region == MAP_FAILED) throw Error(cat("simt: cannot map ", stacks_bytes_, " bytes of stacks"));
     stacks_ = static_cast<char*>(region);
     for (size_t i = 0; i < threads_.size(); ++i) {
       mprotect(stacks_ + i * slot, page_, PROT_NONE);
@@ -601,30 +607,30 @@ class Run {
       if (at.is(Op::kSyncthreads, site, 0)) {
         found = other.meeting;
       } else if (at.op == Op::kSyncthreads) {
-        throw error("divergent __syncthreads: " + self.name() + " arrives at " + site.str() + " while " +
-                    id_list(waiting_at(at), "wait", "waits") + " at " + at.site.str());
+        throw error("divergent __syncthreads: ", self.name(), " arrives at ", site.str(), " while ",
+                    id_list(waiting_at(at), "wait", "waits"), " at ", at.site.str());
       } else if (at.needs(self.warp, self.lane)) {
-        throw error(self.name() + " arrives at __syncthreads() at " + site.str() + " while lane " +
-                    std::to_string(other.lane) + " = " + other.name() + " waits for it at " + at.str());
+        throw error(self.name(), " arrives at __syncthreads() at ", site.str(), " while lane ", other.lane, " = ",
+                    other.name(), " waits for it at ", at.str());
       }
     }
     if (!exited.empty()) {
-      throw error(self.name() + " arrives at __syncthreads() at " + site.str() + ", but " +
-                  id_list(exited, "have", "has") + " exited");
+      throw error(self.name(), " arrives at __syncthreads() at ", site.str(), ", but ", id_list(exited, "have", "has"),
+                  " exited");
     }
     return found;
   }
 
   Meeting* find_collective(Thread& self, Op op, const Site& site, unsigned mask) {
-    const std::string call = std::string(op_name(op)) + "(mask " + hex(mask) + ") at " + site.str();
+    const std::string call = cat(self.name(), " calls ", op_name(op), "(mask ", hex(mask), ") at ", site.str());
     const int lanes = std::min<int>(32, static_cast<int>(threads_.size()) - 32 * self.warp);
     const unsigned existing = lanes == 32 ? ~0u : (1u << lanes) - 1;
     if (!(mask >> self.lane & 1u)) {
-      throw error(self.name() + " calls " + call + ", whose mask leaves out its own lane " + std::to_string(self.lane));
+      throw error(call, ", whose mask leaves out its own lane ", self.lane);
     }
     if (mask & ~existing) {
-      throw error(self.name() + " calls " + call + ", whose mask names lanes past the end of the block (warp " +
-                  std::to_string(self.warp) + " has " + std::to_string(lanes) + " lanes)");
+      throw error(call, ", whose mask names lanes past the end of the block (warp ", self.warp, " has ", lanes,
+                  " lanes)");
     }
     Meeting* found = nullptr;
     for (int lane = 0; lane < lanes; ++lane) {
@@ -632,19 +638,16 @@ class Run {
       const bool attends = mask >> lane & 1u;
       if (&other == &self) continue;
       if (attends && other.state == State::kExited) {
-        throw error(self.name() + " calls " + call + ", but lane " + std::to_string(lane) + " = " + other.name() +
-                    " has exited");
+        throw error(call, ", but lane ", lane, " = ", other.name(), " has exited");
       }
       if (other.state != State::kWaiting) continue;
       const Meeting& at = *other.meeting;
       if (at.is(op, site, mask)) {
         found = other.meeting;
       } else if (attends) {
-        throw error(self.name() + " calls " + call + ", but lane " + std::to_string(lane) + " = " + other.name() +
-                    " waits at " + at.str());
+        throw error(call, ", but lane ", lane, " = ", other.name(), " waits at ", at.str());
       } else if (at.op != Op::kSyncthreads && at.needs(self.warp, self.lane)) {
-        throw error(self.name() + " calls " + call + " while lane " + std::to_string(lane) + " = " + other.name() +
-                    " waits for it at " + at.str());
+        throw error(call, " while lane ", lane, " = ", other.name(), " waits for it at ", at.str());
       }
     }
     return found;
@@ -677,8 +680,8 @@ class Run {
         case Op::kShflXor: {
           const int source = source_lane(meeting.op, t->lane, t->operand, t->width);
           if (!(meeting.mask >> source & 1u)) {
-            throw error("lane " + std::to_string(t->lane) + " = " + t->name() + " reads lane " +
-                        std::to_string(source) + ", which is not in the mask, with " + meeting.str());
+            throw error("lane ", t->lane, " = ", t->name(), " reads lane ", source, ", which is not in the mask, with ",
+                        meeting.str());
           }
           t->result = threads_[32 * meeting.warp + source].value;
           break;
@@ -731,8 +734,8 @@ inline uint64_t collective(Op op, const Site& site, unsigned mask, uint64_t valu
   Run& run = current_run();
   Thread& self = *t_thread;
   if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
-    throw run.error(self.name() + " calls " + op_name(op) + " at " + site.str() + " with width " +
-                    std::to_string(width) + " (a power of 2 from 1 to 32)");
+    throw run.error(self.name(), " calls ", op_name(op), " at ", site.str(), " with width ", width,
+                    " (a power of 2 from 1 to 32)");
   }
   self.value = value, self.operand = operand, self.width = width;
   run.meet(self, op, site, mask);
