@@ -298,6 +298,7 @@ EMULATOR_ERRORS = {
     "read_outside_mask": ["which is not in the mask", "__shfl_down_sync(mask 0x0000ffff)"],
     "mask_without_self": ["leaves out its own lane 3"],
     "bad_width": ["__shfl_xor_sync", "width 12"],
+    "partial_warp_full_mask": ["names lanes past the end of the block (warp 1 has 16 lanes)"],
 }
 # Cases whose message must name two different call sites.
 TWO_SITES = {"barrier_skipped", "barrier_two_sites", "different_collectives", "collective_vs_barrier"}

@@ -624,6 +624,9 @@ __global__ void mask_without_self_kernel(int* out) {
   const unsigned mask = 1u << (lane == 3 ? 0 : lane);  // every lane alone; BUG: lane 3 names lane 0 instead
   out[threadIdx.x] = __shfl_sync(mask, lane, lane);
 }
+__global__ void partial_warp_full_mask_kernel(int* out) {  // 48 threads: warp 1 has lanes 0-15 only
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<int>(threadIdx.x), 1);  // BUG: names lanes 16-31
+}
 __global__ void bad_width_kernel(int* out) {
   out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<int>(threadIdx.x), 1, 12);  // BUG: not a power of 2
 }
@@ -739,6 +742,8 @@ const std::map<std::string, Case> kCases = {
     {"read_outside_mask", [](const simt::Options& o) { return run_error_kernel(o, read_outside_mask_kernel, 32); }},
     {"mask_without_self", [](const simt::Options& o) { return run_error_kernel(o, mask_without_self_kernel, 32); }},
     {"bad_width", [](const simt::Options& o) { return run_error_kernel(o, bad_width_kernel, 32); }},
+    {"partial_warp_full_mask",
+     [](const simt::Options& o) { return run_error_kernel(o, partial_warp_full_mask_kernel, 48); }},
     {"shared_index_out_of_bounds", shared_index_out_of_bounds},
     {"shared_out_of_bounds", shared_out_of_bounds},
     {"dynamic_out_of_bounds", dynamic_out_of_bounds},
