@@ -10,8 +10,9 @@
 // and before gcc 13 a header cannot silence that warning), plus -fsanitize=address,undefined or -fsanitize=thread.
 //
 // The model
-//   - Every CUDA thread is a fiber (makecontext/swapcontext) with its own mmap'd stack and a PROT_NONE guard page
-//     below it. Blocks run one after another; the threads of a block take turns on the calling OS thread.
+//   - Every CUDA thread is a fiber with its own mmap'd stack and a PROT_NONE guard page below it. On x86-64 a fiber
+//     switch is a few instructions (callee-saved registers and the stack pointer, see fiber_switch); elsewhere it
+//     is makecontext/swapcontext, which costs two signal-mask system calls per switch. Blocks run one after another; the threads of a block take turns on the calling OS thread.
 //     threadIdx, blockIdx, blockDim and gridDim are macros reading the running fiber's record.
 //   - A thread runs until it reaches a synchronization point (__syncthreads, a warp collective) or exits; then the
 //     scheduler runs the next ready thread. Ready threads (and blocks) are taken in forward, reverse or seeded
@@ -161,6 +162,30 @@ T* dynamic_shared();
 // The engine.
 namespace detail {
 
+#if defined(__x86_64__)
+#define SIMT_FAST_SWITCH 1
+// Saves the callee-saved registers and the stack pointer of the running context in *from_sp and resumes the context
+// saved at to_sp (System V x86-64: everything else is caller-saved, so a call is a complete switch point).
+__attribute__((naked, noinline)) static void fiber_switch(void** /*from_sp*/, void* /*to_sp*/) {
+  asm volatile(
+      "pushq %rbp\n\tpushq %rbx\n\tpushq %r12\n\tpushq %r13\n\tpushq %r14\n\tpushq %r15\n\t"
+      "movq %rsp, (%rdi)\n\tmovq %rsi, %rsp\n\t"
+      "popq %r15\n\tpopq %r14\n\tpopq %r13\n\tpopq %r12\n\tpopq %rbx\n\tpopq %rbp\n\tret\n\t");
+}
+
+// The stack pointer of a fiber that has not run yet: fiber_switch's pops take zeros, its `ret` enters `entry` with
+// the stack aligned as after a call (rsp = 8 mod 16, above it a null return address that is never used).
+inline void* fiber_stack(char* stack, size_t bytes, void (*entry)()) {
+  auto* top = reinterpret_cast<uintptr_t*>(reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t{15});
+  uintptr_t* sp = top - 2;
+  sp[1] = 0;                                  // the entry function's return address: never used
+  sp[0] = reinterpret_cast<uintptr_t>(entry);  // where fiber_switch's ret goes
+  sp -= 6;                                    // rbp, rbx, r12-r15
+  for (int i = 0; i < 6; ++i) sp[i] = 0;
+  return sp;
+}
+#endif
+
 // Bookkeeping shared between fibers is invisible to ThreadSanitizer: only the kernel's own accesses are checked.
 struct Untracked {
 #if defined(__SANITIZE_THREAD__)
@@ -240,7 +265,11 @@ struct Thread {
   uint64_t value = 0, result = 0;
   int operand = 0, width = 32;      // source lane, delta or lane mask; segment width
   // The fiber.
+#if defined(SIMT_FAST_SWITCH)
+  void* sp = nullptr;               // saved stack pointer while not running
+#else
   ucontext_t context;
+#endif
   char* stack = nullptr;            // lowest address of the usable stack (the guard page is just below)
   void* asan_fake_stack = nullptr;
   void* tsan_fiber = nullptr;
@@ -508,6 +537,9 @@ class Run {
     t.state = State::kReady;
     t.started = false;
     t.meeting = nullptr;
+#if defined(SIMT_FAST_SWITCH)
+    t.sp = fiber_stack(t.stack, options_.stack_bytes, &fiber_main);
+#else
     getcontext(&t.context);
     t.context.uc_stack.ss_sp = t.stack;
     t.context.uc_stack.ss_size = options_.stack_bytes;
@@ -516,6 +548,7 @@ class Run {
     // makecontext has set up the stack; clearing uc_stack keeps ASan's swapcontext interceptor from unpoisoning
     // the whole stack (live frames included) at every switch.
     t.context.uc_stack = stack_t{};
+#endif
 #if defined(__SANITIZE_ADDRESS__)
     ASAN_UNPOISON_MEMORY_REGION(t.stack, options_.stack_bytes);  // redzones left by the previous block
 #endif
@@ -570,7 +603,11 @@ class Run {
 #if defined(__SANITIZE_THREAD__)
     __tsan_switch_to_fiber(t.tsan_fiber, __tsan_switch_to_fiber_no_sync);  // switching orders nothing
 #endif
+#if defined(SIMT_FAST_SWITCH)
+    fiber_switch(&scheduler_sp_, t.sp);
+#else
     swapcontext(&scheduler_, &t.context);
+#endif
 #if defined(__SANITIZE_ADDRESS__)
     __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #endif
@@ -587,7 +624,11 @@ class Run {
     __sanitizer_start_switch_fiber(exiting ? nullptr : &self.asan_fake_stack, scheduler_stack_,
                                    scheduler_stack_bytes_);
 #endif
+#if defined(SIMT_FAST_SWITCH)
+    fiber_switch(&self.sp, scheduler_sp_);
+#else
     swapcontext(&self.context, &scheduler_);
+#endif
 #if defined(__SANITIZE_ADDRESS__)
     __sanitizer_finish_switch_fiber(self.asan_fake_stack, nullptr, nullptr);
 #endif
@@ -622,14 +663,14 @@ class Run {
   }
 
   Meeting* find_collective(Thread& self, Op op, const Site& site, unsigned mask) {
-    const std::string call = cat(self.name(), " calls ", op_name(op), "(mask ", hex(mask), ") at ", site.str());
+    const auto call = [&] { return cat(self.name(), " calls ", op_name(op), "(mask ", hex(mask), ") at ", site.str()); };
     const int lanes = std::min<int>(32, static_cast<int>(threads_.size()) - 32 * self.warp);
     const unsigned existing = lanes == 32 ? ~0u : (1u << lanes) - 1;
     if (!(mask >> self.lane & 1u)) {
-      throw error(call, ", whose mask leaves out its own lane ", self.lane);
+      throw error(call(), ", whose mask leaves out its own lane ", self.lane);
     }
     if (mask & ~existing) {
-      throw error(call, ", whose mask names lanes past the end of the block (warp ", self.warp, " has ", lanes,
+      throw error(call(), ", whose mask names lanes past the end of the block (warp ", self.warp, " has ", lanes,
                   " lanes)");
     }
     Meeting* found = nullptr;
@@ -638,16 +679,16 @@ class Run {
       const bool attends = mask >> lane & 1u;
       if (&other == &self) continue;
       if (attends && other.state == State::kExited) {
-        throw error(call, ", but lane ", lane, " = ", other.name(), " has exited");
+        throw error(call(), ", but lane ", lane, " = ", other.name(), " has exited");
       }
       if (other.state != State::kWaiting) continue;
       const Meeting& at = *other.meeting;
       if (at.is(op, site, mask)) {
         found = other.meeting;
       } else if (attends) {
-        throw error(call, ", but lane ", lane, " = ", other.name(), " waits at ", at.str());
+        throw error(call(), ", but lane ", lane, " = ", other.name(), " waits at ", at.str());
       } else if (at.op != Op::kSyncthreads && at.needs(self.warp, self.lane)) {
-        throw error(call, " while lane ", lane, " = ", other.name(), " waits for it at ", at.str());
+        throw error(call(), " while lane ", lane, " = ", other.name(), " waits for it at ", at.str());
       }
     }
     return found;
@@ -714,7 +755,11 @@ class Run {
   bool cancelling_ = false;
 
   // The scheduler's side of the switches.
+#if defined(SIMT_FAST_SWITCH)
+  void* scheduler_sp_ = nullptr;
+#else
   ucontext_t scheduler_{};  // zeroed: ASan's swapcontext interceptor reads its uc_stack
+#endif
   const void* scheduler_stack_ = nullptr;
   size_t scheduler_stack_bytes_ = 0;
 #if defined(__SANITIZE_THREAD__)
