@@ -206,6 +206,20 @@ def test_copy_blocks_mapping_on_device():
         assert_identical(actual, want)
 
 
+@requires_cuda
+def test_cuda_cache_ops_refuse_a_zero_block_size():
+    # check_cache refuses it at the door on every backend: the kernels divide by block_size.
+    key_cache = torch.empty(4, 0, 2, 64, device="cuda")
+    value_cache = torch.empty_like(key_cache)
+    key = torch.randn(3, 2, 64, device="cuda")
+    message = "block_size, num_kv_heads and head_dim must be positive"
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.paged_attn.reshape_and_cache(key, key.clone(), key_cache, value_cache,
+                                               torch.zeros(3, dtype=torch.int64, device="cuda"))
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.paged_attn.copy_blocks([key_cache], [value_cache], torch.tensor([[0, 1]]))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # swap_blocks
 
