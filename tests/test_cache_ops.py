@@ -207,6 +207,50 @@ def test_copy_blocks_mapping_on_device():
 
 
 @requires_cuda
+def test_copy_blocks_cpu_mapping_may_be_overwritten_at_once():
+    # A pinned CPU mapping used to be uploaded asynchronously from the caller's own memory (pin_memory() returns
+    # the tensor itself when it is already pinned): overwriting it right after the call changed the copy.
+    key_caches = [torch.randn(8, 16, 2, 64, device="cuda")]
+    value_caches = [torch.randn_like(key_caches[0])]
+    expected_k, expected_v = [key_caches[0].clone()], [value_caches[0].clone()]
+    mapping = torch.tensor([[1, 6], [3, 0]]).pin_memory()
+    reference.copy_blocks(expected_k, expected_v, mapping)
+    torch.cuda._sleep(50_000_000)  # keep the stream busy, so that the upload runs after the overwrite below
+    paged_attn.copy_blocks(key_caches, value_caches, mapping)
+    mapping.copy_(torch.tensor([[2, 7], [4, 5]]))
+    torch.cuda.synchronize()
+    assert_identical(key_caches[0], expected_k[0])
+    assert_identical(value_caches[0], expected_v[0])
+
+
+@requires_cuda
+def test_copy_blocks_with_a_device_mapping_is_captured_in_a_cuda_graph():
+    # A mapping on the caches' device is read by the kernel when it runs, so a captured copy_blocks replays with
+    # the mapping's contents at replay time. (A CPU mapping is not capturable; neither is validation mode.)
+    key_caches = [torch.randn(8, 16, 2, 64, device="cuda") for _ in range(2)]
+    value_caches = [torch.randn_like(c) for c in key_caches]
+    mapping = torch.tensor([[1, 6], [3, 0]], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph, as torch.cuda.graph requires
+        paged_attn.copy_blocks(key_caches, value_caches, mapping)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attn.copy_blocks(key_caches, value_caches, mapping)
+    mapping.copy_(torch.tensor([[2, 7], [4, 5]]))
+    for cache in key_caches + value_caches:
+        cache.copy_(torch.randn_like(cache))
+    expected_k = [c.clone() for c in key_caches]
+    expected_v = [c.clone() for c in value_caches]
+    reference.copy_blocks(expected_k, expected_v, mapping.cpu())
+    graph.replay()
+    torch.cuda.synchronize()
+    for actual, want in zip(key_caches + value_caches, expected_k + expected_v):
+        assert_identical(actual, want)
+
+
+@requires_cuda
 def test_cuda_cache_ops_refuse_a_zero_block_size():
     # check_cache refuses it at the door on every backend: the kernels divide by block_size.
     key_cache = torch.empty(4, 0, 2, 64, device="cuda")

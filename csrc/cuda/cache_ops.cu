@@ -92,10 +92,16 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
   if (validation_enabled()) {
     check_block_mapping_range(block_mapping.cpu(), first.size(0), first.size(0), /*same_cache=*/true);
   }
-  // A CPU mapping is staged through pinned memory, so the upload does not block the host.
-  const at::Tensor mapping = block_mapping.is_cuda()
-                                 ? block_mapping.contiguous()
-                                 : block_mapping.contiguous().pin_memory().to(first.device(), /*non_blocking=*/true);
+  // NOTE: a CPU mapping is first copied into a pinned buffer of our own, which the upload then reads without
+  // blocking the host: the caller's tensor may be overwritten as soon as we return (pin_memory() would alias it
+  // when it is already pinned), and the host allocator keeps our buffer until the upload has run.
+  at::Tensor mapping = block_mapping.contiguous();
+  if (!block_mapping.is_cuda()) {
+    at::Tensor staged = at::empty(block_mapping.sizes(), block_mapping.options().pinned_memory(true));
+    staged.copy_(block_mapping);
+    mapping = staged.to(first.device(), /*non_blocking=*/true);
+  }
+
 
   const int64_t num_pairs = block_mapping.size(0);
   const uint64_t elem = first.element_size();
