@@ -325,3 +325,23 @@ def test_swap_blocks_within_one_cache_and_empty(device):
     assert_identical(cache, expected)
     paged_attn.swap_blocks(cache, cache, torch.empty(0, 2, dtype=torch.int64))
     assert_identical(cache, expected)
+
+
+@pytest.mark.skipif(not HAS_CUDA_OPS or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_swap_blocks_between_two_gpus_is_ordered_on_both_devices():
+    # The copies run on the source device's current stream; they must wait for the work already queued on the
+    # destination device's current stream, and that stream's later work must wait for them.
+    src = torch.randn(6, 16, 2, 64, device="cuda:0")
+    dst = torch.zeros(6, 16, 2, 64, device="cuda:1")
+    with torch.cuda.device(1):
+        torch.cuda._sleep(50_000_000)
+        dst.fill_(1.0)  # queued on cuda:1 behind the sleep: the swap must not be overwritten by it
+    with torch.cuda.device(0):
+        paged_attn.swap_blocks(src, dst, torch.tensor([[0, 3], [5, 1]]))
+    with torch.cuda.device(1):
+        seen = dst.clone()  # queued on cuda:1 right after the swap: it must see the copied blocks
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert_identical(seen[3], src[0].to("cuda:1"))
+    assert_identical(seen[1], src[5].to("cuda:1"))
+    assert (seen[[0, 2, 4, 5]] == 1.0).all()

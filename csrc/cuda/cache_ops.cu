@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "../common.h"
@@ -102,7 +103,6 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
     mapping = staged.to(first.device(), /*non_blocking=*/true);
   }
 
-
   const int64_t num_pairs = block_mapping.size(0);
   const uint64_t elem = first.element_size();
   const int64_t block_size = first.size(1), num_kv_heads = first.size(2), head_dim = first.size(3);
@@ -142,6 +142,22 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
 
 // ---------------------------------------------------------------------------------------------------------------
 // swap_blocks: copy engine transfers, one per run of consecutive block ids.
+
+// Makes `waiter` wait for the work queued so far on `stream`; the two may be on different devices.
+void wait_for(const c10::cuda::CUDAStream& stream, const c10::cuda::CUDAStream& waiter) {
+  cudaEvent_t event = nullptr;
+  {
+    const c10::cuda::CUDAGuard guard(stream.device_index());
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  }
+  const auto destroy = [](cudaEvent_t* e) { C10_CUDA_IGNORE_ERROR(cudaEventDestroy(*e)); };  // freed once complete
+  const std::unique_ptr<cudaEvent_t, decltype(destroy)> owner(&event, destroy);
+  {
+    const c10::cuda::CUDAGuard guard(stream.device_index());
+    C10_CUDA_CHECK(cudaEventRecord(event, stream));
+  }
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, event, 0));
+}
 struct BlockRun {
   int64_t src, dst, count;
 };
@@ -170,8 +186,14 @@ void swap_blocks_cuda(const at::Tensor& src,             // [num_src_blocks, ...
   check_swap_blocks_args(src, dst, block_mapping);  // block shapes without a zero size
   check_block_mapping_range(block_mapping, src.size(0), dst.size(0), /*same_cache=*/same_memory(src, dst));
   if (block_mapping.size(0) == 0) return;
+  // The copies run on the current stream of the source's device (or of dst's, when src is on the CPU).
   const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+  // NOTE: between two GPUs, dst's device has a current stream of its own: the copies must wait for the work queued
+  // there (it may still use dst), and that stream's later work must wait for the copies. Events order both ways.
+  const bool peer = src.is_cuda() && dst.is_cuda() && src.device() != dst.device();
+  const c10::cuda::CUDAStream dst_stream = peer ? c10::cuda::getCurrentCUDAStream(dst.device().index()) : stream;
+  if (peer) wait_for(dst_stream, stream);
   const size_t elem = src.element_size();
   const size_t block_bytes = c10::multiply_integers(src.sizes().slice(1)) * elem;
   const size_t src_pitch = src.stride(0) * elem, dst_pitch = dst.stride(0) * elem;
@@ -188,6 +210,7 @@ void swap_blocks_cuda(const at::Tensor& src,             // [num_src_blocks, ...
                                        stream));
     }
   }
+  if (peer) wait_for(stream, dst_stream);
 }
 
 }  // namespace
