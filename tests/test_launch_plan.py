@@ -4,9 +4,82 @@ The plans are plain C++, built into every extension (no GPU, no CUDA kernels nee
 emulated kernel tests launch with the same functions, so what is checked here is what runs there.
 """
 
+import math
+
 import pytest
 
 from paged_attn import _C
+
+PARTITION_SIZE = 512  # kPartitionSize
+
+
+def attention_plan(num_seqs=1, num_heads=32, num_kv_heads=32, max_blocks_per_seq=64, block_size=16,
+                   sliding_window=0, num_sms=132, partition_tokens=None):
+    sizes = [num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms]
+    if partition_tokens is not None:
+        sizes.append(partition_tokens)
+    return _C._launch_plan("paged_attention", *sizes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Head chunks
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,chunks,per_block",
+    [(32, 32, 1, 1), (32, 8, 1, 4), (64, 8, 1, 8), (10, 1, 2, 8), (16, 1, 2, 8), (24, 1, 3, 8)],
+)
+def test_head_chunks(num_heads, num_kv_heads, chunks, per_block):
+    plan = attention_plan(num_seqs=64, num_heads=num_heads, num_kv_heads=num_kv_heads, num_sms=1)
+    assert plan["error"] is None
+    assert (plan["head_chunks"], plan["heads_per_block"], plan["group_variant"]) == (chunks, per_block, 8)
+    assert plan["grid"] == (num_kv_heads * chunks, 64, 1)
+    assert plan["threads"] == 128 and plan["shared_bytes"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Single pass or split-KV, and the partitions
+
+
+def test_single_pass_when_the_sequences_fill_the_gpu():
+    # Split-KV only when one thread block per (sequence, kv head, head chunk) gives fewer than 4 per SM.
+    plan = attention_plan(num_seqs=66, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256, num_sms=132)
+    assert plan["num_partitions"] == 1 and plan["partition_size"] == 256 * 16 == plan["max_context"]
+    assert plan["grid"] == (8, 66, 1)
+    assert attention_plan(num_seqs=65, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)["num_partitions"] == 8
+
+
+def test_split_kv_when_few_sequences_and_long_tables():
+    plan = attention_plan(num_seqs=2, num_heads=32, num_kv_heads=8, max_blocks_per_seq=100, block_size=16)
+    assert plan["num_partitions"] == math.ceil(1600 / PARTITION_SIZE) == 4
+    assert plan["partition_size"] == PARTITION_SIZE
+    assert plan["grid"] == (8, 2, 4) and plan["reduce_grid"] == (32, 2, 1)
+    assert plan["reduce_shared_bytes"] == 4 * 4
+
+
+def test_tables_no_longer_than_a_partition_stay_single_pass():
+    plan = attention_plan(num_seqs=1, max_blocks_per_seq=32, block_size=16)  # 512 tokens
+    assert plan["num_partitions"] == 1
+
+
+def test_partition_tokens_option():
+    # The emulated tests take small partitions to get many from short sequences.
+    plan = attention_plan(num_seqs=1, max_blocks_per_seq=70, block_size=16, partition_tokens=4)
+    assert (plan["num_partitions"], plan["partition_size"]) == (280, 4)
+
+
+def test_grid_limits_are_errors():
+    assert "grid.y = num_seqs = 70000 is outside [1, 65535]" in attention_plan(num_seqs=70000)["error"]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(num_kv_heads=0), dict(block_size=0), dict(num_heads=6, num_kv_heads=4), dict(num_seqs=0),
+     dict(num_sms=0), dict(partition_tokens=0), dict(sliding_window=-1)],
+)
+def test_invalid_sizes_are_errors_not_divisions_by_zero(sizes):
+    assert attention_plan(**sizes)["error"].startswith("invalid sizes")
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Cache ops: no launch with zero threads, no grid past its limits

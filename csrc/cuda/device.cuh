@@ -1,4 +1,4 @@
-// What the CUDA kernel headers (cache_ops_kernels.cuh) take from the device: the CUDA
+// What the CUDA kernel headers (attention_kernels.cuh, cache_ops_kernels.cuh) take from the device: the CUDA
 // toolkit's headers, and the two macros through which every shared-memory array is declared.
 //
 // The kernel headers include no torch header, so they also compile on the host under the CPU emulator of the CUDA

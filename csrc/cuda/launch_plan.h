@@ -1,11 +1,13 @@
 // Launch planning of the CUDA kernels: plain C++17 (no CUDA, no torch), so that the torch-facing launchers
 // (csrc/cuda/*.cu), the emulated kernel tests and the Python test hook (paged_attn._C._launch_plan) compute the same
-// launches. Each plan_* function takes sizes as the tensors give them (int64) and returns the grid, the block size
-// and the dynamic shared memory to launch with, or an error that says why it cannot be launched.
+// launches. Each plan_* function takes sizes as the tensors give them (int64) and returns the grid, the block size,
+// the dynamic shared memory and the kernel variant to launch, or an error that says why it cannot be launched.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace paged_attn {
 
@@ -31,6 +33,110 @@ inline std::string grid_error(const Grid& grid, const char* x_name, const char* 
   if (grid.y < 1 || grid.y > kMaxGridYZ) return over("y", y_name, grid.y, kMaxGridYZ);
   if (grid.z < 1 || grid.z > kMaxGridYZ) return over("z", z_name, grid.z, kMaxGridYZ);
   return "";
+}
+
+// Compile-time lists of the instantiated kernel variants, and a run-time dispatch over them:
+// dispatch(value, IntList<...>{}, f) calls f(std::integral_constant<int, value>{}) and returns true when value is
+// in the list; returns false (and calls nothing) otherwise.
+template <int... Values>
+struct IntList {};
+
+template <int... Values, typename F>
+bool dispatch(int value, IntList<Values...>, F&& f) {
+  return ((value == Values ? (f(std::integral_constant<int, Values>{}), true) : false) || ...);
+}
+
+template <int... Values>
+constexpr bool contains(IntList<Values...>, int64_t value) {
+  return ((value == Values) || ...);
+}
+
+template <int... Values>
+std::string to_string(IntList<Values...>) {  // "32, 64, 80"
+  std::string s;
+  ((s += (s.empty() ? "" : ", ") + std::to_string(Values)), ...);
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// paged_attention (csrc/cuda/attention_kernels.cuh).
+
+constexpr int kAttentionThreads = 128;  // threads per thread block, both kernels
+constexpr int kMaxGroup = 8;            // query heads one thread block serves at most
+constexpr int kPartitionSize = 512;     // tokens per partition in split-KV mode (the default; see plan_attention)
+
+// The instantiations: head dims, and group variants (GROUP: the query heads a thread block's registers are sized
+// for; a block serving fewer heads takes the smallest variant that holds them).
+using AttentionHeadDims = IntList<32, 64, 80, 96, 112, 120, 128, 192, 256>;
+using AttentionGroupVariants = IntList<kMaxGroup>;
+
+template <int... Groups>
+constexpr int smallest_variant(IntList<Groups...>, int heads) {  // heads <= kMaxGroup
+  int best = kMaxGroup;
+  ((best = Groups >= heads && Groups < best ? Groups : best), ...);
+  return best;
+}
+
+struct AttentionPlan {
+  int group_size = 0;       // num_heads / num_kv_heads: the query heads that read one kv head
+  int head_chunks = 0;      // thread blocks per (sequence, kv head, partition): ceil(group_size / kMaxGroup)
+  int heads_per_block = 0;  // query heads one thread block serves: min(group_size, kMaxGroup) (the last chunk may
+                            // have fewer)
+  int group_variant = 0;    // the GROUP template argument: the smallest of AttentionGroupVariants >= heads_per_block
+  int64_t max_context = 0;  // max_blocks_per_seq * block_size
+  int sliding_window = 0;   // the window the kernels take: 0 for none
+  int num_partitions = 1;   // 1: single pass; > 1: split-KV, and the reduce kernel merges the partitions
+  int partition_size = 1;   // tokens per partition (max(max_context, 1) in single pass)
+  Grid grid;                // paged_attention_kernel: (num_kv_heads * head_chunks, num_seqs, num_partitions)
+  Grid reduce_grid;         // paged_attention_reduce_kernel (split-KV only): (num_heads, num_seqs, 1)
+  int threads = kAttentionThreads;  // per thread block, both kernels
+  int shared_bytes = 0;             // dynamic shared memory of the attention kernel (all of its is static)
+  int reduce_shared_bytes = 0;      // dynamic shared memory of the reduce kernel: a float per partition
+  std::string error;                // "" or why the call cannot be launched
+
+  bool split() const { return num_partitions > 1; }
+};
+
+// The launch of paged_attention for these sizes. num_sms: the device's multiprocessor count (split-KV is chosen when
+// one thread block per (sequence, kv head, head chunk) would leave the SMs underfilled and sequences can be longer
+// than a partition). partition_tokens: tokens per split-KV partition (kPartitionSize; tests pass smaller ones to
+// get many partitions from short sequences).
+// The plan depends on the block table's width, never on seq_lens, so it needs no device-to-host copy and the
+// launch can be captured in a CUDA graph.
+inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t max_blocks_per_seq, int64_t block_size, int64_t sliding_window,
+                                    int64_t num_sms, int64_t partition_tokens = kPartitionSize) {
+  AttentionPlan plan;
+  if (num_seqs < 1 || num_heads < 1 || num_kv_heads < 1 || block_size < 1 || max_blocks_per_seq < 0 ||
+      sliding_window < 0 || num_sms < 1 || partition_tokens < 1 || num_heads % num_kv_heads != 0) {
+    plan.error = "invalid sizes: num_seqs " + std::to_string(num_seqs) + ", num_heads " + std::to_string(num_heads) +
+                 ", num_kv_heads " + std::to_string(num_kv_heads) + ", max_blocks_per_seq " +
+                 std::to_string(max_blocks_per_seq) + ", block_size " + std::to_string(block_size) +
+                 ", sliding_window " + std::to_string(sliding_window) + ", num_sms " + std::to_string(num_sms) +
+                 ", partition_tokens " + std::to_string(partition_tokens);
+    return plan;
+  }
+  const int64_t group_size = num_heads / num_kv_heads;
+  const int64_t head_chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
+  plan.group_size = static_cast<int>(group_size);
+  plan.head_chunks = static_cast<int>(head_chunks);
+  plan.heads_per_block = static_cast<int>(group_size < kMaxGroup ? group_size : kMaxGroup);
+  plan.group_variant = smallest_variant(AttentionGroupVariants{}, plan.heads_per_block);
+  plan.max_context = max_blocks_per_seq * block_size;
+  plan.sliding_window = static_cast<int>(sliding_window);
+
+  const int64_t single_pass_blocks = num_seqs * num_kv_heads * head_chunks;
+  if (single_pass_blocks < 4 * num_sms && plan.max_context > partition_tokens) {
+    plan.partition_size = static_cast<int>(partition_tokens);
+    plan.num_partitions = static_cast<int>((plan.max_context + partition_tokens - 1) / partition_tokens);
+    plan.reduce_grid = {num_heads, num_seqs, 1};
+    plan.reduce_shared_bytes = plan.num_partitions * static_cast<int>(sizeof(float));
+  } else {
+    plan.partition_size = static_cast<int>(plan.max_context > 1 ? plan.max_context : 1);
+  }
+  plan.grid = {num_kv_heads * head_chunks, num_seqs, plan.num_partitions};
+  plan.error = grid_error(plan.grid, "num_kv_heads * head_chunks", "num_seqs", "num_partitions");
+  return plan;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

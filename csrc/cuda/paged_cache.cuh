@@ -1,5 +1,5 @@
-// The paged KV cache on CUDA, and its address arithmetic: the cache ops' kernels reach cache memory through
-// PagedCache (attention.cu still has its own PagedKV). (The CPU kernels compute addresses their own way, in csrc/cpu.)
+// The paged KV cache on CUDA, and all of its address arithmetic: every CUDA kernel (attention and the cache ops)
+// reaches cache memory through PagedCache. (The CPU kernels compute addresses their own way, in csrc/cpu.)
 //
 // Layout: [num_blocks, block_size, num_kv_heads, head_dim], the last three dimensions contiguous, the block
 // dimension with any stride. Token t of a sequence lives in block block_table[t / block_size] at offset
