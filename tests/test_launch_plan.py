@@ -22,17 +22,32 @@ def attention_plan(num_seqs=1, num_heads=32, num_kv_heads=32, max_blocks_per_seq
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Head chunks
+# Group variants (a thread block's registers are sized for 1, 4 or 8 query heads) and head chunks
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,chunks,per_block",
-    [(32, 32, 1, 1), (32, 8, 1, 4), (64, 8, 1, 8), (10, 1, 2, 8), (16, 1, 2, 8), (24, 1, 3, 8)],
+    "num_heads,num_kv_heads,variant,chunks,per_block",
+    [
+        (32, 32, 1, 1, 1),  # MHA: the 1-head variant
+        (32, 16, 4, 1, 2),  # groups 2-4: the 4-head variant
+        (9, 3, 4, 1, 3),
+        (32, 8, 4, 1, 4),  # GQA-4
+        (40, 8, 8, 1, 5),  # groups 5-8: the 8-head variant
+        (64, 8, 8, 1, 8),
+        (10, 1, 8, 2, 5),  # larger groups: balanced chunks of at most 8 heads
+        (16, 1, 8, 2, 8),
+        (17, 1, 8, 3, 6),
+        (24, 1, 8, 3, 8),
+    ],
 )
-def test_head_chunks(num_heads, num_kv_heads, chunks, per_block):
+def test_group_variant_and_head_chunks(num_heads, num_kv_heads, variant, chunks, per_block):
     plan = attention_plan(num_seqs=64, num_heads=num_heads, num_kv_heads=num_kv_heads, num_sms=1)
     assert plan["error"] is None
-    assert (plan["head_chunks"], plan["heads_per_block"], plan["group_variant"]) == (chunks, per_block, 8)
+    group = num_heads // num_kv_heads
+    assert (plan["group_size"], plan["group_variant"], plan["head_chunks"], plan["heads_per_block"]) == (
+        group, variant, chunks, per_block)
+    assert plan["heads_per_block"] <= plan["group_variant"]
+    assert (chunks - 1) * per_block < group <= chunks * per_block  # every head in exactly one chunk
     assert plan["grid"] == (num_kv_heads * chunks, 64, 1)
     assert plan["threads"] == 128 and plan["shared_bytes"] == 0
 

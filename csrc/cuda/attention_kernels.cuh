@@ -230,11 +230,13 @@ __device__ __forceinline__ void load_rows(uint4 (&rows)[kUnroll][RowSplit<T, HEA
 }
 
 // 1. logits_s[g][j] for the tile's n tokens tile_begin + j. The loop steps over warp-uniform bases, so every lane
-// of a warp runs the same iterations (the lane shuffles need the whole warp).
+// of a warp runs the same iterations (the lane shuffles need the whole warp). inv_soft_cap = 1 / soft_cap.
+// NOTE: a division in this loop would call the slow path of IEEE division and make ptxas spill registers.
 template <typename T, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], const HeadSlices<T, HEAD_DIM, GROUP>& q,
                                             const AttentionParams<T>& p, const AttentionTask& task,
-                                            const RowSplit<T, HEAD_DIM>& rs, int tile_begin, int n) {
+                                            const RowSplit<T, HEAD_DIM>& rs, float inv_soft_cap, int tile_begin,
+                                            int n) {
   using R = RowSplit<T, HEAD_DIM>;
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
   for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * kUnroll) {
@@ -256,7 +258,7 @@ __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], con
           for (int e = 0; e < R::VEC; ++e) dot = fmaf(q[g][i][e], kf[i][e], dot);
         dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end
         if (rs.row_lane == 0 && j < n) {
-          if (p.soft_cap > 0.0f) dot = p.soft_cap * tanhf(dot / p.soft_cap);
+          if (p.soft_cap > 0.0f) dot = p.soft_cap * tanhf(dot * inv_soft_cap);
           if (p.alibi_slopes != nullptr) {
             dot += p.alibi_slopes[task.first_head + g] * static_cast<float>(tile_begin + j - (task.seq_len - 1));
           }
@@ -383,6 +385,7 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   PA_SHARED(float, acc_s, [GROUP][HEAD_DIM]);  // the row groups' accumulators, added up at the end
 
   const AttentionTask task = attention_task(p);
+  const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
   const R rs(threadIdx.x);
   HeadSlices<T, HEAD_DIM, GROUP> q;    // this lane's slice of every query of the block (pre-scaled)
   HeadSlices<T, HEAD_DIM, GROUP> acc;  // this row group's weighted sum of V rows, same slice
@@ -401,7 +404,7 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
 
   for (int tile_begin = task.begin; tile_begin < task.end; tile_begin += kTile) {
     const int n = min(kTile, task.end - tile_begin);
-    tile_logits<T, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, tile_begin, n);
+    tile_logits<T, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);
     __syncthreads();
     tile_softmax<GROUP>(logits_s, max_s, sum_s, rescale_s, task.num_heads, n);
     __syncthreads();

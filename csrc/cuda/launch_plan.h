@@ -68,7 +68,7 @@ constexpr int kPartitionSize = 512;     // tokens per partition in split-KV mode
 // The instantiations: head dims, and group variants (GROUP: the query heads a thread block's registers are sized
 // for; a block serving fewer heads takes the smallest variant that holds them).
 using AttentionHeadDims = IntList<32, 64, 80, 96, 112, 120, 128, 192, 256>;
-using AttentionGroupVariants = IntList<kMaxGroup>;
+using AttentionGroupVariants = IntList<1, 4, kMaxGroup>;
 
 template <int... Groups>
 constexpr int smallest_variant(IntList<Groups...>, int heads) {  // heads <= kMaxGroup
@@ -80,8 +80,8 @@ constexpr int smallest_variant(IntList<Groups...>, int heads) {  // heads <= kMa
 struct AttentionPlan {
   int group_size = 0;       // num_heads / num_kv_heads: the query heads that read one kv head
   int head_chunks = 0;      // thread blocks per (sequence, kv head, partition): ceil(group_size / kMaxGroup)
-  int heads_per_block = 0;  // query heads one thread block serves: min(group_size, kMaxGroup) (the last chunk may
-                            // have fewer)
+  int heads_per_block = 0;  // query heads one thread block serves: ceil(group_size / head_chunks) (the last chunk
+                            // may have fewer)
   int group_variant = 0;    // the GROUP template argument: the smallest of AttentionGroupVariants >= heads_per_block
   int64_t max_context = 0;  // max_blocks_per_seq * block_size
   int sliding_window = 0;   // the window the kernels take: 0 for none
@@ -120,7 +120,7 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   const int64_t head_chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
   plan.group_size = static_cast<int>(group_size);
   plan.head_chunks = static_cast<int>(head_chunks);
-  plan.heads_per_block = static_cast<int>(group_size < kMaxGroup ? group_size : kMaxGroup);
+  plan.heads_per_block = static_cast<int>((group_size + head_chunks - 1) / head_chunks);
   plan.group_variant = smallest_variant(AttentionGroupVariants{}, plan.heads_per_block);
   plan.max_context = max_blocks_per_seq * block_size;
   plan.sliding_window = static_cast<int>(sliding_window);
