@@ -225,6 +225,16 @@ def test_large_batch(device):
     check(make_case(seq_lens, 8, 2, 128, 16, torch.float16, device), torch.float16)
 
 
+@requires_cuda
+def test_cuda_float32_results_are_the_same_bits_every_run():
+    # The row groups' partial sums are added in a fixed order (they were added with shared-memory atomics).
+    for seq_lens in ([5, 300, 1000, 77], [4099]):  # single pass and split-KV
+        case = make_case(seq_lens, 16, 4, 128, 16, torch.float32, "cuda")
+        first = paged_attn.paged_attention(*case)
+        for _ in range(5):
+            assert torch.equal(paged_attn.paged_attention(*case), first)
+
+
 def test_no_sequences():
     case = make_case([], 4, 2, 64, 16, torch.float32, "cpu")
     assert paged_attn.paged_attention(*case).shape == (0, 4, 64)

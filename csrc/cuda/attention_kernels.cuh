@@ -24,7 +24,8 @@
 //              turns the tile's logits into probabilities relative to the new max.
 //   3. values  (tile_values):  every V row of the tile is read once and accumulated, weighted, into float32
 //              registers, after the accumulators are rescaled to the new max.
-// Then the row groups add their accumulators in shared memory (combine_and_write).
+// Then the row groups' accumulators are added in a fixed order (combine_and_write), so results are the same
+// bit for bit from run to run.
 //
 // Lanes: a warp's lanes are split into row groups of LANES lanes; a row group reads one K or V row at a time, lane
 // l taking the row's 16-byte vectors l, l + LANES, ...; row j of a tile goes to row group j % ROW_GROUPS.
@@ -336,11 +337,11 @@ __device__ __forceinline__ void tile_values(HeadSlices<T, HEAD_DIM, GROUP>& acc,
   }
 }
 
-// 4. The row groups add their accumulators in shared memory, then the thread block writes out = acc / sum in single
-// pass, the partition's (acc, max, sum) in split-KV.
+// 4. The row groups' accumulators are summed in row-group order (a fixed order: the same bits on every run) and
+// written: out = acc / sum in single pass, the partition's (acc, max, sum) in split-KV.
 template <typename T, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void combine_and_write(float (&acc_s)[GROUP][HEAD_DIM],
-                                                  const HeadSlices<T, HEAD_DIM, GROUP>& acc,
+__device__ __forceinline__ void combine_and_write(
+    float (&partial_s)[RowSplit<T, HEAD_DIM>::ROW_GROUPS][GROUP][HEAD_DIM], const HeadSlices<T, HEAD_DIM, GROUP>& acc,
                                                   const float (&max_s)[GROUP], const float (&sum_s)[GROUP],
                                                   const AttentionParams<T>& p, const AttentionTask& task,
                                                   const RowSplit<T, HEAD_DIM>& rs) {
@@ -353,13 +354,15 @@ __device__ __forceinline__ void combine_and_write(float (&acc_s)[GROUP][HEAD_DIM
 #pragma unroll
       for (int e = 0; e < R::VEC; ++e) {
         const int d = rs.dim(i, e);
-        if (d < HEAD_DIM) atomicAdd(&acc_s[g][d], acc[g][i][e]);
+        if (d < HEAD_DIM) partial_s[rs.row_group][g][d] = acc[g][i][e];
       }
   }
   __syncthreads();
   for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
     const int g = k / HEAD_DIM, d = k % HEAD_DIM;
-    const float o = acc_s[g][d];
+    float o = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R::ROW_GROUPS; ++r) o += partial_s[r][g][d];
     const int64_t head_row = static_cast<int64_t>(task.seq) * p.num_heads + task.first_head + g;
     if (p.num_partitions == 1) {
       const float sum = sum_s[g];
@@ -382,7 +385,7 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   PA_SHARED(float, max_s, [GROUP]);            // running max of each head's logits
   PA_SHARED(float, sum_s, [GROUP]);            // running sum of exp(logit - max)
   PA_SHARED(float, rescale_s, [GROUP]);        // exp(old max - new max) of the last tile
-  PA_SHARED(float, acc_s, [GROUP][HEAD_DIM]);  // the row groups' accumulators, added up at the end
+  PA_SHARED(float, partial_s, [R::ROW_GROUPS][GROUP][HEAD_DIM]);  // each row group's accumulator, at the end
 
   const AttentionTask task = attention_task(p);
   const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
@@ -396,7 +399,6 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
     for (int i = 0; i < R::VPL; ++i)
 #pragma unroll
       for (int e = 0; e < R::VEC; ++e) acc[g][i][e] = 0.0f;
-  for (int k = threadIdx.x; k < GROUP * HEAD_DIM; k += kAttentionThreads) acc_s[k / HEAD_DIM][k % HEAD_DIM] = 0.0f;
   if (static_cast<int>(threadIdx.x) < GROUP) {
     max_s[threadIdx.x] = -INFINITY, sum_s[threadIdx.x] = 0.0f, rescale_s[threadIdx.x] = 0.0f;
   }
@@ -411,7 +413,7 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
     tile_values<T, HEAD_DIM, GROUP>(acc, logits_s, rescale_s, p, task, rs, tile_begin, n);
     __syncthreads();  // logits_s is rewritten by the next tile
   }
-  combine_and_write<T, HEAD_DIM, GROUP>(acc_s, acc, max_s, sum_s, p, task, rs);
+  combine_and_write<T, HEAD_DIM, GROUP>(partial_s, acc, max_s, sum_s, p, task, rs);
 }
 
 // Merges the partitions of split-KV for one (query head, sequence): with M the largest partition max,
