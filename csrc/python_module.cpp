@@ -64,13 +64,13 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
     const int64_t partition_tokens = sizes.size() == 8 ? sizes[7] : paged_attn::kPartitionSize;
     const auto plan = paged_attn::plan_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6],
                                                  partition_tokens);
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:i,s:z}", "group_size", plan.group_size,
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:z}", "group_size", plan.group_size,
                          "head_chunks", plan.head_chunks, "heads_per_block", plan.heads_per_block, "group_variant",
                          plan.group_variant, "max_context", static_cast<long long>(plan.max_context),
                          "sliding_window", plan.sliding_window, "num_partitions", plan.num_partitions,
                          "partition_size", plan.partition_size, "grid", grid_tuple(plan.grid), "reduce_grid",
                          grid_tuple(plan.reduce_grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes,
-                         "reduce_shared_bytes", plan.reduce_shared_bytes, "error", error(plan.error));
+                         "error", error(plan.error));
   }
   if ((name == "reshape_and_cache" || name == "copy_blocks") && sizes.size() == 3) {
     const auto plan = name == "copy_blocks" ? paged_attn::plan_copy_blocks(sizes[0], sizes[1], sizes[2])

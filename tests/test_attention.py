@@ -226,6 +226,15 @@ def test_large_batch(device):
 
 
 @requires_cuda
+@pytest.mark.parametrize("seq_len", [600, 150_000])
+def test_cuda_split_kv_many_partitions(seq_len):
+    # One sequence, so split-KV: 2 and 293 partitions of 512 tokens (the reduce kernel takes them 256 at a time;
+    # its shared memory used to grow with the partition count).
+    case = make_case([seq_len], 2, 1, 32, 32, torch.float32, "cuda")
+    check(case, torch.float32)
+
+
+@requires_cuda
 def test_cuda_float32_results_are_the_same_bits_every_run():
     # The row groups' partial sums are added in a fixed order (they were added with shared-memory atomics).
     for seq_lens in ([5, 300, 1000, 77], [4099]):  # single pass and split-KV

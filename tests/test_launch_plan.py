@@ -10,6 +10,8 @@ import pytest
 
 from paged_attn import _C
 
+INT32_MAX = 2**31 - 1
+MAX_GRID_YZ = 65535
 PARTITION_SIZE = 512  # kPartitionSize
 
 
@@ -48,7 +50,7 @@ def test_group_variant_and_head_chunks(num_heads, num_kv_heads, variant, chunks,
         group, variant, chunks, per_block)
     assert plan["heads_per_block"] <= plan["group_variant"]
     assert (chunks - 1) * per_block < group <= chunks * per_block  # every head in exactly one chunk
-    assert plan["grid"] == (num_kv_heads * chunks, 64, 1)
+    assert plan["grid"] == (64, num_kv_heads * chunks, 1)
     assert plan["threads"] == 128 and plan["shared_bytes"] == 0
 
 
@@ -60,7 +62,7 @@ def test_single_pass_when_the_sequences_fill_the_gpu():
     # Split-KV only when one thread block per (sequence, kv head, head chunk) gives fewer than 4 per SM.
     plan = attention_plan(num_seqs=66, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256, num_sms=132)
     assert plan["num_partitions"] == 1 and plan["partition_size"] == 256 * 16 == plan["max_context"]
-    assert plan["grid"] == (8, 66, 1)
+    assert plan["grid"] == (66, 8, 1)
     assert attention_plan(num_seqs=65, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)["num_partitions"] == 8
 
 
@@ -68,8 +70,7 @@ def test_split_kv_when_few_sequences_and_long_tables():
     plan = attention_plan(num_seqs=2, num_heads=32, num_kv_heads=8, max_blocks_per_seq=100, block_size=16)
     assert plan["num_partitions"] == math.ceil(1600 / PARTITION_SIZE) == 4
     assert plan["partition_size"] == PARTITION_SIZE
-    assert plan["grid"] == (8, 2, 4) and plan["reduce_grid"] == (32, 2, 1)
-    assert plan["reduce_shared_bytes"] == 4 * 4
+    assert plan["grid"] == (2, 8, 4) and plan["reduce_grid"] == (2, 32, 1)
 
 
 def test_tables_no_longer_than_a_partition_stay_single_pass():
@@ -83,8 +84,54 @@ def test_partition_tokens_option():
     assert (plan["num_partitions"], plan["partition_size"]) == (280, 4)
 
 
-def test_grid_limits_are_errors():
-    assert "grid.y = num_seqs = 70000 is outside [1, 65535]" in attention_plan(num_seqs=70000)["error"]
+@pytest.mark.parametrize(
+    "max_blocks_per_seq,block_size",
+    [(MAX_GRID_YZ * PARTITION_SIZE // 32, 32), (MAX_GRID_YZ * PARTITION_SIZE // 32 + 1, 32), (2**26, 32),
+     (2**40, 16)],
+)
+def test_partitions_fit_grid_z_whatever_the_table_width(max_blocks_per_seq, block_size):
+    # Partitions grow (in whole multiples of 512 tokens) instead of exceeding gridDim.z, and the reduce kernel
+    # needs no shared memory per partition (it took 4 bytes each: no launch past 12,288 partitions).
+    plan = attention_plan(max_blocks_per_seq=max_blocks_per_seq, block_size=block_size)
+    max_context = min(max_blocks_per_seq * block_size, INT32_MAX)
+    assert plan["error"] is None and plan["max_context"] == max_context
+    partitions, size = plan["num_partitions"], plan["partition_size"]
+    assert partitions <= MAX_GRID_YZ and plan["grid"][2] == partitions
+    assert size % PARTITION_SIZE == 0
+    assert (partitions - 1) * size < max_context <= partitions * size
+    assert plan["shared_bytes"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grid limits
+
+
+def test_many_sequences_are_launched_on_grid_x():
+    plan = attention_plan(num_seqs=70000)
+    assert plan["error"] is None and plan["grid"][0] == 70000
+
+
+@pytest.mark.parametrize(
+    "sizes,message",
+    [
+        (dict(num_seqs=2**31), "grid.x = num_seqs = 2147483648 is outside [1, 2147483647]"),
+        (dict(num_heads=70000, num_kv_heads=70000), "grid.y = num_kv_heads * head_chunks = 70000 is outside"),
+        (dict(num_heads=16 * 40000, num_kv_heads=40000), "grid.y = num_kv_heads * head_chunks = 80000 is outside"),
+        (dict(num_heads=65536, num_kv_heads=8192), "grid.y = num_heads = 65536 is outside [1, 65535]"),
+    ],
+)
+def test_grid_limits_are_errors(sizes, message):
+    assert message in attention_plan(**sizes)["error"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The context: the table's capacity, at most INT32_MAX tokens (seq_lens are int32)
+
+
+def test_max_context_is_the_table_capacity_at_most_int32_max():
+    assert attention_plan(max_blocks_per_seq=10, block_size=8)["max_context"] == 80
+    assert attention_plan(max_blocks_per_seq=0)["max_context"] == 0
+    assert attention_plan(max_blocks_per_seq=0)["partition_size"] == 1
 
 
 @pytest.mark.parametrize(

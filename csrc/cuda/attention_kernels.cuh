@@ -8,9 +8,9 @@
 //   x_t = scale * (q . k_t);  x_t = cap * tanh(x_t / cap) if soft_cap = cap > 0;
 //   x_t += slope[h] * (t - (L - 1)) with ALiBi;  out = sum_t softmax(x)_t * v_t, accumulated in float32.
 //
-// Grid (plan.grid): (num_kv_heads * head_chunks, num_seqs, num_partitions), kAttentionThreads threads. A thread
-// block serves one kv head and up to heads_per_block <= GROUP query heads of its group (x; groups larger than
-// kMaxGroup are split into head_chunks chunks), one sequence (y), and one partition of the sequence's tokens (z).
+// Grid (plan.grid): (num_seqs, num_kv_heads * head_chunks, num_partitions), kAttentionThreads threads. A thread
+// block serves one sequence (x), one kv head and up to heads_per_block <= GROUP query heads of its group (y; groups
+// larger than kMaxGroup are split into head_chunks chunks), and one partition of the sequence's tokens (z).
 // K/V bytes are read once per thread block, so once in total for groups up to kMaxGroup.
 //   - single pass (num_partitions = 1): the thread block covers the whole sequence and writes `out`.
 //   - split-KV (flash-decoding, vLLM's v2): it covers partition_size tokens and writes the partition's
@@ -44,6 +44,7 @@ namespace paged_attn {
 constexpr int kAttentionWarps = kAttentionThreads / 32;
 constexpr int kTile = 256;         // tokens per tile (their logits are held in shared memory)
 constexpr int kUnroll = 4;         // rows loaded before they are used, per row group
+constexpr int kReduceChunk = 256;  // partitions whose weights the reduce kernel holds in shared memory at a time
 
 // ---------------------------------------------------------------------------------------------------------------
 // Parameters: one struct, passed by value to both kernels.
@@ -172,9 +173,9 @@ struct AttentionTask {
 template <typename T>
 __device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T>& p) {
   AttentionTask task;
-  task.seq = blockIdx.y;
-  task.kv_head = blockIdx.x / p.head_chunks;
-  const int first_in_group = (blockIdx.x % p.head_chunks) * p.heads_per_block;
+  task.seq = blockIdx.x;
+  task.kv_head = blockIdx.y / p.head_chunks;
+  const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
   task.first_head = task.kv_head * p.group_size + first_in_group;
   task.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
   task.partition = blockIdx.z;
@@ -416,35 +417,57 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   combine_and_write<T, HEAD_DIM, GROUP>(partial_s, acc, max_s, sum_s, p, task, rs);
 }
 
-// Merges the partitions of split-KV for one (query head, sequence): with M the largest partition max,
-// out = sum_p w_p * partial_out_p / sum_p w_p * partial_sum_p, w_p = exp(partial_max_p - M). Empty partitions
-// (sum 0) get weight 0.
-// Grid (plan.reduce_grid): (num_heads, num_seqs), kAttentionThreads threads; dynamic shared memory
-// (plan.reduce_shared_bytes): num_partitions floats.
+// Merges the partitions of split-KV for one (sequence, query head): with M the largest partition max,
+// out = sum_p w_p * partial_out_p / sum_p w_p * partial_sum_p, w_p = exp(partial_max_p - M); empty partitions
+// (sum 0) get weight 0. kReduceChunk partitions at a time, so shared memory does not grow with their number. Every
+// thread adds in partition order, so the result does not depend on thread timing.
+// Grid (plan.reduce_grid): (num_seqs, num_heads), kAttentionThreads threads.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kernel(const AttentionParams<T> p) {
-  PA_EXTERN_SHARED(float, weights_s);  // [num_partitions]
-  const int64_t head_row = static_cast<int64_t>(blockIdx.y) * p.num_heads + blockIdx.x;
+  PA_SHARED(float, weights_s, [kReduceChunk]);
+  PA_SHARED(float, warp_max_s, [kAttentionWarps]);
+  constexpr int DIMS_PER_THREAD = (HEAD_DIM + kAttentionThreads - 1) / kAttentionThreads;
+  const int seq = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
+  const int64_t head_row = static_cast<int64_t>(seq) * p.num_heads + head;
   const float* maxes = p.partial_max + head_row * p.num_partitions;
   const float* sums = p.partial_sum + head_row * p.num_partitions;
+  const float* outs = p.partial_out + head_row * p.num_partitions * HEAD_DIM;
 
   float max_all = -INFINITY;
-  for (int q = 0; q < p.num_partitions; ++q) {
+  for (int q = tid; q < p.num_partitions; q += kAttentionThreads) {
     if (sums[q] > 0.0f) max_all = fmaxf(max_all, maxes[q]);
   }
-  for (int q = threadIdx.x; q < p.num_partitions; q += kAttentionThreads) {
-    weights_s[q] = sums[q] > 0.0f ? __expf(maxes[q] - max_all) : 0.0f;
-  }
+  max_all = warp_max(max_all);
+  if (tid % 32 == 0) warp_max_s[tid / 32] = max_all;
   __syncthreads();
-  float total = 0.0f;
-  for (int q = 0; q < p.num_partitions; ++q) total += weights_s[q] * sums[q];
+#pragma unroll
+  for (int w = 0; w < kAttentionWarps; ++w) max_all = fmaxf(max_all, warp_max_s[w]);
 
-  for (int d = threadIdx.x; d < HEAD_DIM; d += kAttentionThreads) {
-    float o = 0.0f;
-    for (int q = 0; q < p.num_partitions; ++q) {
-      if (weights_s[q] > 0.0f) o += weights_s[q] * p.partial_out[(head_row * p.num_partitions + q) * HEAD_DIM + d];
+  float o[DIMS_PER_THREAD] = {};
+  float total = 0.0f;
+  for (int chunk = 0; chunk < p.num_partitions; chunk += kReduceChunk) {
+    const int count = min(kReduceChunk, p.num_partitions - chunk);
+    for (int c = tid; c < count; c += kAttentionThreads) {
+      weights_s[c] = sums[chunk + c] > 0.0f ? __expf(maxes[chunk + c] - max_all) : 0.0f;
     }
-    from_float(p.out[head_row * HEAD_DIM + d], total > 0.0f ? o / total : 0.0f);
+    __syncthreads();
+    for (int c = 0; c < count; ++c) {
+      const float w = weights_s[c];
+      if (w == 0.0f) continue;
+      total += w * sums[chunk + c];
+      const float* out_c = outs + static_cast<int64_t>(chunk + c) * HEAD_DIM;
+#pragma unroll
+      for (int k = 0; k < DIMS_PER_THREAD; ++k) {
+        const int d = tid + k * kAttentionThreads;
+        if (d < HEAD_DIM) o[k] += w * out_c[d];
+      }
+    }
+    __syncthreads();  // weights_s is rewritten by the next chunk
+  }
+#pragma unroll
+  for (int k = 0; k < DIMS_PER_THREAD; ++k) {
+    const int d = tid + k * kAttentionThreads;
+    if (d < HEAD_DIM) from_float(p.out[head_row * HEAD_DIM + d], total > 0.0f ? o[k] / total : 0.0f);
   }
 }
 

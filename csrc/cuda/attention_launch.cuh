@@ -31,7 +31,7 @@ cudaError_t launch_paged_attention_kernels(const AttentionParams<T>& params, con
         <<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
     if (plan.split() && cudaPeekAtLastError() == cudaSuccess) {
       paged_attention_reduce_kernel<T, HEAD_DIM>
-          <<<to_dim3(plan.reduce_grid), plan.threads, plan.reduce_shared_bytes, stream>>>(params);
+          <<<to_dim3(plan.reduce_grid), plan.threads, plan.shared_bytes, stream>>>(params);
     }
   });
   return found ? cudaGetLastError() : cudaErrorInvalidValue;

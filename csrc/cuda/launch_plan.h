@@ -83,15 +83,14 @@ struct AttentionPlan {
   int heads_per_block = 0;  // query heads one thread block serves: ceil(group_size / head_chunks) (the last chunk
                             // may have fewer)
   int group_variant = 0;    // the GROUP template argument: the smallest of AttentionGroupVariants >= heads_per_block
-  int64_t max_context = 0;  // max_blocks_per_seq * block_size
+  int64_t max_context = 0;  // max_blocks_per_seq * block_size, at most INT32_MAX
   int sliding_window = 0;   // the window the kernels take: 0 for none
   int num_partitions = 1;   // 1: single pass; > 1: split-KV, and the reduce kernel merges the partitions
   int partition_size = 1;   // tokens per partition (max(max_context, 1) in single pass)
-  Grid grid;                // paged_attention_kernel: (num_kv_heads * head_chunks, num_seqs, num_partitions)
-  Grid reduce_grid;         // paged_attention_reduce_kernel (split-KV only): (num_heads, num_seqs, 1)
+  Grid grid;                // paged_attention_kernel: (num_seqs, num_kv_heads * head_chunks, num_partitions)
+  Grid reduce_grid;         // paged_attention_reduce_kernel (split-KV only): (num_seqs, num_heads, 1)
   int threads = kAttentionThreads;  // per thread block, both kernels
-  int shared_bytes = 0;             // dynamic shared memory of the attention kernel (all of its is static)
-  int reduce_shared_bytes = 0;      // dynamic shared memory of the reduce kernel: a float per partition
+  int shared_bytes = 0;             // dynamic shared memory, both kernels (all of theirs is static)
   std::string error;                // "" or why the call cannot be launched
 
   bool split() const { return num_partitions > 1; }
@@ -100,7 +99,7 @@ struct AttentionPlan {
 // The launch of paged_attention for these sizes. num_sms: the device's multiprocessor count (split-KV is chosen when
 // one thread block per (sequence, kv head, head chunk) would leave the SMs underfilled and sequences can be longer
 // than a partition). partition_tokens: tokens per split-KV partition (kPartitionSize; tests pass smaller ones to
-// get many partitions from short sequences).
+// get many partitions from short sequences); it grows when the partitions would not fit in grid.z.
 // The plan depends on the block table's width, never on seq_lens, so it needs no device-to-host copy and the
 // launch can be captured in a CUDA graph.
 inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -118,24 +117,37 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   }
   const int64_t group_size = num_heads / num_kv_heads;
   const int64_t head_chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
+  const int64_t heads_per_block = (group_size + head_chunks - 1) / head_chunks;
+  plan.grid = {num_seqs, num_kv_heads * head_chunks, 1};
+  plan.error = grid_error(plan.grid, "num_seqs", "num_kv_heads * head_chunks", "num_partitions");
+  if (plan.error.empty()) {
+    plan.error = grid_error({num_seqs, num_heads, 1}, "num_seqs", "num_heads", "1");  // the reduce kernel's grid
+  }
+  if (!plan.error.empty()) return plan;
   plan.group_size = static_cast<int>(group_size);
   plan.head_chunks = static_cast<int>(head_chunks);
-  plan.heads_per_block = static_cast<int>((group_size + head_chunks - 1) / head_chunks);
+  plan.heads_per_block = static_cast<int>(heads_per_block);
   plan.group_variant = smallest_variant(AttentionGroupVariants{}, plan.heads_per_block);
-  plan.max_context = max_blocks_per_seq * block_size;
+
+  // seq_lens are int32, so no sequence is longer than INT32_MAX tokens whatever the table's width.
+  constexpr int64_t kMaxTokens = INT32_MAX;
+  plan.max_context = max_blocks_per_seq > kMaxTokens / block_size ? kMaxTokens : max_blocks_per_seq * block_size;
   plan.sliding_window = static_cast<int>(sliding_window);
 
   const int64_t single_pass_blocks = num_seqs * num_kv_heads * head_chunks;
   if (single_pass_blocks < 4 * num_sms && plan.max_context > partition_tokens) {
-    plan.partition_size = static_cast<int>(partition_tokens);
-    plan.num_partitions = static_cast<int>((plan.max_context + partition_tokens - 1) / partition_tokens);
-    plan.reduce_grid = {num_heads, num_seqs, 1};
-    plan.reduce_shared_bytes = plan.num_partitions * static_cast<int>(sizeof(float));
+    int64_t size = partition_tokens;
+    if ((plan.max_context + size - 1) / size > kMaxGridYZ) {  // longer partitions, in whole multiples of the default
+      const int64_t needed = (plan.max_context + kMaxGridYZ - 1) / kMaxGridYZ;
+      size = (needed + partition_tokens - 1) / partition_tokens * partition_tokens;
+    }
+    plan.partition_size = static_cast<int>(size);
+    plan.num_partitions = static_cast<int>((plan.max_context + size - 1) / size);
+    plan.grid.z = plan.num_partitions;
+    plan.reduce_grid = {num_seqs, num_heads, 1};
   } else {
     plan.partition_size = static_cast<int>(plan.max_context > 1 ? plan.max_context : 1);
   }
-  plan.grid = {num_kv_heads * head_chunks, num_seqs, plan.num_partitions};
-  plan.error = grid_error(plan.grid, "num_kv_heads * head_chunks", "num_seqs", "num_partitions");
   return plan;
 }
 
