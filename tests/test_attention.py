@@ -225,6 +225,18 @@ def test_large_batch(device):
     check(make_case(seq_lens, 8, 2, 128, 16, torch.float16, device), torch.float16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_tables_much_wider_than_the_sequences(device):
+    # Split-KV sizes its partitions from the table's width: most partitions of these sequences hold no token (past
+    # seq_len, or before the window). They must cost nothing and contribute nothing.
+    query, key_cache, value_cache, block_tables, seq_lens = make_case([1, 30, 2000], 8, 8, 64, 16, torch.bfloat16,
+                                                                      device)
+    wide = torch.full((3, 400), -1, dtype=torch.int32, device=device)
+    wide[:, : block_tables.shape[1]] = block_tables
+    for window in [None, 600]:
+        check((query, key_cache, value_cache, wide, seq_lens), torch.bfloat16, sliding_window=window)
+
+
 @requires_cuda
 @pytest.mark.parametrize("seq_len", [600, 150_000])
 def test_cuda_split_kv_many_partitions(seq_len):

@@ -14,7 +14,8 @@
 // K/V bytes are read once per thread block, so once in total for groups up to kMaxGroup.
 //   - single pass (num_partitions = 1): the thread block covers the whole sequence and writes `out`.
 //   - split-KV (flash-decoding, vLLM's v2): it covers partition_size tokens and writes the partition's
-//     (max, sum, unnormalized output); paged_attention_reduce_kernel merges the partitions exactly.
+//     (max, sum, unnormalized output); paged_attention_reduce_kernel merges the partitions exactly. A partition
+//     without tokens (past seq_len, or before the window) writes only (max = -inf, sum = 0) and returns.
 //
 // The attention kernel walks its tokens in tiles of kTile, in three steps per tile:
 //   1. logits  (tile_logits):  every K row of the tile is read once (16-byte loads) and dotted with all the
@@ -156,7 +157,8 @@ template <typename T, int HEAD_DIM, int GROUP>
 using HeadSlices = float[GROUP][RowSplit<T, HEAD_DIM>::VPL][RowSplit<T, HEAD_DIM>::VEC];
 
 // ---------------------------------------------------------------------------------------------------------------
-// What one thread block of paged_attention_kernel works on (from blockIdx).
+// What one thread block of paged_attention_kernel works on (from blockIdx), and the window both kernels derive from
+// seq_lens.
 
 __device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
   return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
@@ -367,12 +369,26 @@ __device__ __forceinline__ void combine_and_write(
     const int64_t head_row = static_cast<int64_t>(task.seq) * p.num_heads + task.first_head + g;
     if (p.num_partitions == 1) {
       const float sum = sum_s[g];
-      from_float(p.out[head_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);  // seq_len 0 -> zeros
+      from_float(p.out[head_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);
     } else {
       const int64_t slot = head_row * p.num_partitions + task.partition;
       p.partial_out[slot * HEAD_DIM + d] = o;
       if (d == 0) p.partial_max[slot] = max_s[g], p.partial_sum[slot] = sum_s[g];
     }
+  }
+}
+
+// A task without tokens: a zero output row (single pass: seq_len 0), or the empty partition's (-inf, 0) record.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void write_empty(const AttentionParams<T>& p, const AttentionTask& task) {
+  const int64_t first_row = static_cast<int64_t>(task.seq) * p.num_heads + task.first_head;
+  if (p.num_partitions == 1) {
+    for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
+      from_float(p.out[first_row * HEAD_DIM + k], 0.0f);
+    }
+  } else if (static_cast<int>(threadIdx.x) < task.num_heads) {
+    const int64_t slot = (first_row + threadIdx.x) * p.num_partitions + task.partition;
+    p.partial_max[slot] = -INFINITY, p.partial_sum[slot] = 0.0f;
   }
 }
 
@@ -389,6 +405,10 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   PA_SHARED(float, partial_s, [R::ROW_GROUPS][GROUP][HEAD_DIM]);  // each row group's accumulator, at the end
 
   const AttentionTask task = attention_task(p);
+  if (task.begin >= task.end) {  // uniform across the thread block
+    write_empty<T, HEAD_DIM>(p, task);
+    return;
+  }
   const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
   const R rs(threadIdx.x);
   HeadSlices<T, HEAD_DIM, GROUP> q;    // this lane's slice of every query of the block (pre-scaled)
@@ -418,9 +438,9 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
 }
 
 // Merges the partitions of split-KV for one (sequence, query head): with M the largest partition max,
-// out = sum_p w_p * partial_out_p / sum_p w_p * partial_sum_p, w_p = exp(partial_max_p - M); empty partitions
-// (sum 0) get weight 0. kReduceChunk partitions at a time, so shared memory does not grow with their number. Every
-// thread adds in partition order, so the result does not depend on thread timing.
+// out = sum_p w_p * partial_out_p / sum_p w_p * partial_sum_p, w_p = exp(partial_max_p - M), over the partitions
+// that hold tokens (the others' outputs are never read), kReduceChunk partitions at a time. Every thread adds in
+// partition order, so the result does not depend on thread timing.
 // Grid (plan.reduce_grid): (num_seqs, num_heads), kAttentionThreads threads.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kernel(const AttentionParams<T> p) {
@@ -428,15 +448,18 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
   PA_SHARED(float, warp_max_s, [kAttentionWarps]);
   constexpr int DIMS_PER_THREAD = (HEAD_DIM + kAttentionThreads - 1) / kAttentionThreads;
   const int seq = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
+
+  // The partitions [first, last) that hold tokens of the window.
+  const int seq_len = p.seq_lens[seq];
+  const int first = window_start(seq_len, p.sliding_window) / p.partition_size;
+  const int last = static_cast<int>((static_cast<int64_t>(seq_len) + p.partition_size - 1) / p.partition_size);
   const int64_t head_row = static_cast<int64_t>(seq) * p.num_heads + head;
   const float* maxes = p.partial_max + head_row * p.num_partitions;
   const float* sums = p.partial_sum + head_row * p.num_partitions;
   const float* outs = p.partial_out + head_row * p.num_partitions * HEAD_DIM;
 
   float max_all = -INFINITY;
-  for (int q = tid; q < p.num_partitions; q += kAttentionThreads) {
-    if (sums[q] > 0.0f) max_all = fmaxf(max_all, maxes[q]);
-  }
+  for (int q = first + tid; q < last; q += kAttentionThreads) max_all = fmaxf(max_all, maxes[q]);
   max_all = warp_max(max_all);
   if (tid % 32 == 0) warp_max_s[tid / 32] = max_all;
   __syncthreads();
@@ -445,15 +468,16 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
 
   float o[DIMS_PER_THREAD] = {};
   float total = 0.0f;
-  for (int chunk = 0; chunk < p.num_partitions; chunk += kReduceChunk) {
-    const int count = min(kReduceChunk, p.num_partitions - chunk);
+  for (int chunk = first; chunk < last; chunk += kReduceChunk) {
+    const int count = min(kReduceChunk, last - chunk);
     for (int c = tid; c < count; c += kAttentionThreads) {
-      weights_s[c] = sums[chunk + c] > 0.0f ? __expf(maxes[chunk + c] - max_all) : 0.0f;
+      const float m = maxes[chunk + c];
+      weights_s[c] = m == -INFINITY ? 0.0f : __expf(m - max_all);
     }
     __syncthreads();
     for (int c = 0; c < count; ++c) {
       const float w = weights_s[c];
-      if (w == 0.0f) continue;
+      if (w == 0.0f) continue;  // no logit (or a negligible weight): nothing to read
       total += w * sums[chunk + c];
       const float* out_c = outs + static_cast<int64_t>(chunk + c) * HEAD_DIM;
 #pragma unroll
