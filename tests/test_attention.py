@@ -256,6 +256,28 @@ def test_cuda_float32_results_are_the_same_bits_every_run():
             assert torch.equal(paged_attn.paged_attention(*case), first)
 
 
+@requires_cuda
+def test_cuda_invalid_seq_lens_are_clamped_without_validation():
+    # Without validation nothing checks seq_lens on CUDA; the kernels read a length past the table's capacity as
+    # the capacity (never past the sequence's row of the block table) and a negative one as 0.
+    num_blocks, block_size, max_blocks = 40, 16, 6
+    key_cache = torch.randn(num_blocks, block_size, 2, 64, device="cuda")
+    value_cache = torch.randn_like(key_cache)
+    query = torch.randn(3, 4, 64, device="cuda")
+    block_tables = torch.randint(0, num_blocks, (3, max_blocks), dtype=torch.int32, device="cuda")
+    capacity = max_blocks * block_size
+    seq_lens = torch.tensor([capacity + 100, -3, 2**31 - 1], dtype=torch.int32, device="cuda")
+    before = paged_attn.validation_enabled()
+    paged_attn.set_validation(False)
+    try:
+        actual = paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+    finally:
+        paged_attn.set_validation(before)
+    clamped = seq_lens.clamp(0, capacity)
+    expected = reference.paged_attention(query, key_cache, value_cache, block_tables, clamped)
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
 def test_no_sequences():
     case = make_case([], 4, 2, 64, 16, torch.float32, "cpu")
     assert paged_attn.paged_attention(*case).shape == (0, 4, 64)

@@ -60,19 +60,20 @@ struct AttentionParams {
   PagedCache<const T> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
   PagedCache<const T> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
   const int32_t* block_tables;      // [num_seqs, max_blocks_per_seq], contiguous
-  const int32_t* seq_lens;          // [num_seqs]
+  const int32_t* seq_lens;          // [num_seqs]; the kernels clamp them to [0, max_context]
   const float* alibi_slopes;        // [num_heads], or nullptr
   int num_heads, max_blocks_per_seq;
   float scale;     // logits are scale * (q . k)
   float soft_cap;  // > 0: logits become soft_cap * tanh(logit / soft_cap), before ALiBi; 0: none
   // From the plan (set_plan).
   int group_size, head_chunks, heads_per_block;
+  int max_context;     // max_blocks_per_seq * block_size, at most INT32_MAX
   int sliding_window;  // 0: every token; else the last sliding_window tokens
   int num_partitions, partition_size;
 
   void set_plan(const AttentionPlan& plan) {
     group_size = plan.group_size, head_chunks = plan.head_chunks, heads_per_block = plan.heads_per_block;
-    sliding_window = plan.sliding_window;
+    max_context = static_cast<int>(plan.max_context), sliding_window = plan.sliding_window;
     num_partitions = plan.num_partitions, partition_size = plan.partition_size;
   }
 };
@@ -157,8 +158,16 @@ template <typename T, int HEAD_DIM, int GROUP>
 using HeadSlices = float[GROUP][RowSplit<T, HEAD_DIM>::VPL][RowSplit<T, HEAD_DIM>::VEC];
 
 // ---------------------------------------------------------------------------------------------------------------
-// What one thread block of paged_attention_kernel works on (from blockIdx), and the window both kernels derive from
-// seq_lens.
+// What one thread block of paged_attention_kernel works on (from blockIdx), and the sequence extent both kernels
+// derive from seq_lens.
+
+// seq_lens[seq], clamped to [0, max_context]: an invalid length (validation is opt-in on CUDA) never reads past the
+// sequence's row of the block table.
+template <typename T>
+__device__ __forceinline__ int clamped_seq_len(const AttentionParams<T>& p, int seq) {
+  const int len = p.seq_lens[seq];
+  return len < 0 ? 0 : len > p.max_context ? p.max_context : len;
+}
 
 __device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
   return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
@@ -168,7 +177,7 @@ struct AttentionTask {
   int seq, kv_head;
   int first_head, num_heads;  // query heads [first_head, first_head + num_heads), num_heads <= heads_per_block
   int partition;
-  int seq_len;
+  int seq_len;                // clamped
   int begin, end;             // the partition's tokens in the window: [begin, end), empty when begin >= end
 };
 
@@ -181,7 +190,7 @@ __device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T>
   task.first_head = task.kv_head * p.group_size + first_in_group;
   task.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
   task.partition = blockIdx.z;
-  task.seq_len = p.seq_lens[task.seq];
+  task.seq_len = clamped_seq_len(p, task.seq);
   const int64_t partition_begin = static_cast<int64_t>(task.partition) * p.partition_size;
   const int64_t partition_end = partition_begin + p.partition_size;
   const int start = window_start(task.seq_len, p.sliding_window);
@@ -450,7 +459,7 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
   const int seq = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
 
   // The partitions [first, last) that hold tokens of the window.
-  const int seq_len = p.seq_lens[seq];
+  const int seq_len = clamped_seq_len(p, seq);
   const int first = window_start(seq_len, p.sliding_window) / p.partition_size;
   const int last = static_cast<int>((static_cast<int64_t>(seq_len) + p.partition_size - 1) / p.partition_size);
   const int64_t head_row = static_cast<int64_t>(seq) * p.num_heads + head;

@@ -83,7 +83,7 @@ struct AttentionPlan {
   int heads_per_block = 0;  // query heads one thread block serves: ceil(group_size / head_chunks) (the last chunk
                             // may have fewer)
   int group_variant = 0;    // the GROUP template argument: the smallest of AttentionGroupVariants >= heads_per_block
-  int64_t max_context = 0;  // max_blocks_per_seq * block_size, at most INT32_MAX
+  int64_t max_context = 0;  // max_blocks_per_seq * block_size (at most INT32_MAX): no sequence reads past it
   int sliding_window = 0;   // the window the kernels take: 0 for none
   int num_partitions = 1;   // 1: single pass; > 1: split-KV, and the reduce kernel merges the partitions
   int partition_size = 1;   // tokens per partition (max(max_context, 1) in single pass)
