@@ -237,6 +237,15 @@ def test_block_tables_much_wider_than_the_sequences(device):
         check((query, key_cache, value_cache, wide, seq_lens), torch.bfloat16, sliding_window=window)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sliding_window_larger_than_any_sequence_means_all_tokens(device):
+    # The op takes an int64 window; CUDA used to narrow it to int (2**32 + 5 became 5).
+    case = make_case([1, 40, 700], 8, 2, 64, 16, torch.float32, device)
+    expected = paged_attn.paged_attention(*case)
+    for window in [700, 2**31, 2**32 + 5, 2**40]:
+        torch.testing.assert_close(paged_attn.paged_attention(*case, sliding_window=window), expected, rtol=0, atol=0)
+
+
 @requires_cuda
 @pytest.mark.parametrize("seq_len", [600, 150_000])
 def test_cuda_split_kv_many_partitions(seq_len):

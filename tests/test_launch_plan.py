@@ -125,7 +125,16 @@ def test_grid_limits_are_errors(sizes, message):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The context: the table's capacity, at most INT32_MAX tokens (seq_lens are int32)
+# The sliding window, and the context the kernels clamp seq_lens to
+
+
+@pytest.mark.parametrize(
+    "window,expected",
+    [(0, 0), (1, 1), (1023, 1023), (1024, 0), (5000, 0), (2**31, 0), (2**32 + 5, 0), (2**40, 0)],
+)
+def test_sliding_window_covering_the_table_means_all_tokens(window, expected):
+    # max_context = 64 * 16 = 1024. Before, the window was narrowed to int: 2**32 + 5 became 5.
+    assert attention_plan(sliding_window=window)["sliding_window"] == expected
 
 
 def test_max_context_is_the_table_capacity_at_most_int32_max():

@@ -84,7 +84,7 @@ struct AttentionPlan {
                             // may have fewer)
   int group_variant = 0;    // the GROUP template argument: the smallest of AttentionGroupVariants >= heads_per_block
   int64_t max_context = 0;  // max_blocks_per_seq * block_size (at most INT32_MAX): no sequence reads past it
-  int sliding_window = 0;   // the window the kernels take: 0 for none
+  int sliding_window = 0;   // the window the kernels take: 0 for none, also when it covers max_context
   int num_partitions = 1;   // 1: single pass; > 1: split-KV, and the reduce kernel merges the partitions
   int partition_size = 1;   // tokens per partition (max(max_context, 1) in single pass)
   Grid grid;                // paged_attention_kernel: (num_seqs, num_kv_heads * head_chunks, num_partitions)
@@ -132,7 +132,8 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   // seq_lens are int32, so no sequence is longer than INT32_MAX tokens whatever the table's width.
   constexpr int64_t kMaxTokens = INT32_MAX;
   plan.max_context = max_blocks_per_seq > kMaxTokens / block_size ? kMaxTokens : max_blocks_per_seq * block_size;
-  plan.sliding_window = static_cast<int>(sliding_window);
+  // A window that covers every token the table can hold is no window (the CPU kernel reads it so, in int64).
+  plan.sliding_window = sliding_window >= plan.max_context ? 0 : static_cast<int>(sliding_window);
 
   const int64_t single_pass_blocks = num_seqs * num_kv_heads * head_chunks;
   if (single_pass_blocks < 4 * num_sms && plan.max_context > partition_tokens) {
