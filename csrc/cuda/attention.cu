@@ -59,7 +59,7 @@ void launch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   params.seq_lens = seq_lens.data_ptr<int32_t>();
   params.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
   params.num_heads = static_cast<int>(num_heads);
-  params.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  params.max_blocks_per_seq = block_tables.size(1);
   params.scale = static_cast<float>(scale);
   params.soft_cap = static_cast<float>(logits_soft_cap);
   params.set_plan(plan);

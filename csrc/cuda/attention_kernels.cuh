@@ -62,7 +62,8 @@ struct AttentionParams {
   const int32_t* block_tables;      // [num_seqs, max_blocks_per_seq], contiguous
   const int32_t* seq_lens;          // [num_seqs]; the kernels clamp them to [0, max_context]
   const float* alibi_slopes;        // [num_heads], or nullptr
-  int num_heads, max_blocks_per_seq;
+  int num_heads;
+  int64_t max_blocks_per_seq;  // the block table's width (row stride)
   float scale;     // logits are scale * (q . k)
   float soft_cap;  // > 0: logits become soft_cap * tanh(logit / soft_cap), before ALiBi; 0: none
   // From the plan (set_plan).

@@ -18,10 +18,6 @@ cudaError_t launch_paged_attention(const AttentionParams<__half>& params, const 
 cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16>& params, const AttentionPlan& plan,
                                    cudaStream_t stream);
 
-inline dim3 to_dim3(const Grid& grid) {  // after grid_error(grid) == ""
-  return dim3(static_cast<unsigned>(grid.x), static_cast<unsigned>(grid.y), static_cast<unsigned>(grid.z));
-}
-
 template <typename T>
 cudaError_t launch_paged_attention_kernels(const AttentionParams<T>& params, const AttentionPlan& plan,
                                            cudaStream_t stream) {

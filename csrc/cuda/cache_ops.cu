@@ -24,10 +24,6 @@
 namespace paged_attn {
 namespace {
 
-dim3 to_dim3(const Grid& grid) {  // after grid_error(grid) == ""
-  return dim3(static_cast<unsigned>(grid.x), static_cast<unsigned>(grid.y), static_cast<unsigned>(grid.z));
-}
-
 template <typename F>
 void dispatch_width(int64_t width, F&& f) {
   TORCH_CHECK(dispatch_unit(width, f), "internal error: unsupported access width ", width);

@@ -1,5 +1,6 @@
 // What the CUDA kernel headers (attention_kernels.cuh, cache_ops_kernels.cuh) take from the device: the CUDA
-// toolkit's headers, and the two macros through which every shared-memory array is declared.
+// toolkit's headers, the two macros through which every shared-memory array is declared, and (not emulated) the
+// conversion of a planned Grid to dim3.
 //
 // The kernel headers include no torch header, so they also compile on the host under the CPU emulator of the CUDA
 // device API (tests/emulated/simt.h). The emulator's header is included first and defines PAGED_ATTN_EMULATED; it
@@ -15,6 +16,16 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+
+#include "launch_plan.h"
+
+#ifndef PAGED_ATTN_EMULATED
+namespace paged_attn {
+inline dim3 to_dim3(const Grid& grid) {  // after grid_error(grid) == ""
+  return dim3(static_cast<unsigned>(grid.x), static_cast<unsigned>(grid.y), static_cast<unsigned>(grid.z));
+}
+}  // namespace paged_attn
+#endif
 
 // A static shared-memory array: PA_SHARED(float, logits_s, [kGroup][kTile]); index it as an array.
 #ifndef PA_SHARED
