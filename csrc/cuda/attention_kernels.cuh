@@ -93,21 +93,21 @@ __device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[4], flo
   const float4 x = *reinterpret_cast<const float4*>(&v);
   f[0] = x.x, f[1] = x.y, f[2] = x.z, f[3] = x.w;
 }
-__device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[8], __half) {
-  const __half2* h = reinterpret_cast<const __half2*>(&v);
+__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+
+template <typename T2>  // __half2 or __nv_bfloat162
+__device__ __forceinline__ void pairs_to_floats(const uint4& v, float (&f)[8]) {
+  const T2* pairs = reinterpret_cast<const T2*>(&v);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const float2 x = __half22float2(h[k]);
+    const float2 x = to_float2(pairs[k]);
     f[2 * k] = x.x, f[2 * k + 1] = x.y;
   }
 }
+__device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[8], __half) { pairs_to_floats<__half2>(v, f); }
 __device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[8], __nv_bfloat16) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 x = __bfloat1622float2(h[k]);
-    f[2 * k] = x.x, f[2 * k + 1] = x.y;
-  }
+  pairs_to_floats<__nv_bfloat162>(v, f);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -176,10 +176,14 @@ __device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
 
 struct AttentionTask {
   int seq, kv_head;
-  int first_head, num_heads;  // query heads [first_head, first_head + num_heads), num_heads <= heads_per_block
+  int first_head, num_heads;  // query heads [first_head, first_head + num_heads), 1 <= num_heads <= heads_per_block
   int partition;
   int seq_len;                // clamped
   int begin, end;             // the partition's tokens in the window: [begin, end), empty when begin >= end
+
+  // Whether the block's g-th head slot holds a head. Known at compile time for g = 0 (fewer predicates to keep
+  // live: ptxas spilled them in the 1-head variant).
+  __device__ __forceinline__ bool has_head(int g) const { return g == 0 || g < num_heads; }
 };
 
 template <typename T>
@@ -217,13 +221,14 @@ __device__ __forceinline__ void load_query(HeadSlices<T, HEAD_DIM, GROUP>& q, co
 #pragma unroll
       for (int e = 0; e < R::VEC; ++e) {
         const int d = rs.dim(i, e);
-        q[g][i][e] = g < task.num_heads && d < HEAD_DIM ? p.scale * to_float(query[g * p.query_head_stride + d]) : 0.0f;
+        q[g][i][e] = task.has_head(g) && d < HEAD_DIM ? p.scale * to_float(query[g * p.query_head_stride + d]) : 0.0f;
       }
 }
 
 // Loads this lane's vectors of kUnroll rows of the tile, rows first_row + u * ROW_GROUPS (u < kUnroll), of one
-// cache. A row at or past n is not read (it may be a NaN-poisoned slot past the sequence's end) and comes back as
-// zeros. All loads are issued before any is used.
+// cache. A row at or past n is not read (it may be a NaN-poisoned slot past the sequence's end): the tile's last
+// row (n - 1) is loaded in its place, which the callers never use (fewer predicates than zero-filling: ptxas
+// spilled them). Lanes past the row's end get zeros. All loads are issued before any is used.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void load_rows(uint4 (&rows)[kUnroll][RowSplit<T, HEAD_DIM>::VPL],
                                           const PagedCache<const T>& cache, const int32_t* block_table,
@@ -232,19 +237,40 @@ __device__ __forceinline__ void load_rows(uint4 (&rows)[kUnroll][RowSplit<T, HEA
   using R = RowSplit<T, HEAD_DIM>;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int j = first_row + u * R::ROW_GROUPS;
-    const T* row = j < n ? cache.row(block_table, tile_begin + j, kv_head) : nullptr;
+    const int j = min(first_row + u * R::ROW_GROUPS, n - 1);
+    const T* row = cache.row(block_table, tile_begin + j, kv_head);
 #pragma unroll
     for (int i = 0; i < R::VPL; ++i) {
       const int v = rs.row_lane + i * R::LANES;
-      rows[u][i] = row != nullptr && v < R::NVEC ? *reinterpret_cast<const uint4*>(row + v * R::VEC)
-                                                 : uint4{0, 0, 0, 0};
+      rows[u][i] = v < R::NVEC ? *reinterpret_cast<const uint4*>(row + v * R::VEC) : uint4{0, 0, 0, 0};
     }
   }
 }
 
-// 1. logits_s[g][j] for the tile's n tokens tile_begin + j. The loop steps over warp-uniform bases, so every lane
-// of a warp runs the same iterations (the lane shuffles need the whole warp). inv_soft_cap = 1 / soft_cap.
+// Walks this row group's rows of the tile in one cache: rows j = first + u * ROW_GROUPS, kUnroll at a time (all
+// loads of a batch issued first), calling f(j, row) with this lane's slice of the row as floats ([VPL][VEC]; for
+// j >= n, row n - 1 again: f must not use it). The loop steps over warp-uniform bases, so every lane of a warp makes the same
+// calls, also past the tile's end (step 1's lane shuffles need the whole warp).
+template <typename T, int HEAD_DIM, typename F>
+__device__ __forceinline__ void for_each_row(const PagedCache<const T>& cache, const AttentionParams<T>& p,
+                                             const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs,
+                                             int tile_begin, int n, F&& f) {
+  using R = RowSplit<T, HEAD_DIM>;
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
+  for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * kUnroll) {
+    uint4 rows[kUnroll][R::VPL];
+    load_rows<T, HEAD_DIM>(rows, cache, block_table, task.kv_head, tile_begin, j0 + rs.row_in_warp, n, rs);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float row[R::VPL][R::VEC];
+#pragma unroll
+      for (int i = 0; i < R::VPL; ++i) vec_to_floats(rows[u][i], row[i], T{});
+      f(j0 + rs.row_in_warp + u * R::ROW_GROUPS, row);
+    }
+  }
+}
+
+// 1. logits_s[g][j] for the tile's n tokens tile_begin + j. inv_soft_cap = 1 / soft_cap.
 // NOTE: a division in this loop would call the slow path of IEEE division and make ptxas spill registers.
 template <typename T, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], const HeadSlices<T, HEAD_DIM, GROUP>& q,
@@ -252,35 +278,25 @@ __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], con
                                             const RowSplit<T, HEAD_DIM>& rs, float inv_soft_cap, int tile_begin,
                                             int n) {
   using R = RowSplit<T, HEAD_DIM>;
-  const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
-  for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * kUnroll) {
-    uint4 k[kUnroll][R::VPL];
-    load_rows<T, HEAD_DIM>(k, p.key_cache, block_table, task.kv_head, tile_begin, j0 + rs.row_in_warp, n, rs);
+  for_each_row<T, HEAD_DIM>(p.key_cache, p, task, rs, tile_begin, n, [&](int j, const float (&kf)[R::VPL][R::VEC]) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = j0 + rs.row_in_warp + u * R::ROW_GROUPS;
-      float kf[R::VPL][R::VEC];
+    for (int g = 0; g < GROUP; ++g) {
+      if (!task.has_head(g)) break;  // uniform across the thread block
+      float dot = 0.0f;
 #pragma unroll
-      for (int i = 0; i < R::VPL; ++i) vec_to_floats(k[u][i], kf[i], T{});
+      for (int i = 0; i < R::VPL; ++i)
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-        if (g >= task.num_heads) break;  // uniform across the thread block
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < R::VPL; ++i)
-#pragma unroll
-          for (int e = 0; e < R::VEC; ++e) dot = fmaf(q[g][i][e], kf[i][e], dot);
-        dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end
-        if (rs.row_lane == 0 && j < n) {
-          if (p.soft_cap > 0.0f) dot = p.soft_cap * tanhf(dot * inv_soft_cap);
-          if (p.alibi_slopes != nullptr) {
-            dot += p.alibi_slopes[task.first_head + g] * static_cast<float>(tile_begin + j - (task.seq_len - 1));
-          }
-          logits_s[g][j] = dot;
+        for (int e = 0; e < R::VEC; ++e) dot = fmaf(q[g][i][e], kf[i][e], dot);
+      dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end
+      if (rs.row_lane == 0 && j < n) {
+        if (p.soft_cap > 0.0f) dot = p.soft_cap * tanhf(dot * inv_soft_cap);
+        if (p.alibi_slopes != nullptr) {
+          dot += p.alibi_slopes[task.first_head + g] * static_cast<float>(tile_begin + j - (task.seq_len - 1));
         }
+        logits_s[g][j] = dot;
       }
     }
-  }
+  });
 }
 
 // 2. Online softmax, one warp per query head: raise the running max to the tile's, turn the tile's logits into
@@ -320,34 +336,24 @@ __device__ __forceinline__ void tile_values(HeadSlices<T, HEAD_DIM, GROUP>& acc,
   using R = RowSplit<T, HEAD_DIM>;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
-    const float rescale = g < task.num_heads ? rescale_s[g] : 0.0f;
+    const float rescale = task.has_head(g) ? rescale_s[g] : 0.0f;
 #pragma unroll
     for (int i = 0; i < R::VPL; ++i)
 #pragma unroll
       for (int e = 0; e < R::VEC; ++e) acc[g][i][e] *= rescale;
   }
-  const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
-  for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * kUnroll) {
-    uint4 v[kUnroll][R::VPL];
-    load_rows<T, HEAD_DIM>(v, p.value_cache, block_table, task.kv_head, tile_begin, j0 + rs.row_in_warp, n, rs);
+  for_each_row<T, HEAD_DIM>(p.value_cache, p, task, rs, tile_begin, n, [&](int j, const float (&vf)[R::VPL][R::VEC]) {
+    if (j >= n) return;  // past the tile: row n - 1 again, and logits_s holds no probability for it
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = j0 + rs.row_in_warp + u * R::ROW_GROUPS;
-      if (j >= n) break;  // rows past the tile were not loaded (and may be NaN-poisoned slots)
-      float vf[R::VPL][R::VEC];
+    for (int g = 0; g < GROUP; ++g) {
+      if (!task.has_head(g)) break;
+      const float prob = logits_s[g][j];
 #pragma unroll
-      for (int i = 0; i < R::VPL; ++i) vec_to_floats(v[u][i], vf[i], T{});
+      for (int i = 0; i < R::VPL; ++i)
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-        if (g >= task.num_heads) break;
-        const float prob = logits_s[g][j];
-#pragma unroll
-        for (int i = 0; i < R::VPL; ++i)
-#pragma unroll
-          for (int e = 0; e < R::VEC; ++e) acc[g][i][e] = fmaf(prob, vf[i][e], acc[g][i][e]);
-      }
+        for (int e = 0; e < R::VEC; ++e) acc[g][i][e] = fmaf(prob, vf[i][e], acc[g][i][e]);
     }
-  }
+  });
 }
 
 // 4. The row groups' accumulators are summed in row-group order (a fixed order: the same bits on every run) and
@@ -361,7 +367,7 @@ __device__ __forceinline__ void combine_and_write(
   using R = RowSplit<T, HEAD_DIM>;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
-    if (g >= task.num_heads) break;
+    if (!task.has_head(g)) break;
 #pragma unroll
     for (int i = 0; i < R::VPL; ++i)
 #pragma unroll
