@@ -73,8 +73,8 @@ def main():
         return
     if "--summary" in sys.argv:
         regs = [row[0] for row in table.values()]
-        spills = [f"{name} ({row[1]}/{row[2]} B)" for (name, _), row in sorted(table.items(), key=lambda r: natural(r[0]))
-                  if row[1] or row[2]]
+        rows = sorted(table.items(), key=lambda r: natural(r[0]))
+        spills = [f"{name} ({row[1]}/{row[2]} B)" for (name, _), row in rows if row[1] or row[2]]
         archs = ", ".join(sorted({arch for _, arch in table}))
         print(f"ptxas: {len(table)} kernels ({archs}), {min(regs)}-{max(regs)} registers per thread; "
               f"spills in {len(spills)}" + (": " + ", ".join(spills) if spills else ""))

@@ -249,8 +249,8 @@ __device__ __forceinline__ void load_rows(uint4 (&rows)[kUnroll][RowSplit<T, HEA
 
 // Walks this row group's rows of the tile in one cache: rows j = first + u * ROW_GROUPS, kUnroll at a time (all
 // loads of a batch issued first), calling f(j, row) with this lane's slice of the row as floats ([VPL][VEC]; for
-// j >= n, row n - 1 again: f must not use it). The loop steps over warp-uniform bases, so every lane of a warp makes the same
-// calls, also past the tile's end (step 1's lane shuffles need the whole warp).
+// j >= n, row n - 1 again: f must not use it). The loop steps over warp-uniform bases, so every lane of a warp makes
+// the same calls, also past the tile's end (step 1's lane shuffles need the whole warp).
 template <typename T, int HEAD_DIM, typename F>
 __device__ __forceinline__ void for_each_row(const PagedCache<const T>& cache, const AttentionParams<T>& p,
                                              const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs,
