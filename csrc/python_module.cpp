@@ -1,11 +1,16 @@
 // The Python module paged_attn._C. Importing it loads this shared library, which runs the static op
 // registrations (TORCH_LIBRARY / TORCH_LIBRARY_IMPL); besides that it only exposes the validation switch and, for
-// the tests, the overlap predicate the ops' checks use.
+// the tests, the overlap predicate the ops' checks use and the CUDA launch plans (csrc/cuda/launch_plan.h: plain
+// C++, so they are built and tested without a GPU and without the CUDA kernels).
 // The CMake build (a plain C++ library for libtorch users) leaves this file out.
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <string>
+#include <vector>
+
 #include "common.h"
+#include "cuda/launch_plan.h"
 
 namespace {
 
@@ -30,10 +35,58 @@ PyObject* tensors_overlap(PyObject* /*self*/, PyObject* args) {
   return PyBool_FromLong(paged_attn::tensors_overlap(THPVariable_Unpack(a), THPVariable_Unpack(b)) ? 1 : 0);
 }
 
+PyObject* grid_tuple(const paged_attn::Grid& grid) {
+  return Py_BuildValue("(LLL)", static_cast<long long>(grid.x), static_cast<long long>(grid.y),
+                       static_cast<long long>(grid.z));
+}
+
+// _launch_plan(kernel, *sizes) -> dict: the plan_* function of launch_plan.h for that kernel, its fields by name
+// ("error" is None when the launch is possible):
+//   "paged_attention": num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms
+//                      [, partition_tokens]
+//   "reshape_and_cache": num_tokens, num_kv_heads, head_units
+//   "copy_blocks": num_pairs, launch_layers, block_units
+PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
+  const Py_ssize_t n = PyTuple_Size(args);
+  const char* kernel = n > 0 ? PyUnicode_AsUTF8(PyTuple_GetItem(args, 0)) : nullptr;
+  if (kernel == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "_launch_plan(kernel: str, *sizes: int)");
+    return nullptr;
+  }
+  std::vector<int64_t> sizes;
+  for (Py_ssize_t i = 1; i < n; ++i) {
+    sizes.push_back(PyLong_AsLongLong(PyTuple_GetItem(args, i)));
+    if (PyErr_Occurred()) return nullptr;
+  }
+  const auto error = [](const std::string& e) { return e.empty() ? nullptr : e.c_str(); };
+  const std::string name = kernel;
+  if (name == "paged_attention" && (sizes.size() == 7 || sizes.size() == 8)) {
+    const int64_t partition_tokens = sizes.size() == 8 ? sizes[7] : paged_attn::kPartitionSize;
+    const auto plan = paged_attn::plan_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6],
+                                                 partition_tokens);
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:z}", "group_size", plan.group_size,
+                         "head_chunks", plan.head_chunks, "heads_per_block", plan.heads_per_block, "group_variant",
+                         plan.group_variant, "max_context", static_cast<long long>(plan.max_context),
+                         "sliding_window", plan.sliding_window, "num_partitions", plan.num_partitions,
+                         "partition_size", plan.partition_size, "grid", grid_tuple(plan.grid), "reduce_grid",
+                         grid_tuple(plan.reduce_grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes,
+                         "error", error(plan.error));
+  }
+  if ((name == "reshape_and_cache" || name == "copy_blocks") && sizes.size() == 3) {
+    const auto plan = name == "copy_blocks" ? paged_attn::plan_copy_blocks(sizes[0], sizes[1], sizes[2])
+                                            : paged_attn::plan_reshape_and_cache(sizes[0], sizes[1], sizes[2]);
+    return Py_BuildValue("{s:N,s:i,s:i,s:z}", "grid", grid_tuple(plan.grid), "threads", plan.threads, "shared_bytes",
+                         plan.shared_bytes, "error", error(plan.error));
+  }
+  PyErr_Format(PyExc_TypeError, "_launch_plan: unknown kernel %s or wrong number of sizes (%zd)", kernel, n - 1);
+  return nullptr;
+}
+
 PyMethodDef methods[] = {
     {"set_validation", set_validation, METH_O, "Turn the CUDA index validation mode on or off."},
     {"validation_enabled", validation_enabled, METH_NOARGS, "Whether the CUDA index validation mode is on."},
     {"_tensors_overlap", tensors_overlap, METH_VARARGS, "Whether two tensors share memory (the ops' check; tests)."},
+    {"_launch_plan", launch_plan, METH_VARARGS, "The launch plan of a CUDA kernel for given sizes (tests)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -58,6 +58,11 @@ def copy_blocks(
         block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` (or a list of pairs), on the CPU or
             the caches' device. Every pair is copied in every layer; destinations are distinct and never sources.
             On CUDA all layers and pairs take one kernel launch and the host never waits for the device.
+
+    CUDA graphs: a call with ``block_mapping`` on the caches' device can be captured (validation off: see
+    :func:`set_validation`); a replay copies the pairs the mapping holds at replay time, in the caches captured.
+    A CPU mapping (tensor or list) cannot: it is copied into a private pinned buffer during the call and uploaded
+    from there, so the caller may overwrite or free it as soon as the call returns.
     """
     torch.ops.paged_attn.copy_blocks(list(key_caches), list(value_caches), _as_block_mapping(block_mapping))
 

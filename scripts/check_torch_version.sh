@@ -31,4 +31,5 @@ if ! "$VENV/bin/python" setup.py build_ext --inplace > build.log 2>&1; then
   exit 1
 fi
 grep '^paged_attn:' build.log || true
+"$VENV/bin/python" scripts/ptxas_report.py --summary build.log
 GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-0}" PYTHONPATH="$WORK" "$VENV/bin/python" -m pytest tests -q -p no:cacheprovider

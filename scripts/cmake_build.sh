@@ -22,5 +22,6 @@ fi
 
 PATH="$ROOT/.venv/bin:$PATH"  # the cmake from requirements-dev.txt (knows nvcc 13)
 cmake "${ARGS[@]}"
-cmake --build build-cmake -j "$(nproc)"
+cmake --build build-cmake -j "$(nproc)" 2>&1 | tee build-cmake/build.log
+$PY scripts/ptxas_report.py --summary build-cmake/build.log
 ctest --test-dir build-cmake --output-on-failure

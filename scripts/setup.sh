@@ -29,6 +29,9 @@ if ! .venv/bin/python setup.py build_ext --inplace > build/build.log 2>&1; then
   exit 1
 fi
 grep '^paged_attn:' build/build.log || true
+# Registers, spills and shared memory of every CUDA kernel (ptxas, from the build log).
+.venv/bin/python scripts/ptxas_report.py build/build.log > build/registers.txt
+cat build/registers.txt
 
 # Make the checkout importable (like an editable install, without a rebuild on every run).
 SITE="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -225,6 +225,68 @@ def test_large_batch(device):
     check(make_case(seq_lens, 8, 2, 128, 16, torch.float16, device), torch.float16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_tables_much_wider_than_the_sequences(device):
+    # Split-KV sizes its partitions from the table's width: most partitions of these sequences hold no token (past
+    # seq_len, or before the window). They must cost nothing and contribute nothing.
+    query, key_cache, value_cache, block_tables, seq_lens = make_case([1, 30, 2000], 8, 8, 64, 16, torch.bfloat16,
+                                                                      device)
+    wide = torch.full((3, 400), -1, dtype=torch.int32, device=device)
+    wide[:, : block_tables.shape[1]] = block_tables
+    for window in [None, 600]:
+        check((query, key_cache, value_cache, wide, seq_lens), torch.bfloat16, sliding_window=window)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sliding_window_larger_than_any_sequence_means_all_tokens(device):
+    # The op takes an int64 window; CUDA used to narrow it to int (2**32 + 5 became 5).
+    case = make_case([1, 40, 700], 8, 2, 64, 16, torch.float32, device)
+    expected = paged_attn.paged_attention(*case)
+    for window in [700, 2**31, 2**32 + 5, 2**40]:
+        torch.testing.assert_close(paged_attn.paged_attention(*case, sliding_window=window), expected, rtol=0, atol=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("seq_len", [600, 150_000])
+def test_cuda_split_kv_many_partitions(seq_len):
+    # One sequence, so split-KV: 2 and 293 partitions of 512 tokens (the reduce kernel takes them 256 at a time;
+    # its shared memory used to grow with the partition count).
+    case = make_case([seq_len], 2, 1, 32, 32, torch.float32, "cuda")
+    check(case, torch.float32)
+
+
+@requires_cuda
+def test_cuda_float32_results_are_the_same_bits_every_run():
+    # The row groups' partial sums are added in a fixed order (they were added with shared-memory atomics).
+    for seq_lens in ([5, 300, 1000, 77], [4099]):  # single pass and split-KV
+        case = make_case(seq_lens, 16, 4, 128, 16, torch.float32, "cuda")
+        first = paged_attn.paged_attention(*case)
+        for _ in range(5):
+            assert torch.equal(paged_attn.paged_attention(*case), first)
+
+
+@requires_cuda
+def test_cuda_invalid_seq_lens_are_clamped_without_validation():
+    # Without validation nothing checks seq_lens on CUDA; the kernels read a length past the table's capacity as
+    # the capacity (never past the sequence's row of the block table) and a negative one as 0.
+    num_blocks, block_size, max_blocks = 40, 16, 6
+    key_cache = torch.randn(num_blocks, block_size, 2, 64, device="cuda")
+    value_cache = torch.randn_like(key_cache)
+    query = torch.randn(3, 4, 64, device="cuda")
+    block_tables = torch.randint(0, num_blocks, (3, max_blocks), dtype=torch.int32, device="cuda")
+    capacity = max_blocks * block_size
+    seq_lens = torch.tensor([capacity + 100, -3, 2**31 - 1], dtype=torch.int32, device="cuda")
+    before = paged_attn.validation_enabled()
+    paged_attn.set_validation(False)
+    try:
+        actual = paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+    finally:
+        paged_attn.set_validation(before)
+    clamped = seq_lens.clamp(0, capacity)
+    expected = reference.paged_attention(query, key_cache, value_cache, block_tables, clamped)
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
 def test_no_sequences():
     case = make_case([], 4, 2, 64, 16, torch.float32, "cpu")
     assert paged_attn.paged_attention(*case).shape == (0, 4, 64)

@@ -206,6 +206,64 @@ def test_copy_blocks_mapping_on_device():
         assert_identical(actual, want)
 
 
+@requires_cuda
+def test_copy_blocks_cpu_mapping_may_be_overwritten_at_once():
+    # A pinned CPU mapping used to be uploaded asynchronously from the caller's own memory (pin_memory() returns
+    # the tensor itself when it is already pinned): overwriting it right after the call changed the copy.
+    key_caches = [torch.randn(8, 16, 2, 64, device="cuda")]
+    value_caches = [torch.randn_like(key_caches[0])]
+    expected_k, expected_v = [key_caches[0].clone()], [value_caches[0].clone()]
+    mapping = torch.tensor([[1, 6], [3, 0]]).pin_memory()
+    reference.copy_blocks(expected_k, expected_v, mapping)
+    torch.cuda._sleep(50_000_000)  # keep the stream busy, so that the upload runs after the overwrite below
+    paged_attn.copy_blocks(key_caches, value_caches, mapping)
+    mapping.copy_(torch.tensor([[2, 7], [4, 5]]))
+    torch.cuda.synchronize()
+    assert_identical(key_caches[0], expected_k[0])
+    assert_identical(value_caches[0], expected_v[0])
+
+
+@requires_cuda
+def test_copy_blocks_with_a_device_mapping_is_captured_in_a_cuda_graph():
+    # A mapping on the caches' device is read by the kernel when it runs, so a captured copy_blocks replays with
+    # the mapping's contents at replay time. (A CPU mapping is not capturable; neither is validation mode.)
+    key_caches = [torch.randn(8, 16, 2, 64, device="cuda") for _ in range(2)]
+    value_caches = [torch.randn_like(c) for c in key_caches]
+    mapping = torch.tensor([[1, 6], [3, 0]], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph, as torch.cuda.graph requires
+        paged_attn.copy_blocks(key_caches, value_caches, mapping)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attn.copy_blocks(key_caches, value_caches, mapping)
+    mapping.copy_(torch.tensor([[2, 7], [4, 5]]))
+    for cache in key_caches + value_caches:
+        cache.copy_(torch.randn_like(cache))
+    expected_k = [c.clone() for c in key_caches]
+    expected_v = [c.clone() for c in value_caches]
+    reference.copy_blocks(expected_k, expected_v, mapping.cpu())
+    graph.replay()
+    torch.cuda.synchronize()
+    for actual, want in zip(key_caches + value_caches, expected_k + expected_v):
+        assert_identical(actual, want)
+
+
+@requires_cuda
+def test_cuda_cache_ops_refuse_a_zero_block_size():
+    # check_cache refuses it at the door on every backend: the kernels divide by block_size.
+    key_cache = torch.empty(4, 0, 2, 64, device="cuda")
+    value_cache = torch.empty_like(key_cache)
+    key = torch.randn(3, 2, 64, device="cuda")
+    message = "block_size, num_kv_heads and head_dim must be positive"
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.paged_attn.reshape_and_cache(key, key.clone(), key_cache, value_cache,
+                                               torch.zeros(3, dtype=torch.int64, device="cuda"))
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.paged_attn.copy_blocks([key_cache], [value_cache], torch.tensor([[0, 1]]))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # swap_blocks
 
@@ -267,3 +325,23 @@ def test_swap_blocks_within_one_cache_and_empty(device):
     assert_identical(cache, expected)
     paged_attn.swap_blocks(cache, cache, torch.empty(0, 2, dtype=torch.int64))
     assert_identical(cache, expected)
+
+
+@pytest.mark.skipif(not HAS_CUDA_OPS or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_swap_blocks_between_two_gpus_is_ordered_on_both_devices():
+    # The copies run on the source device's current stream; they must wait for the work already queued on the
+    # destination device's current stream, and that stream's later work must wait for them.
+    src = torch.randn(6, 16, 2, 64, device="cuda:0")
+    dst = torch.zeros(6, 16, 2, 64, device="cuda:1")
+    with torch.cuda.device(1):
+        torch.cuda._sleep(50_000_000)
+        dst.fill_(1.0)  # queued on cuda:1 behind the sleep: the swap must not be overwritten by it
+    with torch.cuda.device(0):
+        paged_attn.swap_blocks(src, dst, torch.tensor([[0, 3], [5, 1]]))
+    with torch.cuda.device(1):
+        seen = dst.clone()  # queued on cuda:1 right after the swap: it must see the copied blocks
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert_identical(seen[3], src[0].to("cuda:1"))
+    assert_identical(seen[1], src[5].to("cuda:1"))
+    assert (seen[[0, 2, 4, 5]] == 1.0).all()

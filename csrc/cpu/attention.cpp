@@ -87,7 +87,8 @@ inline Vec load_float(const scalar_t* p) {  // kVecSize elements, widened to flo
   }
 }
 
-// The one place for paged address arithmetic. Token t of a sequence lives in block block_table[t / block_size]
+// This file's one place for paged address arithmetic (csrc/cpu/cache_ops.cpp and the CUDA kernels have their
+// own). Token t of a sequence lives in block block_table[t / block_size]
 // at offset t % block_size; in a block, token `offset`'s rows of all kv heads are contiguous ([num_kv_heads,
 // head_dim]); kv head g's row starts g * head_dim elements in.
 template <typename scalar_t>
@@ -134,9 +135,8 @@ struct Tile {
 //    would fill the core's miss buffers and stall it; lines out of address order cost DRAM bandwidth.
 //  - the next (tile, kv head) unit's key and value rows into L1, a row at a time as the same token's row of the
 //    current unit is worked on; they are in L2 by then.
-// NOTE: measured on Zen 5 (paired runs, bench/RESULTS.md): the L1 level adds 15-19% to the default case when
-// x.sum() reads ~72 GB/s (nothing when it reads ~44 GB/s), 18% for float32, 32% for block size 1; every line must
-// be prefetched (prefetching every second or fourth line and leaving the rest to the hardware costs 35-45%).
+// NOTE: both levels, and prefetching every line rather than leaving some to the hardware, were chosen on paired
+// runs; the figures are in bench/RESULTS.md ("Two-level prefetch").
 template <typename scalar_t>
 struct Prefetcher {
   const Tile<scalar_t>* tile = nullptr;  // next tile (nullptr: none)

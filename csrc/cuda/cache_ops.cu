@@ -1,90 +1,46 @@
-// CUDA kernels of the cache ops.
+// The cache ops on CUDA: the torch-facing launchers. The kernels are in cache_ops_kernels.cuh, their launch plans in
+// launch_plan.h.
 //
-// These ops only move data, so the kernels are dtype-agnostic: they copy `Unit`s, the widest access (16, 8, 4,
-// 2 or 1 bytes) that divides every address, stride and row length involved (see access_width in common.h).
-// With the usual head dims that is a 16-byte vector access per thread.
-//
-//   reshape_and_cache  grid (num_tokens): one thread block writes one token's [num_kv_heads, head_dim] rows.
-//   copy_blocks        grid (num_pairs, num_layers, 2): one thread block copies one block of one layer's key
-//                      (z = 0) or value (z = 1) cache. All layers and pairs in one launch: the layers' base
-//                      pointers travel as a kernel parameter (no pointer table to upload, CUDA-graph friendly).
-//   swap_blocks        no kernel: runs of consecutive (src, dst) block ids become one cudaMemcpy2DAsync each
-//                      (pitch = block stride), on the current stream; asynchronous when the CPU side is pinned.
+//   reshape_and_cache, copy_blocks: one kernel launch each (copy_blocks: one per kMaxLayersPerLaunch layers).
+//   swap_blocks: no kernel: runs of consecutive (src, dst) block ids become one cudaMemcpy2DAsync each
+//                (pitch = block stride), on the current stream; asynchronous when the CPU side is pinned.
 //
 // Index validation synchronizes, so it is opt-in (PAGED_ATTN_VALIDATE=1 / paged_attn.set_validation(True));
 // swap_blocks' mapping lives on the CPU and is always checked.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "../common.h"
+#include "cache_ops_kernels.cuh"
 
 namespace paged_attn {
 namespace {
 
-constexpr int kMaxThreads = 512;
-
-int threads_for(int64_t units) {
-  return static_cast<int>(std::min<int64_t>(kMaxThreads, (units + 31) / 32 * 32));
-}
-
-// Calls f(Unit{}) with the integer type of `width` bytes (uint4 for 16).
 template <typename F>
 void dispatch_width(int64_t width, F&& f) {
-  switch (width) {
-    case 16: f(uint4{}); break;
-    case 8: f(uint2{}); break;
-    case 4: f(uint32_t{}); break;
-    case 2: f(uint16_t{}); break;
-    case 1: f(uint8_t{}); break;
-    default: TORCH_CHECK(false, "internal error: unsupported access width ", width);
-  }
+  TORCH_CHECK(dispatch_unit(width, f), "internal error: unsupported access width ", width);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// reshape_and_cache: every stride is in Units.
-template <typename Unit>
-__global__ void reshape_and_cache_kernel(
-    const Unit* __restrict__ key,              // [num_tokens, num_kv_heads, head_dim]
-    const Unit* __restrict__ value,            // [num_tokens, num_kv_heads, head_dim]
-    Unit* __restrict__ key_cache,              // [num_blocks, block_size, num_kv_heads, head_dim]
-    Unit* __restrict__ value_cache,            // [num_blocks, block_size, num_kv_heads, head_dim]
-    const int64_t* __restrict__ slot_mapping,  // [num_tokens]
-    int64_t key_token_stride, int64_t key_head_stride, int64_t value_token_stride, int64_t value_head_stride,
-    int64_t key_block_stride, int64_t value_block_stride, int block_size, int num_kv_heads, int head_units) {
-  const int64_t token = blockIdx.x;
-  const int64_t slot = slot_mapping[token];
-  if (slot < 0) return;  // NOTE: padding token, nothing to write
-  // NOTE: 64-bit block offsets: num_blocks * block_stride can exceed 2^31 units.
-  const int64_t block = slot / block_size, offset = slot % block_size;
-  Unit* key_dst = key_cache + block * key_block_stride + offset * num_kv_heads * head_units;
-  Unit* value_dst = value_cache + block * value_block_stride + offset * num_kv_heads * head_units;
-  const Unit* key_src = key + token * key_token_stride;
-  const Unit* value_src = value + token * value_token_stride;
-  for (int i = threadIdx.x; i < num_kv_heads * head_units; i += blockDim.x) {
-    const int head = i / head_units, u = i % head_units;
-    key_dst[i] = key_src[head * key_head_stride + u];
-    value_dst[i] = value_src[head * value_head_stride + u];
-  }
-}
-
 void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_kv_heads, head_dim]
                             const at::Tensor& value,        // [num_tokens, num_kv_heads, head_dim]
                             at::Tensor& key_cache,          // [num_blocks, block_size, num_kv_heads, head_dim]
                             at::Tensor& value_cache,        // [num_blocks, block_size, num_kv_heads, head_dim]
                             const at::Tensor& slot_mapping) {  // [num_tokens], int64, < 0 = padding
-  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
+  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);  // sizes > 0 (check_cache)
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
   if (validation_enabled()) check_slot_range(slot_mapping.cpu(), key_cache.size(0) * block_size);
-  if (num_tokens == 0 || num_kv_heads * head_dim == 0) return;
+  if (num_tokens == 0) return;
 
   const uint64_t elem = key.element_size();
   const int64_t width = access_width({head_dim * elem, key.stride(0) * elem, key.stride(1) * elem,
@@ -93,52 +49,38 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
                                       address_of(key_cache), address_of(value_cache)});
   // Every value above is a multiple of the element size, so a Unit holds a whole number of elements.
   const int64_t per_unit = width / static_cast<int64_t>(elem);
-  auto to_units = [per_unit](int64_t elements) { return elements / per_unit; };
-  const int head_units = static_cast<int>(to_units(head_dim));
+  const auto to_units = [per_unit](int64_t elements) { return elements / per_unit; };
+  const int64_t head_units = to_units(head_dim);
+  const CopyPlan plan = plan_reshape_and_cache(num_tokens, num_kv_heads, head_units);
+  TORCH_CHECK(plan.error.empty(), "reshape_and_cache: this call cannot be launched on CUDA: ", plan.error);
   const auto slots = slot_mapping.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   dispatch_width(width, [&](auto unit) {
     using Unit = decltype(unit);
-    reshape_and_cache_kernel<Unit><<<num_tokens, threads_for(num_kv_heads * head_units), 0, stream>>>(
-        static_cast<const Unit*>(key.data_ptr()), static_cast<const Unit*>(value.data_ptr()),
-        static_cast<Unit*>(key_cache.data_ptr()), static_cast<Unit*>(value_cache.data_ptr()),
-        slots.data_ptr<int64_t>(), to_units(key.stride(0)), to_units(key.stride(1)), to_units(value.stride(0)),
-        to_units(value.stride(1)), to_units(key_cache.stride(0)), to_units(value_cache.stride(0)),
-        static_cast<int>(block_size), static_cast<int>(num_kv_heads), head_units);
+    const auto cache = [&](at::Tensor& t) {  // check_cache: the last three dims are contiguous
+      return PagedCache<Unit>{static_cast<Unit*>(t.data_ptr()), to_units(t.stride(0)), static_cast<int>(block_size),
+                              static_cast<int>(num_kv_heads), static_cast<int>(head_units)};
+    };
+    const ReshapeAndCacheParams<Unit> params{static_cast<const Unit*>(key.data_ptr()),
+                                             static_cast<const Unit*>(value.data_ptr()),
+                                             to_units(key.stride(0)),
+                                             to_units(key.stride(1)),
+                                             to_units(value.stride(0)),
+                                             to_units(value.stride(1)),
+                                             cache(key_cache),
+                                             cache(value_cache),
+                                             slots.data_ptr<int64_t>()};
+    reshape_and_cache_kernel<Unit><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// copy_blocks: the layers' caches, passed by value as a kernel parameter. Block strides are in bytes.
-constexpr int kMaxLayersPerLaunch = 128;  // 4 KiB of parameters; deeper models take one launch per 128 layers
-
-struct LayerCaches {
-  char* key[kMaxLayersPerLaunch];
-  char* value[kMaxLayersPerLaunch];
-  int64_t key_block_stride[kMaxLayersPerLaunch];
-  int64_t value_block_stride[kMaxLayersPerLaunch];
-};
-
-template <typename Unit>
-__global__ void copy_blocks_kernel(const LayerCaches layers,
-                                   const int64_t* __restrict__ block_mapping,  // [num_pairs, 2]
-                                   int64_t block_units) {  // Units per block: block_size * num_kv_heads * head_dim
-  const int64_t pair = blockIdx.x;
-  const int layer = blockIdx.y;
-  const bool is_value = blockIdx.z == 1;
-  char* base = is_value ? layers.value[layer] : layers.key[layer];
-  const int64_t block_stride = is_value ? layers.value_block_stride[layer] : layers.key_block_stride[layer];
-  const Unit* src = reinterpret_cast<const Unit*>(base + block_mapping[2 * pair] * block_stride);
-  Unit* dst = reinterpret_cast<Unit*>(base + block_mapping[2 * pair + 1] * block_stride);
-  for (int64_t i = threadIdx.x; i < block_units; i += blockDim.x) dst[i] = src[i];
-}
-
 void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
                       at::TensorList value_caches,   // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
                       const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64
-  check_copy_blocks_args(key_caches, value_caches, block_mapping);
+  check_copy_blocks_args(key_caches, value_caches, block_mapping);  // sizes > 0 (check_cache)
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   if (num_layers == 0 || block_mapping.size(0) == 0) return;
   const at::Tensor& first = key_caches[0];
@@ -147,39 +89,48 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
   if (validation_enabled()) {
     check_block_mapping_range(block_mapping.cpu(), first.size(0), first.size(0), /*same_cache=*/true);
   }
-  // A CPU mapping is staged through pinned memory, so the upload does not block the host.
-  const at::Tensor mapping = block_mapping.is_cuda()
-                                 ? block_mapping.contiguous()
-                                 : block_mapping.contiguous().pin_memory().to(first.device(), /*non_blocking=*/true);
+  // NOTE: a CPU mapping is first copied into a pinned buffer of our own, which the upload then reads without
+  // blocking the host: the caller's tensor may be overwritten as soon as we return (pin_memory() would alias it
+  // when it is already pinned), and the host allocator keeps our buffer until the upload has run.
+  at::Tensor mapping = block_mapping.contiguous();
+  if (!block_mapping.is_cuda()) {
+    at::Tensor staged = at::empty(block_mapping.sizes(), block_mapping.options().pinned_memory(true));
+    staged.copy_(block_mapping);
+    mapping = staged.to(first.device(), /*non_blocking=*/true);
+  }
 
   const int64_t num_pairs = block_mapping.size(0);
   const uint64_t elem = first.element_size();
-  const uint64_t block_bytes = first.size(1) * first.size(2) * first.size(3) * elem;
+  const int64_t block_size = first.size(1), num_kv_heads = first.size(2), head_dim = first.size(3);
+  const uint64_t block_bytes = block_size * num_kv_heads * head_dim * elem;
   uint64_t alignment_bits = block_bytes;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     alignment_bits |= address_of(key_caches[layer]) | address_of(value_caches[layer]) |
                       key_caches[layer].stride(0) * elem | value_caches[layer].stride(0) * elem;
   }
   const int64_t width = access_width({alignment_bits});
-  const int64_t block_units = block_bytes / width;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   for (int64_t first_layer = 0; first_layer < num_layers; first_layer += kMaxLayersPerLaunch) {
     const int64_t launch_layers = std::min<int64_t>(kMaxLayersPerLaunch, num_layers - first_layer);
-    LayerCaches layers{};
+    CopyBlocksParams params{};
     for (int64_t i = 0; i < launch_layers; ++i) {
       const at::Tensor& key_cache = key_caches[first_layer + i];
       const at::Tensor& value_cache = value_caches[first_layer + i];
-      layers.key[i] = static_cast<char*>(key_cache.data_ptr());
-      layers.value[i] = static_cast<char*>(value_cache.data_ptr());
-      layers.key_block_stride[i] = key_cache.stride(0) * elem;
-      layers.value_block_stride[i] = value_cache.stride(0) * elem;
+      params.key[i] = static_cast<char*>(key_cache.data_ptr());
+      params.value[i] = static_cast<char*>(value_cache.data_ptr());
+      params.key_block_stride[i] = key_cache.stride(0) * elem;
+      params.value_block_stride[i] = value_cache.stride(0) * elem;
     }
-    const dim3 grid(num_pairs, launch_layers, 2);
+    params.block_size = static_cast<int>(block_size), params.num_kv_heads = static_cast<int>(num_kv_heads);
+    params.head_bytes = static_cast<int>(head_dim * elem);
+    params.block_mapping = mapping.data_ptr<int64_t>();
+    params.block_units = static_cast<int64_t>(block_bytes) / width;
+    const CopyPlan plan = plan_copy_blocks(num_pairs, launch_layers, params.block_units);
+    TORCH_CHECK(plan.error.empty(), "copy_blocks: this call cannot be launched on CUDA: ", plan.error);
     dispatch_width(width, [&](auto unit) {
       using Unit = decltype(unit);
-      copy_blocks_kernel<Unit><<<grid, threads_for(block_units), 0, stream>>>(layers, mapping.data_ptr<int64_t>(),
-                                                                               block_units);
+      copy_blocks_kernel<Unit><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -187,6 +138,22 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
 
 // ---------------------------------------------------------------------------------------------------------------
 // swap_blocks: copy engine transfers, one per run of consecutive block ids.
+
+// Makes `waiter` wait for the work queued so far on `stream`; the two may be on different devices.
+void wait_for(const c10::cuda::CUDAStream& stream, const c10::cuda::CUDAStream& waiter) {
+  cudaEvent_t event = nullptr;
+  {
+    const c10::cuda::CUDAGuard guard(stream.device_index());
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  }
+  const auto destroy = [](cudaEvent_t* e) { C10_CUDA_IGNORE_ERROR(cudaEventDestroy(*e)); };  // freed once complete
+  const std::unique_ptr<cudaEvent_t, decltype(destroy)> owner(&event, destroy);
+  {
+    const c10::cuda::CUDAGuard guard(stream.device_index());
+    C10_CUDA_CHECK(cudaEventRecord(event, stream));
+  }
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, event, 0));
+}
 struct BlockRun {
   int64_t src, dst, count;
 };
@@ -212,13 +179,19 @@ std::vector<BlockRun> block_runs(const at::Tensor& block_mapping_cpu) {  // [num
 void swap_blocks_cuda(const at::Tensor& src,             // [num_src_blocks, ...block shape]
                       at::Tensor& dst,                   // [num_dst_blocks, ...block shape]
                       const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64, CPU
-  check_swap_blocks_args(src, dst, block_mapping);
+  check_swap_blocks_args(src, dst, block_mapping);  // block shapes without a zero size
   check_block_mapping_range(block_mapping, src.size(0), dst.size(0), /*same_cache=*/same_memory(src, dst));
   if (block_mapping.size(0) == 0) return;
+  // The copies run on the current stream of the source's device (or of dst's, when src is on the CPU).
   const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+  // NOTE: between two GPUs, dst's device has a current stream of its own: the copies must wait for the work queued
+  // there (it may still use dst), and that stream's later work must wait for the copies. Events order both ways.
+  const bool peer = src.is_cuda() && dst.is_cuda() && src.device() != dst.device();
+  const c10::cuda::CUDAStream dst_stream = peer ? c10::cuda::getCurrentCUDAStream(dst.device().index()) : stream;
+  if (peer) wait_for(dst_stream, stream);
   const size_t elem = src.element_size();
-  const size_t block_bytes = src.numel() / src.size(0) * elem;
+  const size_t block_bytes = c10::multiply_integers(src.sizes().slice(1)) * elem;
   const size_t src_pitch = src.stride(0) * elem, dst_pitch = dst.stride(0) * elem;
   const auto* src_ptr = static_cast<const char*>(src.data_ptr());
   auto* dst_ptr = static_cast<char*>(dst.data_ptr());
@@ -233,6 +206,7 @@ void swap_blocks_cuda(const at::Tensor& src,             // [num_src_blocks, ...
                                        stream));
     }
   }
+  if (peer) wait_for(stream, dst_stream);
 }
 
 }  // namespace

@@ -50,7 +50,7 @@ class ModelConfig:
 
 @dataclass
 class Batch:
-    """Paged metadata of one step, built by the engine. Prefill: each sequence feeds tokens
+    """Paged metadata of one step, built by the scheduler. Prefill: each sequence feeds tokens
     ``[context_len, seq_len)`` and attends over ``[0, seq_len)``; decode: each feeds its last token."""
 
     is_prefill: bool

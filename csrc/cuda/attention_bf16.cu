@@ -1,0 +1,11 @@
+// The attention kernels for __nv_bfloat16 (see attention_launch.cuh: one file per dtype, compiled in parallel).
+#include "attention_launch.cuh"
+
+namespace paged_attn {
+
+cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16>& params, const AttentionPlan& plan,
+                                   cudaStream_t stream) {
+  return launch_paged_attention_kernels(params, plan, stream);
+}
+
+}  // namespace paged_attn

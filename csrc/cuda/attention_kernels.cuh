@@ -1,0 +1,526 @@
+// Paged decode attention on CUDA: the kernels and their parameters. One query token per sequence attends to that
+// sequence's keys/values, which lie in scattered blocks of the paged cache, reached through its block table.
+// No torch here: csrc/cuda/attention.cu checks the tensors and launches these kernels with the plan of
+// plan_attention (launch_plan.h); the emulated tests launch them with the same plan.
+//
+// Math, per sequence s of length L, query head h (reading kv head h / group_size) and token t in [start, L),
+// start = max(0, L - sliding_window) (0 without a window), as in csrc/cpu/attention.cpp:
+//   x_t = scale * (q . k_t);  x_t = cap * tanh(x_t / cap) if soft_cap = cap > 0;
+//   x_t += slope[h] * (t - (L - 1)) with ALiBi;  out = sum_t softmax(x)_t * v_t, accumulated in float32.
+//
+// Grid (plan.grid): (num_seqs, num_kv_heads * head_chunks, num_partitions), kAttentionThreads threads. A thread
+// block serves one sequence (x), one kv head and up to heads_per_block <= GROUP query heads of its group (y; groups
+// larger than kMaxGroup are split into head_chunks chunks), and one partition of the sequence's tokens (z).
+// K/V bytes are read once per thread block, so once in total for groups up to kMaxGroup.
+//   - single pass (num_partitions = 1): the thread block covers the whole sequence and writes `out`.
+//   - split-KV (flash-decoding, vLLM's v2): it covers partition_size tokens and writes the partition's
+//     (max, sum, unnormalized output); paged_attention_reduce_kernel merges the partitions exactly. A partition
+//     without tokens (past seq_len, or before the window) writes only (max = -inf, sum = 0) and returns.
+//
+// The attention kernel walks its tokens in tiles of kTile, in three steps per tile:
+//   1. logits  (tile_logits):  every K row of the tile is read once (16-byte loads) and dotted with all the
+//              block's queries (held in registers); the lanes of a row reduce with warp shuffles. Soft cap and
+//              ALiBi are applied; logits go to shared memory.
+//   2. softmax (tile_softmax): one warp per query head updates the running max and sum (online softmax) and
+//              turns the tile's logits into probabilities relative to the new max.
+//   3. values  (tile_values):  every V row of the tile is read once and accumulated, weighted, into float32
+//              registers, after the accumulators are rescaled to the new max.
+// Then the row groups' accumulators are added in a fixed order (combine_and_write), so results are the same
+// bit for bit from run to run.
+//
+// Lanes: a warp's lanes are split into row groups of LANES lanes; a row group reads one K or V row at a time, lane
+// l taking the row's 16-byte vectors l, l + LANES, ...; row j of a tile goes to row group j % ROW_GROUPS.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "device.cuh"
+#include "launch_plan.h"
+#include "paged_cache.cuh"
+
+namespace paged_attn {
+
+constexpr int kAttentionWarps = kAttentionThreads / 32;
+constexpr int kTile = 256;         // tokens per tile (their logits are held in shared memory)
+constexpr int kUnroll = 4;         // rows loaded before they are used, per row group
+constexpr int kReduceChunk = 256;  // partitions whose weights the reduce kernel holds in shared memory at a time
+
+// ---------------------------------------------------------------------------------------------------------------
+// Parameters: one struct, passed by value to both kernels.
+template <typename T>
+struct AttentionParams {
+  T* out;               // [num_seqs, num_heads, head_dim], contiguous
+  float* partial_out;   // [num_seqs, num_heads, num_partitions, head_dim]  split-KV scratch (else unused)
+  float* partial_max;   // [num_seqs, num_heads, num_partitions]            split-KV: each partition's max logit
+  float* partial_sum;   // [num_seqs, num_heads, num_partitions]            split-KV: its sum of exp(logit - max)
+  const T* query;       // [num_seqs, num_heads, head_dim], last dim contiguous:
+  int64_t query_seq_stride, query_head_stride;  // (s, h, d) at s * query_seq_stride + h * query_head_stride + d
+  PagedCache<const T> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  PagedCache<const T> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const int32_t* block_tables;      // [num_seqs, max_blocks_per_seq], contiguous
+  const int32_t* seq_lens;          // [num_seqs]; the kernels clamp them to [0, max_context]
+  const float* alibi_slopes;        // [num_heads], or nullptr
+  int num_heads;
+  int64_t max_blocks_per_seq;  // the block table's width (row stride)
+  float scale;     // logits are scale * (q . k)
+  float soft_cap;  // > 0: logits become soft_cap * tanh(logit / soft_cap), before ALiBi; 0: none
+  // From the plan (set_plan).
+  int group_size, head_chunks, heads_per_block;
+  int max_context;     // max_blocks_per_seq * block_size, at most INT32_MAX
+  int sliding_window;  // 0: every token; else the last sliding_window tokens
+  int num_partitions, partition_size;
+
+  void set_plan(const AttentionPlan& plan) {
+    group_size = plan.group_size, head_chunks = plan.head_chunks, heads_per_block = plan.heads_per_block;
+    max_context = static_cast<int>(plan.max_context), sliding_window = plan.sliding_window;
+    num_partitions = plan.num_partitions, partition_size = plan.partition_size;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Conversions. A "vector" is 16 bytes: 8 half/bfloat16 or 4 float values.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+__device__ __forceinline__ void from_float(float& out, float x) { out = x; }
+__device__ __forceinline__ void from_float(__half& out, float x) { out = __float2half_rn(x); }
+__device__ __forceinline__ void from_float(__nv_bfloat16& out, float x) { out = __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[4], float) {
+  const float4 x = *reinterpret_cast<const float4*>(&v);
+  f[0] = x.x, f[1] = x.y, f[2] = x.z, f[3] = x.w;
+}
+__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+
+template <typename T2>  // __half2 or __nv_bfloat162
+__device__ __forceinline__ void pairs_to_floats(const uint4& v, float (&f)[8]) {
+  const T2* pairs = reinterpret_cast<const T2*>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 x = to_float2(pairs[k]);
+    f[2 * k] = x.x, f[2 * k + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[8], __half) { pairs_to_floats<__half2>(v, f); }
+__device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[8], __nv_bfloat16) {
+  pairs_to_floats<__nv_bfloat162>(v, f);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Warp reductions (butterflies: every lane ends with the same result, in a fixed order of operations).
+template <int LANES>
+__device__ __forceinline__ float sum_over_lanes(float x) {
+#pragma unroll
+  for (int mask = LANES / 2; mask > 0; mask /= 2) x += __shfl_xor_sync(0xffffffffu, x, mask);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, mask));
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// How a thread block's lanes split a row of HEAD_DIM elements, and this thread's place in that split.
+constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
+
+template <typename T, int HEAD_DIM>
+struct RowSplit {
+  static constexpr int VEC = 16 / static_cast<int>(sizeof(T));                  // elements per vector
+  static constexpr int NVEC = HEAD_DIM / VEC;                                    // vectors per row
+  static constexpr int LANES = pow2_ceil(NVEC) < 32 ? pow2_ceil(NVEC) : 32;     // lanes per row group
+  static constexpr int VPL = (NVEC + LANES - 1) / LANES;                         // vectors per lane
+  static constexpr int ROW_GROUPS = kAttentionWarps * (32 / LANES);              // per thread block
+  static_assert(HEAD_DIM % VEC == 0, "a row must be a whole number of 16-byte vectors");
+
+  int row_lane;        // this lane's place in its row group: it holds elements dim(row_lane, i, e)
+  int row_group;       // warp * (32 / LANES) + row_in_warp
+  int row_in_warp;     // the row group's place in its warp
+  int warp_first_row;  // the first row of the tile that this warp's row groups read
+
+  __device__ __forceinline__ explicit RowSplit(int tid) {
+    const int warp = tid / 32, lane = tid % 32;
+    row_lane = lane % LANES, row_in_warp = lane / LANES;
+    warp_first_row = warp * (32 / LANES);
+    row_group = warp_first_row + row_in_warp;
+  }
+
+  // The row element held at [i][e] of a lane's slice (>= HEAD_DIM: past the row, a lane with nothing to do).
+  __device__ __forceinline__ int dim(int i, int e) const { return (row_lane + i * LANES) * VEC + e; }
+};
+
+// A thread's slice of one row for each query head of its block: [GROUP][VPL][VEC] floats, in registers.
+template <typename T, int HEAD_DIM, int GROUP>
+using HeadSlices = float[GROUP][RowSplit<T, HEAD_DIM>::VPL][RowSplit<T, HEAD_DIM>::VEC];
+
+// ---------------------------------------------------------------------------------------------------------------
+// What one thread block of paged_attention_kernel works on (from blockIdx), and the sequence extent both kernels
+// derive from seq_lens.
+
+// seq_lens[seq], clamped to [0, max_context]: an invalid length (validation is opt-in on CUDA) never reads past the
+// sequence's row of the block table.
+template <typename T>
+__device__ __forceinline__ int clamped_seq_len(const AttentionParams<T>& p, int seq) {
+  const int len = p.seq_lens[seq];
+  return len < 0 ? 0 : len > p.max_context ? p.max_context : len;
+}
+
+__device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
+  return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
+}
+
+struct AttentionTask {
+  int seq, kv_head;
+  int first_head, num_heads;  // query heads [first_head, first_head + num_heads), 1 <= num_heads <= heads_per_block
+  int partition;
+  int seq_len;                // clamped
+  int begin, end;             // the partition's tokens in the window: [begin, end), empty when begin >= end
+
+  // Whether the block's g-th head slot holds a head. Known at compile time for g = 0 (fewer predicates to keep
+  // live: ptxas spilled them in the 1-head variant).
+  __device__ __forceinline__ bool has_head(int g) const { return g == 0 || g < num_heads; }
+};
+
+template <typename T>
+__device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T>& p) {
+  AttentionTask task;
+  task.seq = blockIdx.x;
+  task.kv_head = blockIdx.y / p.head_chunks;
+  const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
+  task.first_head = task.kv_head * p.group_size + first_in_group;
+  task.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
+  task.partition = blockIdx.z;
+  task.seq_len = clamped_seq_len(p, task.seq);
+  const int64_t partition_begin = static_cast<int64_t>(task.partition) * p.partition_size;
+  const int64_t partition_end = partition_begin + p.partition_size;
+  const int start = window_start(task.seq_len, p.sliding_window);
+  task.begin = partition_begin > start ? static_cast<int>(partition_begin) : start;
+  task.end = partition_end < task.seq_len ? static_cast<int>(partition_end) : task.seq_len;
+  return task;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The attention kernel's steps, in order.
+
+// The query of each head of the task, pre-scaled, as this lane's slices (zeros past the row and past the task's
+// heads).
+template <typename T, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void load_query(HeadSlices<T, HEAD_DIM, GROUP>& q, const AttentionParams<T>& p,
+                                           const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs) {
+  using R = RowSplit<T, HEAD_DIM>;
+  const T* query = p.query + task.seq * p.query_seq_stride + task.first_head * p.query_head_stride;
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+    for (int i = 0; i < R::VPL; ++i)
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) {
+        const int d = rs.dim(i, e);
+        q[g][i][e] = task.has_head(g) && d < HEAD_DIM ? p.scale * to_float(query[g * p.query_head_stride + d]) : 0.0f;
+      }
+}
+
+// Loads this lane's vectors of kUnroll rows of the tile, rows first_row + u * ROW_GROUPS (u < kUnroll), of one
+// cache. A row at or past n is not read (it may be a NaN-poisoned slot past the sequence's end): the tile's last
+// row (n - 1) is loaded in its place, which the callers never use (fewer predicates than zero-filling: ptxas
+// spilled them). Lanes past the row's end get zeros. All loads are issued before any is used.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void load_rows(uint4 (&rows)[kUnroll][RowSplit<T, HEAD_DIM>::VPL],
+                                          const PagedCache<const T>& cache, const int32_t* block_table,
+                                          int kv_head, int tile_begin, int first_row, int n,
+                                          const RowSplit<T, HEAD_DIM>& rs) {
+  using R = RowSplit<T, HEAD_DIM>;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int j = min(first_row + u * R::ROW_GROUPS, n - 1);
+    const T* row = cache.row(block_table, tile_begin + j, kv_head);
+#pragma unroll
+    for (int i = 0; i < R::VPL; ++i) {
+      const int v = rs.row_lane + i * R::LANES;
+      rows[u][i] = v < R::NVEC ? *reinterpret_cast<const uint4*>(row + v * R::VEC) : uint4{0, 0, 0, 0};
+    }
+  }
+}
+
+// Walks this row group's rows of the tile in one cache: rows j = first + u * ROW_GROUPS, kUnroll at a time (all
+// loads of a batch issued first), calling f(j, row) with this lane's slice of the row as floats ([VPL][VEC]; for
+// j >= n, row n - 1 again: f must not use it). The loop steps over warp-uniform bases, so every lane of a warp makes
+// the same calls, also past the tile's end (step 1's lane shuffles need the whole warp).
+template <typename T, int HEAD_DIM, typename F>
+__device__ __forceinline__ void for_each_row(const PagedCache<const T>& cache, const AttentionParams<T>& p,
+                                             const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs,
+                                             int tile_begin, int n, F&& f) {
+  using R = RowSplit<T, HEAD_DIM>;
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
+  for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * kUnroll) {
+    uint4 rows[kUnroll][R::VPL];
+    load_rows<T, HEAD_DIM>(rows, cache, block_table, task.kv_head, tile_begin, j0 + rs.row_in_warp, n, rs);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float row[R::VPL][R::VEC];
+#pragma unroll
+      for (int i = 0; i < R::VPL; ++i) vec_to_floats(rows[u][i], row[i], T{});
+      f(j0 + rs.row_in_warp + u * R::ROW_GROUPS, row);
+    }
+  }
+}
+
+// 1. logits_s[g][j] for the tile's n tokens tile_begin + j. inv_soft_cap = 1 / soft_cap.
+// NOTE: a division in this loop would call the slow path of IEEE division and make ptxas spill registers.
+template <typename T, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], const HeadSlices<T, HEAD_DIM, GROUP>& q,
+                                            const AttentionParams<T>& p, const AttentionTask& task,
+                                            const RowSplit<T, HEAD_DIM>& rs, float inv_soft_cap, int tile_begin,
+                                            int n) {
+  using R = RowSplit<T, HEAD_DIM>;
+  for_each_row<T, HEAD_DIM>(p.key_cache, p, task, rs, tile_begin, n, [&](int j, const float (&kf)[R::VPL][R::VEC]) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      if (!task.has_head(g)) break;  // uniform across the thread block
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < R::VPL; ++i)
+#pragma unroll
+        for (int e = 0; e < R::VEC; ++e) dot = fmaf(q[g][i][e], kf[i][e], dot);
+      dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end
+      if (rs.row_lane == 0 && j < n) {
+        if (p.soft_cap > 0.0f) dot = p.soft_cap * tanhf(dot * inv_soft_cap);
+        if (p.alibi_slopes != nullptr) {
+          dot += p.alibi_slopes[task.first_head + g] * static_cast<float>(tile_begin + j - (task.seq_len - 1));
+        }
+        logits_s[g][j] = dot;
+      }
+    }
+  });
+}
+
+// 2. Online softmax, one warp per query head: raise the running max to the tile's, turn the tile's logits into
+// p = exp(x - max), rescale the running sum and add the tile's. rescale_s[g] tells step 3 how to rescale.
+template <int GROUP>
+__device__ __forceinline__ void tile_softmax(float (&logits_s)[GROUP][kTile], float (&max_s)[GROUP],
+                                             float (&sum_s)[GROUP], float (&rescale_s)[GROUP], int num_heads,
+                                             int n) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int g = warp; g < num_heads; g += kAttentionWarps) {
+    float tile_max = -INFINITY;
+    for (int j = lane; j < n; j += 32) tile_max = fmaxf(tile_max, logits_s[g][j]);
+    const float new_max = fmaxf(max_s[g], warp_max(tile_max));
+    float tile_sum = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+      const float prob = __expf(logits_s[g][j] - new_max);
+      logits_s[g][j] = prob;
+      tile_sum += prob;
+    }
+    tile_sum = sum_over_lanes<32>(tile_sum);
+    __syncwarp();  // every lane has read max_s[g]
+    if (lane == 0) {
+      const float rescale = __expf(max_s[g] - new_max);  // 0 on the first tile (max_s = -inf)
+      rescale_s[g] = rescale;
+      sum_s[g] = sum_s[g] * rescale + tile_sum;
+      max_s[g] = new_max;
+    }
+  }
+}
+
+// 3. acc = acc * rescale + sum_j p[g][j] * V_j over the tile's rows of this row group.
+template <typename T, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void tile_values(HeadSlices<T, HEAD_DIM, GROUP>& acc, const float (&logits_s)[GROUP][kTile],
+                                            const float (&rescale_s)[GROUP], const AttentionParams<T>& p,
+                                            const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs,
+                                            int tile_begin, int n) {
+  using R = RowSplit<T, HEAD_DIM>;
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    const float rescale = task.has_head(g) ? rescale_s[g] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < R::VPL; ++i)
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) acc[g][i][e] *= rescale;
+  }
+  for_each_row<T, HEAD_DIM>(p.value_cache, p, task, rs, tile_begin, n, [&](int j, const float (&vf)[R::VPL][R::VEC]) {
+    if (j >= n) return;  // past the tile: row n - 1 again, and logits_s holds no probability for it
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      if (!task.has_head(g)) break;
+      const float prob = logits_s[g][j];
+#pragma unroll
+      for (int i = 0; i < R::VPL; ++i)
+#pragma unroll
+        for (int e = 0; e < R::VEC; ++e) acc[g][i][e] = fmaf(prob, vf[i][e], acc[g][i][e]);
+    }
+  });
+}
+
+// 4. The row groups' accumulators are summed in row-group order (a fixed order: the same bits on every run) and
+// written: out = acc / sum in single pass, the partition's (acc, max, sum) in split-KV.
+template <typename T, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void combine_and_write(
+    float (&partial_s)[RowSplit<T, HEAD_DIM>::ROW_GROUPS][GROUP][HEAD_DIM], const HeadSlices<T, HEAD_DIM, GROUP>& acc,
+                                                  const float (&max_s)[GROUP], const float (&sum_s)[GROUP],
+                                                  const AttentionParams<T>& p, const AttentionTask& task,
+                                                  const RowSplit<T, HEAD_DIM>& rs) {
+  using R = RowSplit<T, HEAD_DIM>;
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    if (!task.has_head(g)) break;
+#pragma unroll
+    for (int i = 0; i < R::VPL; ++i)
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) {
+        const int d = rs.dim(i, e);
+        if (d < HEAD_DIM) partial_s[rs.row_group][g][d] = acc[g][i][e];
+      }
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
+    const int g = k / HEAD_DIM, d = k % HEAD_DIM;
+    float o = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R::ROW_GROUPS; ++r) o += partial_s[r][g][d];
+    const int64_t head_row = static_cast<int64_t>(task.seq) * p.num_heads + task.first_head + g;
+    if (p.num_partitions == 1) {
+      const float sum = sum_s[g];
+      from_float(p.out[head_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);
+    } else {
+      const int64_t slot = head_row * p.num_partitions + task.partition;
+      p.partial_out[slot * HEAD_DIM + d] = o;
+      if (d == 0) p.partial_max[slot] = max_s[g], p.partial_sum[slot] = sum_s[g];
+    }
+  }
+}
+
+// A task without tokens: a zero output row (single pass: seq_len 0), or the empty partition's (-inf, 0) record.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void write_empty(const AttentionParams<T>& p, const AttentionTask& task) {
+  const int64_t first_row = static_cast<int64_t>(task.seq) * p.num_heads + task.first_head;
+  if (p.num_partitions == 1) {
+    for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
+      from_float(p.out[first_row * HEAD_DIM + k], 0.0f);
+    }
+  } else if (static_cast<int>(threadIdx.x) < task.num_heads) {
+    const int64_t slot = (first_row + threadIdx.x) * p.num_partitions + task.partition;
+    p.partial_max[slot] = -INFINITY, p.partial_sum[slot] = 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernels.
+
+template <typename T, int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const AttentionParams<T> p) {
+  using R = RowSplit<T, HEAD_DIM>;
+  PA_SHARED(float, logits_s, [GROUP][kTile]);  // the tile's logits, then probabilities
+  PA_SHARED(float, max_s, [GROUP]);            // running max of each head's logits
+  PA_SHARED(float, sum_s, [GROUP]);            // running sum of exp(logit - max)
+  PA_SHARED(float, rescale_s, [GROUP]);        // exp(old max - new max) of the last tile
+  PA_SHARED(float, partial_s, [R::ROW_GROUPS][GROUP][HEAD_DIM]);  // each row group's accumulator, at the end
+
+  const AttentionTask task = attention_task(p);
+  if (task.begin >= task.end) {  // uniform across the thread block
+    write_empty<T, HEAD_DIM>(p, task);
+    return;
+  }
+  const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
+  const R rs(threadIdx.x);
+  HeadSlices<T, HEAD_DIM, GROUP> q;    // this lane's slice of every query of the block (pre-scaled)
+  HeadSlices<T, HEAD_DIM, GROUP> acc;  // this row group's weighted sum of V rows, same slice
+  load_query<T, HEAD_DIM, GROUP>(q, p, task, rs);
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+    for (int i = 0; i < R::VPL; ++i)
+#pragma unroll
+      for (int e = 0; e < R::VEC; ++e) acc[g][i][e] = 0.0f;
+  if (static_cast<int>(threadIdx.x) < GROUP) {
+    max_s[threadIdx.x] = -INFINITY, sum_s[threadIdx.x] = 0.0f, rescale_s[threadIdx.x] = 0.0f;
+  }
+  __syncthreads();
+
+  for (int tile_begin = task.begin; tile_begin < task.end; tile_begin += kTile) {
+    const int n = min(kTile, task.end - tile_begin);
+    tile_logits<T, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);
+    __syncthreads();
+    tile_softmax<GROUP>(logits_s, max_s, sum_s, rescale_s, task.num_heads, n);
+    __syncthreads();
+    tile_values<T, HEAD_DIM, GROUP>(acc, logits_s, rescale_s, p, task, rs, tile_begin, n);
+    __syncthreads();  // logits_s is rewritten by the next tile
+  }
+  combine_and_write<T, HEAD_DIM, GROUP>(partial_s, acc, max_s, sum_s, p, task, rs);
+}
+
+// Merges the partitions of split-KV for one (sequence, query head): with M the largest partition max,
+// out = sum_p w_p * partial_out_p / sum_p w_p * partial_sum_p, w_p = exp(partial_max_p - M), over the partitions
+// that hold tokens (the others' outputs are never read), kReduceChunk partitions at a time. Every thread adds in
+// partition order, so the result does not depend on thread timing.
+// Grid (plan.reduce_grid): (num_seqs, num_heads), kAttentionThreads threads.
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kernel(const AttentionParams<T> p) {
+  PA_SHARED(float, weights_s, [kReduceChunk]);
+  PA_SHARED(float, warp_max_s, [kAttentionWarps]);
+  constexpr int DIMS_PER_THREAD = (HEAD_DIM + kAttentionThreads - 1) / kAttentionThreads;
+  const int seq = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
+
+  // The partitions [first, last) that hold tokens of the window.
+  const int seq_len = clamped_seq_len(p, seq);
+  const int first = window_start(seq_len, p.sliding_window) / p.partition_size;
+  const int last = static_cast<int>((static_cast<int64_t>(seq_len) + p.partition_size - 1) / p.partition_size);
+  const int64_t head_row = static_cast<int64_t>(seq) * p.num_heads + head;
+  const float* maxes = p.partial_max + head_row * p.num_partitions;
+  const float* sums = p.partial_sum + head_row * p.num_partitions;
+  const float* outs = p.partial_out + head_row * p.num_partitions * HEAD_DIM;
+
+  float max_all = -INFINITY;
+  for (int q = first + tid; q < last; q += kAttentionThreads) max_all = fmaxf(max_all, maxes[q]);
+  max_all = warp_max(max_all);
+  if (tid % 32 == 0) warp_max_s[tid / 32] = max_all;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kAttentionWarps; ++w) max_all = fmaxf(max_all, warp_max_s[w]);
+
+  float o[DIMS_PER_THREAD] = {};
+  float total = 0.0f;
+  for (int chunk = first; chunk < last; chunk += kReduceChunk) {
+    const int count = min(kReduceChunk, last - chunk);
+    for (int c = tid; c < count; c += kAttentionThreads) {
+      const float m = maxes[chunk + c];
+      weights_s[c] = m == -INFINITY ? 0.0f : __expf(m - max_all);
+    }
+    __syncthreads();
+    for (int c = 0; c < count; ++c) {
+      const float w = weights_s[c];
+      if (w == 0.0f) continue;  // no logit (or a negligible weight): nothing to read
+      total += w * sums[chunk + c];
+      const float* out_c = outs + static_cast<int64_t>(chunk + c) * HEAD_DIM;
+#pragma unroll
+      for (int k = 0; k < DIMS_PER_THREAD; ++k) {
+        const int d = tid + k * kAttentionThreads;
+        if (d < HEAD_DIM) o[k] += w * out_c[d];
+      }
+    }
+    __syncthreads();  // weights_s is rewritten by the next chunk
+  }
+#pragma unroll
+  for (int k = 0; k < DIMS_PER_THREAD; ++k) {
+    const int d = tid + k * kAttentionThreads;
+    if (d < HEAD_DIM) from_float(p.out[head_row * HEAD_DIM + d], total > 0.0f ? o[k] / total : 0.0f);
+  }
+}
+
+// Calls f(std::integral_constant<int, HEAD_DIM>{}, std::integral_constant<int, GROUP>{}) for the kernel
+// instantiation of a head_dim and plan.group_variant; false when head_dim is not instantiated.
+template <typename F>
+bool dispatch_attention(int head_dim, int group_variant, F&& f) {
+  bool found = false;
+  dispatch(head_dim, AttentionHeadDims{}, [&](auto head_dim_constant) {
+    found = dispatch(group_variant, AttentionGroupVariants{},
+                     [&](auto group_constant) { f(head_dim_constant, group_constant); });
+  });
+  return found;
+}
+
+}  // namespace paged_attn

@@ -1,0 +1,36 @@
+// The launch of the attention kernels for one dtype: the instantiation that the plan and head_dim select, with
+// <<<>>> on a stream. Compiled for each dtype in its own file (attention_float.cu, attention_half.cu,
+// attention_bf16.cu), so the instantiations compile in parallel; csrc/cuda/attention.cu calls
+// launch_paged_attention.
+#pragma once
+
+#include "attention_kernels.cuh"
+
+namespace paged_attn {
+
+// Launches paged_attention_kernel, then (split-KV) paged_attention_reduce_kernel, on `stream`; returns the launch
+// error (cudaGetLastError), cudaErrorInvalidValue when the head dim or group variant is not instantiated. params must
+// hold the plan (params.set_plan(plan)).
+cudaError_t launch_paged_attention(const AttentionParams<float>& params, const AttentionPlan& plan,
+                                   cudaStream_t stream);
+cudaError_t launch_paged_attention(const AttentionParams<__half>& params, const AttentionPlan& plan,
+                                   cudaStream_t stream);
+cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16>& params, const AttentionPlan& plan,
+                                   cudaStream_t stream);
+
+template <typename T>
+cudaError_t launch_paged_attention_kernels(const AttentionParams<T>& params, const AttentionPlan& plan,
+                                           cudaStream_t stream) {
+  const bool found = dispatch_attention(params.key_cache.head_dim, plan.group_variant, [&](auto head_dim, auto group) {
+    constexpr int HEAD_DIM = decltype(head_dim)::value, GROUP = decltype(group)::value;
+    paged_attention_kernel<T, HEAD_DIM, GROUP>
+        <<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
+    if (plan.split() && cudaPeekAtLastError() == cudaSuccess) {
+      paged_attention_reduce_kernel<T, HEAD_DIM>
+          <<<to_dim3(plan.reduce_grid), plan.threads, plan.shared_bytes, stream>>>(params);
+    }
+  });
+  return found ? cudaGetLastError() : cudaErrorInvalidValue;
+}
+
+}  // namespace paged_attn

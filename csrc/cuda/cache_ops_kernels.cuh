@@ -1,0 +1,92 @@
+// The cache ops' CUDA kernels and their parameters (no torch; csrc/cuda/cache_ops.cu launches them with the plans of
+// launch_plan.h, and swap_blocks needs no kernel).
+//
+// These ops only move data, so the kernels are dtype-agnostic: they copy `Unit`s, the widest access (16, 8, 4, 2 or
+// 1 bytes) that divides every address, stride and row length involved (access_width in csrc/common.h). With the
+// usual head dims that is a 16-byte vector access per thread. Cache addresses come from PagedCache.
+//
+//   reshape_and_cache  grid (num_tokens): one thread block writes one token's [num_kv_heads, head_dim] rows.
+//   copy_blocks        grid (num_pairs, num_layers, 2): one thread block copies one block of one layer's key
+//                      (z = 0) or value (z = 1) cache. All layers (up to kMaxLayersPerLaunch) and pairs in one
+//                      launch: the layers' base pointers travel as a kernel parameter (no pointer table to upload,
+//                      CUDA-graph friendly).
+#pragma once
+
+#include <cstdint>
+
+#include "device.cuh"
+#include "launch_plan.h"
+#include "paged_cache.cuh"
+
+namespace paged_attn {
+
+// Calls f(Unit{}) with the integer type of `width` bytes (uint4 for 16, uint2 for 8); false for other widths.
+template <typename F>
+bool dispatch_unit(int64_t width, F&& f) {
+  switch (width) {
+    case 16: f(uint4{}); return true;
+    case 8: f(uint2{}); return true;
+    case 4: f(uint32_t{}); return true;
+    case 2: f(uint16_t{}); return true;
+    case 1: f(uint8_t{}); return true;
+    default: return false;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// reshape_and_cache. Every count is in Units.
+template <typename Unit>
+struct ReshapeAndCacheParams {
+  const Unit* key;    // [num_tokens, num_kv_heads, head_dim], last dim contiguous:
+  const Unit* value;  // [num_tokens, num_kv_heads, head_dim]   (t, h, u) at t * token_stride + h * head_stride + u
+  int64_t key_token_stride, key_head_stride, value_token_stride, value_head_stride;
+  PagedCache<Unit> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  PagedCache<Unit> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const int64_t* slot_mapping;   // [num_tokens]; slot < 0: a padding token, not written
+};
+
+template <typename Unit>
+__global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams<Unit> p) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return;  // NOTE: padding token, nothing to write
+  Unit* key_dst = p.key_cache.slot(slot);      // [num_kv_heads, head_dim], contiguous
+  Unit* value_dst = p.value_cache.slot(slot);  // [num_kv_heads, head_dim], contiguous
+  const Unit* key_src = p.key + token * p.key_token_stride;
+  const Unit* value_src = p.value + token * p.value_token_stride;
+  const int head_units = p.key_cache.head_dim;
+  for (int i = threadIdx.x; i < p.key_cache.num_kv_heads * head_units; i += blockDim.x) {
+    const int head = i / head_units, u = i % head_units;
+    key_dst[i] = key_src[head * p.key_head_stride + u];
+    value_dst[i] = value_src[head * p.value_head_stride + u];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// copy_blocks: the caches of up to kMaxLayersPerLaunch layers, passed by value as the kernel parameter. Every layer
+// has the same block shape (check_copy_blocks_args); block strides are in bytes.
+struct CopyBlocksParams {
+  char* key[kMaxLayersPerLaunch];    // layer l: [num_blocks, block_size, num_kv_heads, head_dim]
+  char* value[kMaxLayersPerLaunch];  // layer l: [num_blocks, block_size, num_kv_heads, head_dim]
+  int64_t key_block_stride[kMaxLayersPerLaunch];
+  int64_t value_block_stride[kMaxLayersPerLaunch];
+  int block_size, num_kv_heads, head_bytes;  // head_bytes = head_dim * element size
+  const int64_t* block_mapping;              // [num_pairs, 2] of (src_block, dst_block)
+  int64_t block_units;                       // Units per block: block_size * num_kv_heads * head_bytes / sizeof(Unit)
+
+  __host__ __device__ PagedCache<char> cache(int layer, bool is_value) const {
+    return {is_value ? value[layer] : key[layer], is_value ? value_block_stride[layer] : key_block_stride[layer],
+            block_size, num_kv_heads, head_bytes};
+  }
+};
+
+template <typename Unit>
+__global__ void copy_blocks_kernel(const CopyBlocksParams p) {
+  const int64_t pair = blockIdx.x;
+  const PagedCache<char> cache = p.cache(blockIdx.y, blockIdx.z == 1);
+  const Unit* src = reinterpret_cast<const Unit*>(cache.block(p.block_mapping[2 * pair]));
+  Unit* dst = reinterpret_cast<Unit*>(cache.block(p.block_mapping[2 * pair + 1]));
+  for (int64_t i = threadIdx.x; i < p.block_units; i += blockDim.x) dst[i] = src[i];
+}
+
+}  // namespace paged_attn

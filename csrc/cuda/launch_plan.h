@@ -1,0 +1,194 @@
+// Launch planning of the CUDA kernels: plain C++17 (no CUDA, no torch), so that the torch-facing launchers
+// (csrc/cuda/*.cu), the emulated kernel tests and the Python test hook (paged_attn._C._launch_plan) compute the same
+// launches. Each plan_* function takes sizes as the tensors give them (int64) and returns the grid, the block size,
+// the dynamic shared memory and the kernel variant to launch, or an error that says why it cannot be launched.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace paged_attn {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Grids.
+
+// CUDA's limits on the grid: x < 2^31, y and z <= 65535.
+constexpr int64_t kMaxGridX = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxGridYZ = 65535;
+
+struct Grid {
+  int64_t x = 1, y = 1, z = 1;
+};
+
+// "" when every dimension of grid is within CUDA's limits; otherwise names the first that is not, with the
+// quantity it stands for (e.g. x_name = "num_seqs").
+inline std::string grid_error(const Grid& grid, const char* x_name, const char* y_name, const char* z_name) {
+  const auto over = [](const char* axis, const char* name, int64_t value, int64_t limit) {
+    return std::string("grid.") + axis + " = " + name + " = " + std::to_string(value) + " is outside [1, " +
+           std::to_string(limit) + "]";
+  };
+  if (grid.x < 1 || grid.x > kMaxGridX) return over("x", x_name, grid.x, kMaxGridX);
+  if (grid.y < 1 || grid.y > kMaxGridYZ) return over("y", y_name, grid.y, kMaxGridYZ);
+  if (grid.z < 1 || grid.z > kMaxGridYZ) return over("z", z_name, grid.z, kMaxGridYZ);
+  return "";
+}
+
+// Compile-time lists of the instantiated kernel variants, and a run-time dispatch over them:
+// dispatch(value, IntList<...>{}, f) calls f(std::integral_constant<int, value>{}) and returns true when value is
+// in the list; returns false (and calls nothing) otherwise.
+template <int... Values>
+struct IntList {};
+
+template <int... Values, typename F>
+bool dispatch(int value, IntList<Values...>, F&& f) {
+  return ((value == Values ? (f(std::integral_constant<int, Values>{}), true) : false) || ...);
+}
+
+template <int... Values>
+constexpr bool contains(IntList<Values...>, int64_t value) {
+  return ((value == Values) || ...);
+}
+
+template <int... Values>
+std::string to_string(IntList<Values...>) {  // "32, 64, 80"
+  std::string s;
+  ((s += (s.empty() ? "" : ", ") + std::to_string(Values)), ...);
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// paged_attention (csrc/cuda/attention_kernels.cuh).
+
+constexpr int kAttentionThreads = 128;  // threads per thread block, both kernels
+constexpr int kMaxGroup = 8;            // query heads one thread block serves at most
+constexpr int kPartitionSize = 512;     // tokens per partition in split-KV mode (the default; see plan_attention)
+
+// The instantiations: head dims, and group variants (GROUP: the query heads a thread block's registers are sized
+// for; a block serving fewer heads takes the smallest variant that holds them).
+using AttentionHeadDims = IntList<32, 64, 80, 96, 112, 120, 128, 192, 256>;
+using AttentionGroupVariants = IntList<1, 4, kMaxGroup>;
+
+template <int... Groups>
+constexpr int smallest_variant(IntList<Groups...>, int heads) {  // heads <= kMaxGroup
+  int best = kMaxGroup;
+  ((best = Groups >= heads && Groups < best ? Groups : best), ...);
+  return best;
+}
+
+struct AttentionPlan {
+  int group_size = 0;       // num_heads / num_kv_heads: the query heads that read one kv head
+  int head_chunks = 0;      // thread blocks per (sequence, kv head, partition): ceil(group_size / kMaxGroup)
+  int heads_per_block = 0;  // query heads one thread block serves: ceil(group_size / head_chunks) (the last chunk
+                            // may have fewer)
+  int group_variant = 0;    // the GROUP template argument: the smallest of AttentionGroupVariants >= heads_per_block
+  int64_t max_context = 0;  // max_blocks_per_seq * block_size (at most INT32_MAX): no sequence reads past it
+  int sliding_window = 0;   // the window the kernels take: 0 for none, also when it covers max_context
+  int num_partitions = 1;   // 1: single pass; > 1: split-KV, and the reduce kernel merges the partitions
+  int partition_size = 1;   // tokens per partition (max(max_context, 1) in single pass)
+  Grid grid;                // paged_attention_kernel: (num_seqs, num_kv_heads * head_chunks, num_partitions)
+  Grid reduce_grid;         // paged_attention_reduce_kernel (split-KV only): (num_seqs, num_heads, 1)
+  int threads = kAttentionThreads;  // per thread block, both kernels
+  int shared_bytes = 0;             // dynamic shared memory, both kernels (all of theirs is static)
+  std::string error;                // "" or why the call cannot be launched
+
+  bool split() const { return num_partitions > 1; }
+};
+
+// The launch of paged_attention for these sizes. num_sms: the device's multiprocessor count (split-KV is chosen when
+// one thread block per (sequence, kv head, head chunk) would leave the SMs underfilled and sequences can be longer
+// than a partition). partition_tokens: tokens per split-KV partition (kPartitionSize; tests pass smaller ones to
+// get many partitions from short sequences); it grows when the partitions would not fit in grid.z.
+// The plan depends on the block table's width, never on seq_lens, so it needs no device-to-host copy and the
+// launch can be captured in a CUDA graph.
+inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t max_blocks_per_seq, int64_t block_size, int64_t sliding_window,
+                                    int64_t num_sms, int64_t partition_tokens = kPartitionSize) {
+  AttentionPlan plan;
+  if (num_seqs < 1 || num_heads < 1 || num_kv_heads < 1 || block_size < 1 || max_blocks_per_seq < 0 ||
+      sliding_window < 0 || num_sms < 1 || partition_tokens < 1 || num_heads % num_kv_heads != 0) {
+    plan.error = "invalid sizes: num_seqs " + std::to_string(num_seqs) + ", num_heads " + std::to_string(num_heads) +
+                 ", num_kv_heads " + std::to_string(num_kv_heads) + ", max_blocks_per_seq " +
+                 std::to_string(max_blocks_per_seq) + ", block_size " + std::to_string(block_size) +
+                 ", sliding_window " + std::to_string(sliding_window) + ", num_sms " + std::to_string(num_sms) +
+                 ", partition_tokens " + std::to_string(partition_tokens);
+    return plan;
+  }
+  const int64_t group_size = num_heads / num_kv_heads;
+  const int64_t head_chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
+  const int64_t heads_per_block = (group_size + head_chunks - 1) / head_chunks;
+  plan.grid = {num_seqs, num_kv_heads * head_chunks, 1};
+  plan.error = grid_error(plan.grid, "num_seqs", "num_kv_heads * head_chunks", "num_partitions");
+  if (plan.error.empty()) {
+    plan.error = grid_error({num_seqs, num_heads, 1}, "num_seqs", "num_heads", "1");  // the reduce kernel's grid
+  }
+  if (!plan.error.empty()) return plan;
+  plan.group_size = static_cast<int>(group_size);
+  plan.head_chunks = static_cast<int>(head_chunks);
+  plan.heads_per_block = static_cast<int>(heads_per_block);
+  plan.group_variant = smallest_variant(AttentionGroupVariants{}, plan.heads_per_block);
+
+  // seq_lens are int32, so no sequence is longer than INT32_MAX tokens whatever the table's width.
+  constexpr int64_t kMaxTokens = INT32_MAX;
+  plan.max_context = max_blocks_per_seq > kMaxTokens / block_size ? kMaxTokens : max_blocks_per_seq * block_size;
+  // A window that covers every token the table can hold is no window (the CPU kernel reads it so, in int64).
+  plan.sliding_window = sliding_window >= plan.max_context ? 0 : static_cast<int>(sliding_window);
+
+  const int64_t single_pass_blocks = num_seqs * num_kv_heads * head_chunks;
+  if (single_pass_blocks < 4 * num_sms && plan.max_context > partition_tokens) {
+    int64_t size = partition_tokens;
+    if ((plan.max_context + size - 1) / size > kMaxGridYZ) {  // longer partitions, in whole multiples of the default
+      const int64_t needed = (plan.max_context + kMaxGridYZ - 1) / kMaxGridYZ;
+      size = (needed + partition_tokens - 1) / partition_tokens * partition_tokens;
+    }
+    plan.partition_size = static_cast<int>(size);
+    plan.num_partitions = static_cast<int>((plan.max_context + size - 1) / size);
+    plan.grid.z = plan.num_partitions;
+    plan.reduce_grid = {num_seqs, num_heads, 1};
+  } else {
+    plan.partition_size = static_cast<int>(plan.max_context > 1 ? plan.max_context : 1);
+  }
+  return plan;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Cache ops (csrc/cuda/cache_ops_kernels.cuh). They copy Units: 16, 8, 4, 2 or 1 bytes.
+
+constexpr int kMaxCopyThreads = 512;
+constexpr int kMaxLayersPerLaunch = 128;  // copy_blocks: layers whose pointers one launch carries as a parameter
+
+struct CopyPlan {
+  Grid grid;
+  int threads = 32;  // per thread block: a multiple of 32, at most kMaxCopyThreads
+  int shared_bytes = 0;
+  std::string error;  // "" or why the call cannot be launched
+};
+
+// Threads for a thread block that copies `units` Units: a whole number of warps, at least one.
+constexpr int copy_threads(int64_t units) {
+  return units >= kMaxCopyThreads ? kMaxCopyThreads : units <= 32 ? 32 : static_cast<int>((units + 31) / 32 * 32);
+}
+
+// reshape_and_cache: one thread block per token, copying its [num_kv_heads, head_units] rows.
+inline CopyPlan plan_reshape_and_cache(int64_t num_tokens, int64_t num_kv_heads, int64_t head_units) {
+  CopyPlan plan;
+  plan.grid = {num_tokens, 1, 1};
+  plan.threads = copy_threads(num_kv_heads * head_units);
+  plan.error = num_kv_heads < 1 || head_units < 1 ? "num_kv_heads and head_dim must be positive"
+                                                  : grid_error(plan.grid, "num_tokens", "1", "1");
+  return plan;
+}
+
+// copy_blocks: one thread block per (pair, layer, key or value) of one launch of up to kMaxLayersPerLaunch layers.
+inline CopyPlan plan_copy_blocks(int64_t num_pairs, int64_t launch_layers, int64_t block_units) {
+  CopyPlan plan;
+  plan.grid = {num_pairs, launch_layers, 2};
+  plan.threads = copy_threads(block_units);
+  plan.error = block_units < 1                        ? "blocks must not be empty"
+               : launch_layers > kMaxLayersPerLaunch ? "at most 128 layers per launch"
+                                                     : grid_error(plan.grid, "num_pairs", "num_layers", "2");
+  return plan;
+}
+
+}  // namespace paged_attn

@@ -1,0 +1,179 @@
+"""The CUDA kernels' launch plans (csrc/cuda/launch_plan.h) through the test hook paged_attn._C._launch_plan.
+
+The plans are plain C++, built into every extension (no GPU, no CUDA kernels needed); the CUDA launchers and the
+emulated kernel tests launch with the same functions, so what is checked here is what runs there.
+"""
+
+import math
+
+import pytest
+
+from paged_attn import _C
+
+INT32_MAX = 2**31 - 1
+MAX_GRID_YZ = 65535
+PARTITION_SIZE = 512  # kPartitionSize
+
+
+def attention_plan(num_seqs=1, num_heads=32, num_kv_heads=32, max_blocks_per_seq=64, block_size=16,
+                   sliding_window=0, num_sms=132, partition_tokens=None):
+    sizes = [num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms]
+    if partition_tokens is not None:
+        sizes.append(partition_tokens)
+    return _C._launch_plan("paged_attention", *sizes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Group variants (a thread block's registers are sized for 1, 4 or 8 query heads) and head chunks
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,variant,chunks,per_block",
+    [
+        (32, 32, 1, 1, 1),  # MHA: the 1-head variant
+        (32, 16, 4, 1, 2),  # groups 2-4: the 4-head variant
+        (9, 3, 4, 1, 3),
+        (32, 8, 4, 1, 4),  # GQA-4
+        (40, 8, 8, 1, 5),  # groups 5-8: the 8-head variant
+        (64, 8, 8, 1, 8),
+        (10, 1, 8, 2, 5),  # larger groups: balanced chunks of at most 8 heads
+        (16, 1, 8, 2, 8),
+        (17, 1, 8, 3, 6),
+        (24, 1, 8, 3, 8),
+    ],
+)
+def test_group_variant_and_head_chunks(num_heads, num_kv_heads, variant, chunks, per_block):
+    plan = attention_plan(num_seqs=64, num_heads=num_heads, num_kv_heads=num_kv_heads, num_sms=1)
+    assert plan["error"] is None
+    group = num_heads // num_kv_heads
+    assert (plan["group_size"], plan["group_variant"], plan["head_chunks"], plan["heads_per_block"]) == (
+        group, variant, chunks, per_block)
+    assert plan["heads_per_block"] <= plan["group_variant"]
+    assert (chunks - 1) * per_block < group <= chunks * per_block  # every head in exactly one chunk
+    assert plan["grid"] == (64, num_kv_heads * chunks, 1)
+    assert plan["threads"] == 128 and plan["shared_bytes"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Single pass or split-KV, and the partitions
+
+
+def test_single_pass_when_the_sequences_fill_the_gpu():
+    # Split-KV only when one thread block per (sequence, kv head, head chunk) gives fewer than 4 per SM.
+    plan = attention_plan(num_seqs=66, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256, num_sms=132)
+    assert plan["num_partitions"] == 1 and plan["partition_size"] == 256 * 16 == plan["max_context"]
+    assert plan["grid"] == (66, 8, 1)
+    assert attention_plan(num_seqs=65, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)["num_partitions"] == 8
+
+
+def test_split_kv_when_few_sequences_and_long_tables():
+    plan = attention_plan(num_seqs=2, num_heads=32, num_kv_heads=8, max_blocks_per_seq=100, block_size=16)
+    assert plan["num_partitions"] == math.ceil(1600 / PARTITION_SIZE) == 4
+    assert plan["partition_size"] == PARTITION_SIZE
+    assert plan["grid"] == (2, 8, 4) and plan["reduce_grid"] == (2, 32, 1)
+
+
+def test_tables_no_longer_than_a_partition_stay_single_pass():
+    plan = attention_plan(num_seqs=1, max_blocks_per_seq=32, block_size=16)  # 512 tokens
+    assert plan["num_partitions"] == 1
+
+
+def test_partition_tokens_option():
+    # The emulated tests take small partitions to get many from short sequences.
+    plan = attention_plan(num_seqs=1, max_blocks_per_seq=70, block_size=16, partition_tokens=4)
+    assert (plan["num_partitions"], plan["partition_size"]) == (280, 4)
+
+
+@pytest.mark.parametrize(
+    "max_blocks_per_seq,block_size",
+    [(MAX_GRID_YZ * PARTITION_SIZE // 32, 32), (MAX_GRID_YZ * PARTITION_SIZE // 32 + 1, 32), (2**26, 32),
+     (2**40, 16)],
+)
+def test_partitions_fit_grid_z_whatever_the_table_width(max_blocks_per_seq, block_size):
+    # Partitions grow (in whole multiples of 512 tokens) instead of exceeding gridDim.z, and the reduce kernel
+    # needs no shared memory per partition (it took 4 bytes each: no launch past 12,288 partitions).
+    plan = attention_plan(max_blocks_per_seq=max_blocks_per_seq, block_size=block_size)
+    max_context = min(max_blocks_per_seq * block_size, INT32_MAX)
+    assert plan["error"] is None and plan["max_context"] == max_context
+    partitions, size = plan["num_partitions"], plan["partition_size"]
+    assert partitions <= MAX_GRID_YZ and plan["grid"][2] == partitions
+    assert size % PARTITION_SIZE == 0
+    assert (partitions - 1) * size < max_context <= partitions * size
+    assert plan["shared_bytes"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grid limits
+
+
+def test_many_sequences_are_launched_on_grid_x():
+    plan = attention_plan(num_seqs=70000)
+    assert plan["error"] is None and plan["grid"][0] == 70000
+
+
+@pytest.mark.parametrize(
+    "sizes,message",
+    [
+        (dict(num_seqs=2**31), "grid.x = num_seqs = 2147483648 is outside [1, 2147483647]"),
+        (dict(num_heads=70000, num_kv_heads=70000), "grid.y = num_kv_heads * head_chunks = 70000 is outside"),
+        (dict(num_heads=16 * 40000, num_kv_heads=40000), "grid.y = num_kv_heads * head_chunks = 80000 is outside"),
+        (dict(num_heads=65536, num_kv_heads=8192), "grid.y = num_heads = 65536 is outside [1, 65535]"),
+    ],
+)
+def test_grid_limits_are_errors(sizes, message):
+    assert message in attention_plan(**sizes)["error"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The sliding window, and the context the kernels clamp seq_lens to
+
+
+@pytest.mark.parametrize(
+    "window,expected",
+    [(0, 0), (1, 1), (1023, 1023), (1024, 0), (5000, 0), (2**31, 0), (2**32 + 5, 0), (2**40, 0)],
+)
+def test_sliding_window_covering_the_table_means_all_tokens(window, expected):
+    # max_context = 64 * 16 = 1024. Before, the window was narrowed to int: 2**32 + 5 became 5.
+    assert attention_plan(sliding_window=window)["sliding_window"] == expected
+
+
+def test_max_context_is_the_table_capacity_at_most_int32_max():
+    assert attention_plan(max_blocks_per_seq=10, block_size=8)["max_context"] == 80
+    assert attention_plan(max_blocks_per_seq=0)["max_context"] == 0
+    assert attention_plan(max_blocks_per_seq=0)["partition_size"] == 1
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(num_kv_heads=0), dict(block_size=0), dict(num_heads=6, num_kv_heads=4), dict(num_seqs=0),
+     dict(num_sms=0), dict(partition_tokens=0), dict(sliding_window=-1)],
+)
+def test_invalid_sizes_are_errors_not_divisions_by_zero(sizes):
+    assert attention_plan(**sizes)["error"].startswith("invalid sizes")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache ops: no launch with zero threads, no grid past its limits
+
+
+def test_reshape_and_cache_plan():
+    assert _C._launch_plan("reshape_and_cache", 5, 2, 8) == dict(grid=(5, 1, 1), threads=32, shared_bytes=0,
+                                                                  error=None)
+    assert _C._launch_plan("reshape_and_cache", 5, 8, 40)["threads"] == 320
+    assert _C._launch_plan("reshape_and_cache", 5, 64, 64)["threads"] == 512
+    assert "grid.x = num_tokens" in _C._launch_plan("reshape_and_cache", 2**31, 2, 8)["error"]
+    assert _C._launch_plan("reshape_and_cache", 5, 0, 8)["error"] == "num_kv_heads and head_dim must be positive"
+
+
+def test_copy_blocks_plan():
+    plan = _C._launch_plan("copy_blocks", 3, 128, 1000)
+    assert plan == dict(grid=(3, 128, 2), threads=512, shared_bytes=0, error=None)
+    empty = _C._launch_plan("copy_blocks", 3, 2, 0)
+    assert empty["error"] == "blocks must not be empty" and empty["threads"] == 32
+    assert _C._launch_plan("copy_blocks", 3, 129, 8)["error"] == "at most 128 layers per launch"
+    assert "grid.x = num_pairs" in _C._launch_plan("copy_blocks", 2**31, 1, 8)["error"]
+
+
+def test_unknown_kernel():
+    with pytest.raises(TypeError, match="unknown kernel"):
+        _C._launch_plan("nope", 1)
