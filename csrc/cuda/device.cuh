@@ -19,13 +19,11 @@
 
 #include "launch_plan.h"
 
-#ifndef PAGED_ATTN_EMULATED
 namespace paged_attn {
 inline dim3 to_dim3(const Grid& grid) {  // after grid_error(grid) == ""
   return dim3(static_cast<unsigned>(grid.x), static_cast<unsigned>(grid.y), static_cast<unsigned>(grid.z));
 }
 }  // namespace paged_attn
-#endif
 
 // A static shared-memory array: PA_SHARED(float, logits_s, [kGroup][kTile]); index it as an array.
 #ifndef PA_SHARED

@@ -45,6 +45,7 @@
 #if defined(PA_SHARED) || defined(PA_EXTERN_SHARED)
 #error "include simt.h before the kernel headers: they define PA_SHARED / PA_EXTERN_SHARED for nvcc otherwise"
 #endif
+#define PAGED_ATTN_EMULATED 1  // the kernel headers then take the CUDA builtins and PA_SHARED from here
 
 // cuda_runtime.h first: it names host function parameters gridDim and blockDim, which must be parsed before those
 // names become macros below (a kernel header that includes it later then gets the already included copy).
