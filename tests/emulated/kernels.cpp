@@ -1,0 +1,325 @@
+// The CUDA kernels of csrc/cuda, run by the SIMT emulator (simt.h) on cases that tests/test_emulated_kernels.py
+// writes: the same launch plans (launch_plan.h) and kernels (attention_kernels.cuh, cache_ops_kernels.cuh) as the
+// torch-facing launchers, on buffers read from files and written back after the run.
+//
+//   kernels CASE_FILE ORDER SEED     ORDER: forward | reverse | random
+//
+// A case file is a list of lines:
+//   op attention | reshape_and_cache | copy_blocks
+//   dtype float | half | bfloat16                      (attention)
+//   buffer ID BYTES PATH                              read into an exact-size heap allocation (64-byte aligned)
+//   tensor NAME ID BYTE_OFFSET NDIM SIZES... STRIDES...  a view of a buffer (strides in elements)
+//   scalar NAME VALUE
+//   output ID PATH                                    written back after the kernels ran
+// Exit status: 0 done; 2 bad case file or a plan that refuses the launch (message on stderr); 3 an emulator error
+// (divergent barrier, collective mismatch, ...). Sanitizer reports abort the program on their own.
+#include "simt.h"  // first: the kernel headers then take its PA_SHARED / PA_EXTERN_SHARED
+
+#include "../../csrc/cuda/attention_kernels.cuh"
+#include "../../csrc/cuda/cache_ops_kernels.cuh"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using paged_attn::to_dim3;
+
+struct CaseError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A buffer of exactly its byte count (AddressSanitizer reports any access past it), 64-byte aligned.
+struct Buffer {
+  struct Free {
+    void operator()(char* p) const { ::operator delete(p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<char, Free> data;
+  int64_t bytes = 0;
+};
+
+struct View {
+  char* data = nullptr;  // the first element
+  std::vector<int64_t> sizes, strides;
+  int64_t size(size_t d) const { return sizes.at(d); }
+  int64_t stride(size_t d) const { return strides.at(d); }
+  template <typename T>
+  T* as() const { return reinterpret_cast<T*>(data); }
+};
+
+struct Case {
+  std::string op, dtype;
+  std::map<int, Buffer> buffers;
+  std::map<std::string, View> tensors;
+  std::map<std::string, double> scalars;
+  std::vector<std::pair<int, std::string>> outputs;
+
+  const View& tensor(const std::string& name) const {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) throw CaseError("case has no tensor " + name);
+    return it->second;
+  }
+  bool has(const std::string& name) const { return tensors.count(name) > 0; }
+  double scalar(const std::string& name) const {
+    auto it = scalars.find(name);
+    if (it == scalars.end()) throw CaseError("case has no scalar " + name);
+    return it->second;
+  }
+};
+
+Case read_case(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) throw CaseError("cannot open " + path);
+  Case c;
+  std::string line;
+  while (std::getline(file, line)) {
+    std::istringstream in(line);
+    std::string kind;
+    if (!(in >> kind)) continue;
+    if (kind == "op") {
+      in >> c.op;
+    } else if (kind == "dtype") {
+      in >> c.dtype;
+    } else if (kind == "buffer") {
+      int id;
+      int64_t bytes;
+      std::string buffer_path;
+      in >> id >> bytes >> buffer_path;
+      Buffer& buffer = c.buffers[id];
+      buffer.bytes = bytes;
+      buffer.data.reset(static_cast<char*>(::operator new(bytes > 0 ? bytes : 1, std::align_val_t(64))));
+      std::ifstream data(buffer_path, std::ios::binary);
+      if (!data.read(buffer.data.get(), bytes)) {
+        throw CaseError("cannot read " + std::to_string(bytes) + " bytes from " + buffer_path);
+      }
+    } else if (kind == "tensor") {
+      std::string name;
+      int id, ndim;
+      int64_t offset;
+      in >> name >> id >> offset >> ndim;
+      View view;
+      view.sizes.resize(ndim);
+      view.strides.resize(ndim);
+      for (auto& size : view.sizes) in >> size;
+      for (auto& stride : view.strides) in >> stride;
+      auto it = c.buffers.find(id);
+      if (it == c.buffers.end()) throw CaseError("tensor " + name + " names an unknown buffer");
+      view.data = it->second.data.get() + offset;
+      c.tensors[name] = view;
+    } else if (kind == "scalar") {
+      std::string name;
+      double value;
+      in >> name >> value;
+      c.scalars[name] = value;
+    } else if (kind == "output") {
+      int id;
+      std::string output_path;
+      in >> id >> output_path;
+      c.outputs.emplace_back(id, output_path);
+    } else {
+      throw CaseError("unknown line: " + line);
+    }
+    if (in.fail()) throw CaseError("malformed line: " + line);
+  }
+  return c;
+}
+
+void write_outputs(const Case& c) {
+  for (const auto& [id, path] : c.outputs) {
+    const Buffer& buffer = c.buffers.at(id);
+    std::ofstream out(path, std::ios::binary);
+    out.write(buffer.data.get(), buffer.bytes);
+    if (!out) throw CaseError("cannot write " + path);
+  }
+}
+
+// Scratch memory of a launch (split-KV partials): exact size, NaN bytes, so a read of an unwritten record shows.
+std::vector<std::unique_ptr<float[]>> scratch;
+float* nan_floats(int64_t count) {
+  scratch.emplace_back(new float[count > 0 ? count : 1]);
+  std::memset(scratch.back().get(), 0xff, sizeof(float) * (count > 0 ? count : 1));
+  return scratch.back().get();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+template <typename T>
+void run_attention(const Case& c, const simt::Options& options) {
+  const View &out = c.tensor("out"), &query = c.tensor("query"), &key_cache = c.tensor("key_cache"),
+             &value_cache = c.tensor("value_cache"), &block_tables = c.tensor("block_tables"),
+             &seq_lens = c.tensor("seq_lens");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const paged_attn::AttentionPlan plan = paged_attn::plan_attention(
+      num_seqs, num_heads, num_kv_heads, block_tables.size(1), block_size,
+      static_cast<int64_t>(c.scalar("sliding_window")), static_cast<int64_t>(c.scalar("num_sms")),
+      static_cast<int64_t>(c.scalar("partition_tokens")));
+  if (!plan.error.empty()) throw CaseError("plan_attention: " + plan.error);
+
+  paged_attn::AttentionParams<T> p{};
+  p.out = out.as<T>();
+  if (plan.split()) {
+    const int64_t records = num_seqs * num_heads * plan.num_partitions;
+    p.partial_out = nan_floats(records * head_dim);
+    p.partial_max = nan_floats(records);
+    p.partial_sum = nan_floats(records);
+  }
+  p.query = query.as<const T>();
+  p.query_seq_stride = query.stride(0), p.query_head_stride = query.stride(1);
+  p.key_cache = {key_cache.as<const T>(), key_cache.stride(0), static_cast<int>(block_size),
+                 static_cast<int>(num_kv_heads), static_cast<int>(head_dim)};
+  p.value_cache = {value_cache.as<const T>(), value_cache.stride(0), static_cast<int>(block_size),
+                   static_cast<int>(num_kv_heads), static_cast<int>(head_dim)};
+  p.block_tables = block_tables.as<const int32_t>();
+  p.seq_lens = seq_lens.as<const int32_t>();
+  p.alibi_slopes = c.has("alibi_slopes") ? c.tensor("alibi_slopes").as<const float>() : nullptr;
+  p.num_heads = static_cast<int>(num_heads), p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  p.scale = static_cast<float>(c.scalar("scale"));
+  p.soft_cap = static_cast<float>(c.scalar("soft_cap"));
+  p.set_plan(plan);
+
+  const bool found = paged_attn::dispatch_attention(
+      static_cast<int>(head_dim), plan.group_variant, [&](auto head_dim_constant, auto group_constant) {
+        constexpr int HEAD_DIM = decltype(head_dim_constant)::value, GROUP = decltype(group_constant)::value;
+        simt::launch(options, paged_attn::paged_attention_kernel<T, HEAD_DIM, GROUP>, to_dim3(plan.grid),
+                     dim3(plan.threads), plan.shared_bytes, p);
+        if (plan.split()) {
+          simt::launch(options, paged_attn::paged_attention_reduce_kernel<T, HEAD_DIM>, to_dim3(plan.reduce_grid),
+                       dim3(plan.threads), plan.shared_bytes, p);
+        }
+      });
+  if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " is not instantiated");
+  std::printf("plan: partitions %d of %d tokens, group variant %d, head chunks %d\n", plan.num_partitions,
+              plan.partition_size, plan.group_variant, plan.head_chunks);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The widest access (16, 8, 4, 2 or 1 bytes) dividing every value: csrc/common.h's access_width.
+int64_t access_width(std::initializer_list<uint64_t> byte_values) {
+  uint64_t bits = 16;
+  for (uint64_t v : byte_values) bits |= v;
+  return static_cast<int64_t>(bits & (~bits + 1));
+}
+
+uint64_t address(const View& v) { return reinterpret_cast<uint64_t>(v.data); }
+
+void run_reshape_and_cache(const Case& c, const simt::Options& options) {
+  const View &key = c.tensor("key"), &value = c.tensor("value"), &key_cache = c.tensor("key_cache"),
+             &value_cache = c.tensor("value_cache"), &slot_mapping = c.tensor("slot_mapping");
+  const int64_t elem = static_cast<int64_t>(c.scalar("element_size"));
+  const int64_t num_tokens = key.size(0), num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  const int64_t width = access_width(
+      {static_cast<uint64_t>(head_dim * elem), static_cast<uint64_t>(key.stride(0) * elem),
+       static_cast<uint64_t>(key.stride(1) * elem), static_cast<uint64_t>(value.stride(0) * elem),
+       static_cast<uint64_t>(value.stride(1) * elem), static_cast<uint64_t>(key_cache.stride(0) * elem),
+       static_cast<uint64_t>(value_cache.stride(0) * elem), address(key), address(value), address(key_cache),
+       address(value_cache)});
+  const int64_t per_unit = width / elem;
+  const auto plan = paged_attn::plan_reshape_and_cache(num_tokens, num_kv_heads, head_dim / per_unit);
+  if (!plan.error.empty()) throw CaseError("plan_reshape_and_cache: " + plan.error);
+  paged_attn::dispatch_unit(width, [&](auto unit) {
+    using Unit = decltype(unit);
+    paged_attn::ReshapeAndCacheParams<Unit> p{};
+    p.key = key.as<const Unit>(), p.value = value.as<const Unit>();
+    p.key_token_stride = key.stride(0) / per_unit, p.key_head_stride = key.stride(1) / per_unit;
+    p.value_token_stride = value.stride(0) / per_unit, p.value_head_stride = value.stride(1) / per_unit;
+    p.key_cache = {key_cache.as<Unit>(), key_cache.stride(0) / per_unit, static_cast<int>(key_cache.size(1)),
+                   static_cast<int>(num_kv_heads), static_cast<int>(head_dim / per_unit)};
+    p.value_cache = {value_cache.as<Unit>(), value_cache.stride(0) / per_unit, static_cast<int>(key_cache.size(1)),
+                     static_cast<int>(num_kv_heads), static_cast<int>(head_dim / per_unit)};
+    p.slot_mapping = slot_mapping.as<const int64_t>();
+    if (num_tokens > 0) {
+      simt::launch(options, paged_attn::reshape_and_cache_kernel<Unit>, to_dim3(plan.grid), dim3(plan.threads),
+                   plan.shared_bytes, p);
+    }
+  });
+  std::printf("plan: access width %lld bytes, %d threads\n", static_cast<long long>(width), plan.threads);
+}
+
+void run_copy_blocks(const Case& c, const simt::Options& options) {
+  const int64_t num_layers = static_cast<int64_t>(c.scalar("num_layers"));
+  const int64_t elem = static_cast<int64_t>(c.scalar("element_size"));
+  const View& mapping = c.tensor("block_mapping");
+  const View& first = c.tensor("key_caches.0");
+  const int64_t num_pairs = mapping.size(0);
+  const int64_t block_bytes = first.size(1) * first.size(2) * first.size(3) * elem;
+  uint64_t bits = static_cast<uint64_t>(block_bytes);
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    for (const char* kind : {"key_caches.", "value_caches."}) {
+      const View& cache = c.tensor(kind + std::to_string(layer));
+      bits |= address(cache) | static_cast<uint64_t>(cache.stride(0) * elem);
+    }
+  }
+  const int64_t width = access_width({bits});
+  int launches = 0;
+  for (int64_t first_layer = 0; first_layer < num_layers; first_layer += paged_attn::kMaxLayersPerLaunch) {
+    const int64_t launch_layers = std::min<int64_t>(paged_attn::kMaxLayersPerLaunch, num_layers - first_layer);
+    const auto plan = paged_attn::plan_copy_blocks(num_pairs, launch_layers, block_bytes / width);
+    if (!plan.error.empty()) throw CaseError("plan_copy_blocks: " + plan.error);
+    paged_attn::CopyBlocksParams p{};
+    for (int64_t i = 0; i < launch_layers; ++i) {
+      const View& key = c.tensor("key_caches." + std::to_string(first_layer + i));
+      const View& value = c.tensor("value_caches." + std::to_string(first_layer + i));
+      p.key[i] = key.data, p.value[i] = value.data;
+      p.key_block_stride[i] = key.stride(0) * elem, p.value_block_stride[i] = value.stride(0) * elem;
+    }
+    p.block_size = static_cast<int>(first.size(1)), p.num_kv_heads = static_cast<int>(first.size(2));
+    p.head_bytes = static_cast<int>(first.size(3) * elem);
+    p.block_mapping = mapping.as<const int64_t>();
+    p.block_units = block_bytes / width;
+    paged_attn::dispatch_unit(width, [&](auto unit) {
+      using Unit = decltype(unit);
+      if (num_pairs > 0) {
+        simt::launch(options, paged_attn::copy_blocks_kernel<Unit>, to_dim3(plan.grid), dim3(plan.threads),
+                     plan.shared_bytes, p);
+      }
+    });
+    ++launches;
+  }
+  std::printf("plan: access width %lld bytes, %d launches\n", static_cast<long long>(width), launches);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s CASE_FILE forward|reverse|random SEED\n", argv[0]);
+    return 2;
+  }
+  const std::string order = argv[2];
+  simt::Options options;
+  options.order = order == "forward" ? simt::Order::kForward
+                  : order == "reverse" ? simt::Order::kReverse
+                                       : simt::Order::kRandom;
+  options.seed = std::strtoull(argv[3], nullptr, 10);
+  try {
+    const Case c = read_case(argv[1]);
+    if (c.op == "attention") {
+      if (c.dtype == "float") run_attention<float>(c, options);
+      else if (c.dtype == "half") run_attention<__half>(c, options);
+      else if (c.dtype == "bfloat16") run_attention<__nv_bfloat16>(c, options);
+      else throw CaseError("unknown dtype " + c.dtype);
+    } else if (c.op == "reshape_and_cache") {
+      run_reshape_and_cache(c, options);
+    } else if (c.op == "copy_blocks") {
+      run_copy_blocks(c, options);
+    } else {
+      throw CaseError("unknown op " + c.op);
+    }
+    write_outputs(c);
+  } catch (const CaseError& error) {
+    std::fprintf(stderr, "case error: %s\n", error.what());
+    return 2;
+  } catch (const simt::Error& error) {
+    std::fprintf(stderr, "emulator error: %s\n", error.what());
+    return 3;
+  }
+  return 0;
+}

@@ -1,0 +1,316 @@
+"""The CUDA kernels' own source (csrc/cuda/*_kernels.cuh), executed on the CPU by the SIMT emulator
+(tests/emulated/simt.h), against the float64 references of paged_attn.reference.
+
+tests/emulated/kernels.cpp is the driver: it computes the launch with the same plan functions as the CUDA launchers
+(csrc/cuda/launch_plan.h), runs the kernels thread by thread on buffers this module writes, and writes the buffers
+back. It is compiled twice into build/emulated/ (AddressSanitizer + UndefinedBehaviorSanitizer, and
+ThreadSanitizer), again only when a source changes. Every case runs under ASan+UBSan in the three thread orders
+(forward, reverse, seeded random) and once under TSan; the outputs must match the reference and be the same bit for
+bit in every order and build. Unused cache slots and blocks are NaN, unused block-table entries hold garbage, and
+every buffer is allocated at its exact size, so a read of a slot, row or entry the kernel should not touch shows up
+as NaN in the output or as a sanitizer report.
+
+Tolerances as in test_attention.py: float32 within 1e-5, float16 / bfloat16 within 2e-2.
+"""
+
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from test_attention import NAN, make_case, tolerance
+from test_emulator import CUDA_INCLUDE, CXX, SANITIZER_REPORT
+
+from paged_attn import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+EMULATED = ROOT / "tests" / "emulated"
+BUILD_DIR = ROOT / "build" / "emulated"
+SOURCES = [EMULATED / "kernels.cpp", EMULATED / "simt.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
+           ROOT / "csrc" / "cuda" / "launch_plan.h"]
+# -fno-strict-aliasing: the kernels read 16-byte vectors as uint4 and reinterpret them (as nvcc allows)
+FLAGS = ["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-fno-strict-aliasing"]
+BUILDS = {"asan": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"], "tsan": ["-fsanitize=thread"]}
+RUNS = [("asan", "forward", 0), ("asan", "reverse", 0), ("asan", "random", 11), ("tsan", "random", 12)]
+DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat16"}
+
+pytestmark = [
+    pytest.mark.skipif(CUDA_INCLUDE is None, reason="CUDA toolkit headers not found (set CUDA_HOME)"),
+    pytest.mark.skipif(shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX})"),
+]
+
+
+def compile_command(build, output):
+    return [CXX, *FLAGS, *BUILDS[build], f"-I{CUDA_INCLUDE}", str(EMULATED / "kernels.cpp"), "-o", str(output)]
+
+
+@pytest.fixture(scope="session")
+def driver():
+    """build name -> the driver program, named by a hash of the compiler, flags and sources."""
+    compiler = subprocess.run([CXX, "--version"], capture_output=True, check=True).stdout
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    programs = {}
+    for build in BUILDS:
+        key = compiler + sources + " ".join(compile_command(build, "")).encode()
+        programs[build] = BUILD_DIR / f"kernels-{build}-{hashlib.sha256(key).hexdigest()[:16]}"
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+
+    def build_one(build):
+        program = programs[build]
+        partial = program.with_name(program.name + ".partial")
+        result = subprocess.run(compile_command(build, partial), capture_output=True, text=True)
+        if result.returncode != 0:
+            return f"{' '.join(compile_command(build, partial))}\n{result.stderr[-8000:]}"
+        os.replace(partial, program)
+        for stale in BUILD_DIR.glob(f"kernels-{build}-*"):
+            if stale != program:
+                stale.unlink()
+        return None
+
+    missing = [build for build in BUILDS if not programs[build].exists()]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [failure for failure in pool.map(build_one, missing) if failure]
+    if failures:
+        pytest.fail("compiling the emulated kernels failed:\n" + "\n".join(failures))
+    return programs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A case: tensors (views of buffers, written to files), scalars, and the buffers the kernels write.
+
+@dataclass
+class Case:
+    op: str
+    tensors: dict  # name -> tensor (CPU)
+    scalars: dict = field(default_factory=dict)
+    outputs: tuple = ()  # names of tensors whose buffers the kernels write
+    dtype: torch.dtype = torch.float32
+
+    def write(self, directory: Path) -> Path:
+        """Writes the case file and its buffers (one per distinct storage) into `directory`."""
+        lines = [f"op {self.op}", f"dtype {DTYPE_NAMES.get(self.dtype, 'float')}"]
+        self.buffer_ids = {}
+        for name, tensor in self.tensors.items():
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.buffer_ids:
+                buffer_id = len(self.buffer_ids)
+                self.buffer_ids[key] = buffer_id
+                path = directory / f"buffer{buffer_id}.bin"
+                path.write_bytes(bytes(storage))
+                lines.append(f"buffer {buffer_id} {storage.nbytes()} {path}")
+            offset = tensor.storage_offset() * tensor.element_size()
+            lines.append(f"tensor {name} {self.buffer_ids[key]} {offset} {tensor.dim()} "
+                         f"{' '.join(map(str, tensor.shape))} {' '.join(map(str, tensor.stride()))}")
+        for name, value in self.scalars.items():
+            lines.append(f"scalar {name} {value!r}")
+        for name in self.outputs:
+            buffer_id = self.buffer_ids[self.tensors[name].untyped_storage().data_ptr()]
+            lines.append(f"output {buffer_id} {directory / f'out{buffer_id}.bin'}")
+        path = directory / "case.txt"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def read_output(self, directory: Path, name: str) -> torch.Tensor:
+        """The tensor `name` as the kernels left it, from its buffer written back by the driver."""
+        tensor = self.tensors[name]
+        buffer_id = self.buffer_ids[tensor.untyped_storage().data_ptr()]
+        data = bytearray((directory / f"out{buffer_id}.bin").read_bytes())
+        flat = torch.frombuffer(data, dtype=tensor.dtype) if data else torch.empty(0, dtype=tensor.dtype)
+        return flat.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).clone()
+
+
+def run_everywhere(driver, case: Case, tmp_path: Path, names):
+    """Runs the case in every build and order; returns the outputs of the first run after checking that every run
+    is clean and gives the same bytes."""
+    case_file = case.write(tmp_path)
+    results = []
+    for build, order, seed in RUNS:
+        run = subprocess.run([str(driver[build]), str(case_file), order, str(seed)], capture_output=True, text=True,
+                             timeout=600, env={**os.environ, "TSAN_OPTIONS": "atexit_sleep_ms=0"})
+        report = f"{build}/{order}: exit status {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+        assert run.returncode == 0 and not SANITIZER_REPORT.search(run.stderr), report
+        outputs = {name: case.read_output(tmp_path, name) for name in names}
+        if results:
+            for name in names:
+                assert_same_bits(outputs[name], results[0][name], f"{name}: {build}/{order} vs asan/forward")
+        results.append(outputs)
+    return results[0]
+
+
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_same_bits(a, b, what):
+    """Equal bit patterns (so NaN equals the same NaN, and -0.0 differs from 0.0)."""
+    bits = INT_OF_SIZE[a.element_size()]
+    assert torch.equal(a.contiguous().view(bits), b.contiguous().view(bits)), what
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paged_attention
+
+def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, *, layout="contiguous",
+                   alibi=False, sliding_window=None, soft_cap=None, split=False, partition_tokens=32):
+    query, key_cache, value_cache, block_tables, seq_lens_t = make_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu", layout=layout)
+    out = torch.full_like(query, NAN).contiguous()
+    tensors = dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                   seq_lens=seq_lens_t)
+    if alibi:
+        tensors["alibi_slopes"] = torch.rand(num_heads) * 0.2
+    # split-KV is planned when the grid would underfill the GPU: many SMs force it, one SM and partitions longer than
+    # any sequence forbid it
+    scalars = dict(scale=head_dim**-0.5, soft_cap=float(soft_cap or 0.0), sliding_window=int(sliding_window or 0),
+                   num_sms=1000 if split else 1, partition_tokens=partition_tokens if split else 1 << 30)
+    return Case("attention", tensors, scalars, ("out",), dtype)
+
+
+def check_attention(driver, case: Case, tmp_path):
+    t = case.tensors
+    out = run_everywhere(driver, case, tmp_path, ["out"])["out"]
+    expected = reference.paged_attention(
+        t["query"], t["key_cache"], t["value_cache"], t["block_tables"], t["seq_lens"], scale=case.scalars["scale"],
+        alibi_slopes=t.get("alibi_slopes"), sliding_window=case.scalars["sliding_window"] or None,
+        logits_soft_cap=case.scalars["soft_cap"] or None, compute_dtype=torch.float64)
+    torch.testing.assert_close(out.double(), expected.double(), **tolerance(case.dtype))
+
+
+HEAD_DIMS = [32, 64, 80, 96, 112, 120, 128, 192, 256]
+# (num_heads, num_kv_heads): groups 1, 2, 3, 4, 8, 10, 16 (above 8: several head chunks per kv head)
+GROUPS = [(4, 4), (4, 2), (6, 2), (8, 2), (8, 1), (10, 1), (16, 1)]
+BLOCK_SIZES = [8, 16, 32]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=list(DTYPE_NAMES.values()))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_attention_single_pass_every_head_dim(driver, tmp_path, dtype, head_dim):
+    """Every dtype and head dim; groups and block sizes taken in turn; full and partial last blocks."""
+    i = HEAD_DIMS.index(head_dim) + list(DTYPE_NAMES).index(dtype)
+    num_heads, num_kv_heads = GROUPS[i % len(GROUPS)]
+    block_size = BLOCK_SIZES[i % len(BLOCK_SIZES)]
+    seq_lens = [1, 2 * block_size, 3 * block_size - 5]
+    check_attention(driver, attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype), tmp_path)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=list(DTYPE_NAMES.values()))
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_attention_split_kv_across_partition_boundaries(driver, tmp_path, dtype, block_size):
+    """Partitions of 32 tokens: lengths just below, at and past a boundary, several partitions, an empty sequence;
+    the reduce kernel merges them."""
+    seq_lens = [0, 31, 32, 33, 64, 97]
+    check_attention(driver, attention_case(seq_lens, 8, 2, 64, block_size, dtype, split=True), tmp_path)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single_pass", "split_kv"])
+@pytest.mark.parametrize("feature", ["alibi", "window", "soft_cap", "all"])
+def test_attention_alibi_window_soft_cap(driver, tmp_path, feature, split):
+    """ALiBi, a sliding window (20 tokens: in split mode whole partitions before it are empty), soft cap."""
+    kwargs = dict(alibi=feature in ("alibi", "all"), sliding_window=20 if feature in ("window", "all") else None,
+                  soft_cap=5.0 if feature in ("soft_cap", "all") else None)
+    case = attention_case([5, 20, 21, 100, 130], 8, 2, 128, 16, torch.bfloat16, split=split, **kwargs)
+    check_attention(driver, case, tmp_path)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GROUPS, ids=[f"group{h // k}" for h, k in GROUPS])
+def test_attention_every_group_size_split_and_strided(driver, tmp_path, num_heads, num_kv_heads):
+    """Groups 1 to 16 (above 8: several head chunks per kv head), caches as the two halves of one allocation and the
+    query a slice of a fused QKV tensor, split-KV."""
+    case = attention_case([1, 45, 70], num_heads, num_kv_heads, 64, 8, torch.float16, layout="strided", split=True)
+    check_attention(driver, case, tmp_path)
+
+
+def test_attention_many_partitions_and_wide_block_tables(driver, tmp_path):
+    """Partitions of 4 tokens: over 256 of them (the reduce takes them in chunks), and block tables far wider than
+    the sequences, so most partitions are empty: they must write only their (-inf, 0) record, and the reduce must
+    not read their (NaN-filled) outputs."""
+    case = attention_case([1100, 3, 0], 4, 2, 32, 8, torch.float32, split=True, partition_tokens=4)
+    wide = torch.full((3, 150), 10**6, dtype=torch.int32)  # 300 partitions; garbage past each sequence's blocks
+    wide[:, :case.tensors["block_tables"].shape[1]] = case.tensors["block_tables"]
+    case.tensors["block_tables"] = wide
+    check_attention(driver, case, tmp_path)
+
+
+def test_attention_clamps_invalid_lengths(driver, tmp_path):
+    """seq_lens past the block table's capacity, or negative (validation is opt-in on CUDA), read no entry past the
+    row: the block table is allocated at its exact size, so AddressSanitizer would report it. The result is that
+    of the capacity (and of length 0)."""
+    case = attention_case([40, 9], 4, 4, 64, 16, torch.float16, split=True)
+    t = case.tensors
+    table = t["block_tables"]
+    table[0, :] = table[0, 0]  # a full block, read again and again: every token of the capacity is valid
+    t["seq_lens"] = torch.tensor([10**6, -5], dtype=torch.int32)
+    out = run_everywhere(driver, case, tmp_path, ["out"])["out"]
+    clamped = torch.tensor([table.shape[1] * 16, 0], dtype=torch.int32)
+    expected = reference.paged_attention(t["query"], t["key_cache"], t["value_cache"], table, clamped,
+                                         compute_dtype=torch.float64)
+    torch.testing.assert_close(out.double(), expected.double(), **tolerance(torch.float16))
+
+
+def test_attention_huge_window_means_every_token(driver, tmp_path):
+    """A window wider than int32 (the kernels' int) covers every token, as on the CPU."""
+    case = attention_case([40, 77], 4, 4, 32, 16, torch.float32, sliding_window=2**40)
+    check_attention(driver, case, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reshape_and_cache and copy_blocks: moved bytes must be exactly the reference's
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.float16, 128), (torch.bfloat16, 80),
+                                             (torch.float16, 6), (torch.bfloat16, 3)],
+                         ids=["float-64", "half-128", "bf16-80", "half-6 (8-byte units)", "bf16-3 (2-byte units)"])
+@pytest.mark.parametrize("layout", ["contiguous", "fused_qkv", "padded_heads", "head_major"])
+def test_reshape_and_cache(driver, tmp_path, dtype, head_dim, layout):
+    """Keys/values contiguous, slices of a fused QKV projection, rows padded (head stride > head_dim) or head-major
+    (token stride < head stride); slots scattered, some skipped (-1)."""
+    num_tokens, num_kv_heads, num_blocks, block_size = 11, 2, 5, 4
+    if layout == "fused_qkv":
+        qkv = torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_dim).to(dtype)
+        key, value = qkv[:, 4:4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
+    elif layout == "padded_heads":
+        key = torch.randn(num_tokens, num_kv_heads, head_dim + 8).to(dtype)[..., :head_dim]
+        value = torch.randn(num_tokens, num_kv_heads, head_dim + 8).to(dtype)[..., :head_dim]
+    elif layout == "head_major":
+        key = torch.randn(num_kv_heads, num_tokens, head_dim).to(dtype).transpose(0, 1)
+        value = torch.randn(num_kv_heads, num_tokens, head_dim).to(dtype).transpose(0, 1)
+    else:
+        key = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+        value = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
+    value_cache = torch.full_like(key_cache, NAN)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[[2, 7]] = -1
+    case = Case("reshape_and_cache", dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                                          slot_mapping=slots), dict(element_size=key.element_size()),
+                ("key_cache", "value_cache"), dtype)
+    out = run_everywhere(driver, case, tmp_path, ["key_cache", "value_cache"])
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
+    assert_same_bits(out["key_cache"], expected_key, "key_cache")
+    assert_same_bits(out["value_cache"], expected_value, "value_cache")
+
+
+@pytest.mark.parametrize("num_layers", [3, 130], ids=["3_layers", "130_layers (two launches)"])
+def test_copy_blocks(driver, tmp_path, num_layers):
+    """Copies in every layer, also past the 128 layers one launch carries; the halves layout for the values."""
+    shape = (6, 4, 2, 16)
+    key_caches = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(num_layers)]
+    value_caches = [torch.randn((6, 2) + shape[1:], dtype=torch.bfloat16)[:, 1] for _ in range(num_layers)]
+    mapping = torch.tensor([[0, 3], [5, 1], [2, 4]])
+    tensors = {f"key_caches.{i}": cache for i, cache in enumerate(key_caches)}
+    tensors.update({f"value_caches.{i}": cache for i, cache in enumerate(value_caches)})
+    tensors["block_mapping"] = mapping
+    case = Case("copy_blocks", tensors, dict(num_layers=num_layers, element_size=2), tuple(tensors)[:-1],
+                torch.bfloat16)
+    out = run_everywhere(driver, case, tmp_path, list(tensors)[:-1])
+    expected_keys, expected_values = [c.clone() for c in key_caches], [c.clone() for c in value_caches]
+    reference.copy_blocks(expected_keys, expected_values, mapping)
+    for i in range(num_layers):
+        assert_same_bits(out[f"key_caches.{i}"], expected_keys[i], f"key_caches[{i}]")
+        assert_same_bits(out[f"value_caches.{i}"], expected_values[i], f"value_caches[{i}]")
