@@ -1,0 +1,117 @@
+"""Proves that the emulated kernel tests bite: plants realistic bugs in copies of the CUDA kernels, runs the emulated
+suite (tests/test_emulated_kernels.py) on each, and reports which check caught it.
+
+    .venv/bin/python tests/emulated/mutate.py [--only NAME ...] [--jobs N]
+
+Each mutant is one textual change to a copy of the repository's csrc/cuda and tests/ in a scratch folder (the
+change must apply exactly once, so a mutant that no longer matches the source is reported, not silently skipped);
+the suite there builds its own driver from the mutated headers and stops at the first failure. Takes about two
+minutes per mutant on 2 cores (two sanitizer builds of the driver, then the cases up to the first failure).
+The table it prints is recorded in tests/emulated/README.md.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ATTENTION = "csrc/cuda/attention_kernels.cuh"
+CACHE = "csrc/cuda/paged_cache.cuh"
+CACHE_OPS = "csrc/cuda/cache_ops_kernels.cuh"
+
+# name -> (file, text, replacement)
+MUTANTS = {
+    "missing __syncthreads between steps 1 and 2": (
+        ATTENTION,
+        "tile_logits<T, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);\n    __syncthreads();",
+        "tile_logits<T, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);"),
+    "shuffle inside a divergent branch": (
+        ATTENTION,
+        "      dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end\n"
+        "      if (rs.row_lane == 0 && j < n) {",
+        "      if (rs.row_lane == 0 && j < n) {\n        dot = sum_over_lanes<R::LANES>(dot);"),
+    "off-by-one in the sliding window": (
+        ATTENTION,
+        "seq_len > sliding_window ? seq_len - sliding_window : 0",
+        "seq_len > sliding_window ? seq_len - sliding_window + 1 : 0"),
+    "the reduce drops the last, partial split-KV partition": (
+        ATTENTION,
+        "const int last = static_cast<int>((static_cast<int64_t>(seq_len) + p.partition_size - 1) / p.partition_size);",
+        "const int last = static_cast<int>(static_cast<int64_t>(seq_len) / p.partition_size);"),
+    "out-of-bounds shared-memory index": (
+        ATTENTION,
+        "if (d < HEAD_DIM) partial_s[rs.row_group][g][d] = acc[g][i][e];",
+        "if (d < HEAD_DIM) partial_s[rs.row_group + 1][g][d] = acc[g][i][e];"),
+    "wrong stride: a token's rows as if one kv head": (
+        CACHE,
+        "return block(block_id) + offset * num_kv_heads * head_dim;",
+        "return block(block_id) + offset * head_dim;"),
+    "wrong stride: reshape_and_cache reads keys with the row length as head stride": (
+        CACHE_OPS,
+        "key_dst[i] = key_src[head * p.key_head_stride + u];",
+        "key_dst[i] = key_src[head * head_units + u];"),
+}
+
+# What caught it, from the first failure's report.
+CHECKS = [
+    ("emulator: synchronization error", re.compile(r"emulator error")),
+    ("AddressSanitizer", re.compile(r"AddressSanitizer")),
+    ("UndefinedBehaviorSanitizer", re.compile(r"runtime error:")),
+    ("ThreadSanitizer: data race", re.compile(r"ThreadSanitizer")),
+    ("outputs differ between thread orders", re.compile(r"vs asan/forward")),
+    ("float64 reference", re.compile(r"Tensor-likes are not (close|equal)|Mismatched elements")),
+    ("bytes differ from the reference", re.compile(r"AssertionError: (key_cache|value_cache|key_caches|value_caches)")),
+]
+
+
+def run_mutant(name, file, text, replacement, python):
+    with tempfile.TemporaryDirectory(prefix="mutant-") as scratch:
+        scratch = Path(scratch)
+        for part in ("csrc", "tests"):
+            shutil.copytree(ROOT / part, scratch / part, ignore=shutil.ignore_patterns("__pycache__"))
+        path = scratch / file
+        source = path.read_text()
+        if source.count(text) != 1:
+            return "mutation does not apply (the source changed?)", "", 0.0
+        path.write_text(source.replace(text, replacement))
+        start = time.perf_counter()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": "0"}
+        result = subprocess.run([python, "-m", "pytest", "tests/test_emulated_kernels.py", "-x", "-q",
+                                 "-p", "no:cacheprovider"], cwd=scratch, env=env, capture_output=True, text=True)
+        elapsed = time.perf_counter() - start
+        output = result.stdout + result.stderr
+        if result.returncode == 0:
+            return "NOT CAUGHT", "", elapsed
+        failed = re.search(r"^FAILED (\S+)", output, re.M)
+        test = failed.group(1).split("::")[-1] if failed else "?"
+        for check, pattern in CHECKS:
+            if pattern.search(output):
+                return check, test, elapsed
+        return "other failure", test, elapsed
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", help="names (substrings) of the mutants to run")
+    args = parser.parse_args(argv)
+    chosen = {name: m for name, m in MUTANTS.items() if not args.only or any(o in name for o in args.only)}
+    rows = []
+    for name, (file, text, replacement) in chosen.items():
+        check, test, elapsed = run_mutant(name, file, text, replacement, sys.executable)
+        rows.append((name, check, test, elapsed))
+        print(f"{name}: {check} ({test}, {elapsed:.0f} s)", flush=True)
+    print("\n| planted bug | caught by | first failing test |\n| --- | --- | --- |")
+    for name, check, test, _ in rows:
+        print(f"| {name} | {check} | `{test}` |")
+    return 0 if all(check not in ("NOT CAUGHT",) and not check.startswith("mutation") for _, check, _, _ in rows) \
+        else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
