@@ -24,9 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HAS_CUDA_OPS
 from test_attention import NAN, make_case, tolerance
 from test_emulator import CUDA_INCLUDE, CXX, SANITIZER_REPORT
 
+import paged_attn
 from paged_attn import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,6 +182,13 @@ def check_attention(driver, case: Case, tmp_path):
         alibi_slopes=t.get("alibi_slopes"), sliding_window=case.scalars["sliding_window"] or None,
         logits_soft_cap=case.scalars["soft_cap"] or None, compute_dtype=torch.float64)
     torch.testing.assert_close(out.double(), expected.double(), **tolerance(case.dtype))
+    if HAS_CUDA_OPS:  # where a GPU is present, the same kernels for real, on the same inputs
+        cuda = {name: tensor.cuda() for name, tensor in t.items()}
+        on_gpu = paged_attn.paged_attention(
+            cuda["query"], cuda["key_cache"], cuda["value_cache"], cuda["block_tables"], cuda["seq_lens"],
+            scale=case.scalars["scale"], alibi_slopes=cuda.get("alibi_slopes"),
+            sliding_window=case.scalars["sliding_window"] or None, logits_soft_cap=case.scalars["soft_cap"] or None)
+        torch.testing.assert_close(on_gpu.cpu().double(), out.double(), **tolerance(case.dtype))
 
 
 HEAD_DIMS = [32, 64, 80, 96, 112, 120, 128, 192, 256]
