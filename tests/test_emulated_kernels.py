@@ -13,12 +13,9 @@ as NaN in the output or as a sanitizer report.
 Tolerances as in test_attention.py: float32 within 1e-5, float16 / bfloat16 within 2e-2.
 """
 
-import hashlib
-import math
 import os
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,14 +23,13 @@ import pytest
 import torch
 from conftest import HAS_CUDA_OPS
 from test_attention import NAN, make_case, tolerance
-from test_emulator import CUDA_INCLUDE, CXX, SANITIZER_REPORT
+from test_emulator import CUDA_INCLUDE, CXX, SANITIZER_REPORT, build_programs
 
 import paged_attn
 from paged_attn import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 EMULATED = ROOT / "tests" / "emulated"
-BUILD_DIR = ROOT / "build" / "emulated"
 SOURCES = [EMULATED / "kernels.cpp", EMULATED / "simt.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
            ROOT / "csrc" / "cuda" / "launch_plan.h"]
 # -fno-strict-aliasing: the kernels read 16-byte vectors as uint4 and reinterpret them (as nvcc allows)
@@ -48,39 +44,10 @@ pytestmark = [
 ]
 
 
-def compile_command(build, output):
-    return [CXX, *FLAGS, *BUILDS[build], f"-I{CUDA_INCLUDE}", str(EMULATED / "kernels.cpp"), "-o", str(output)]
-
-
 @pytest.fixture(scope="session")
 def driver():
-    """build name -> the driver program, named by a hash of the compiler, flags and sources."""
-    compiler = subprocess.run([CXX, "--version"], capture_output=True, check=True).stdout
-    sources = b"".join(path.read_bytes() for path in SOURCES)
-    programs = {}
-    for build in BUILDS:
-        key = compiler + sources + " ".join(compile_command(build, "")).encode()
-        programs[build] = BUILD_DIR / f"kernels-{build}-{hashlib.sha256(key).hexdigest()[:16]}"
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
-
-    def build_one(build):
-        program = programs[build]
-        partial = program.with_name(program.name + ".partial")
-        result = subprocess.run(compile_command(build, partial), capture_output=True, text=True)
-        if result.returncode != 0:
-            return f"{' '.join(compile_command(build, partial))}\n{result.stderr[-8000:]}"
-        os.replace(partial, program)
-        for stale in BUILD_DIR.glob(f"kernels-{build}-*"):
-            if stale != program:
-                stale.unlink()
-        return None
-
-    missing = [build for build in BUILDS if not programs[build].exists()]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        failures = [failure for failure in pool.map(build_one, missing) if failure]
-    if failures:
-        pytest.fail("compiling the emulated kernels failed:\n" + "\n".join(failures))
-    return programs
+    """build name -> the driver program (rebuilt when a kernel header, the emulator or the driver changes)."""
+    return build_programs("kernels", EMULATED / "kernels.cpp", BUILDS, FLAGS, SOURCES)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -54,39 +54,47 @@ ORDERS = [("forward", 0), ("reverse", 0), ("random", 1)]
 SANITIZER_REPORT = re.compile(r"AddressSanitizer|LeakSanitizer|ThreadSanitizer|runtime error")
 
 
-def compile_command(build, output):
-    return [CXX, *COMMON_FLAGS, *BUILDS[build], f"-I{CUDA_INCLUDE}", str(EMULATED / "selftest.cpp"), "-o", str(output)]
-
-
-@pytest.fixture(scope="session")
-def selftest():
-    """build name -> path of the self-test program, named by a hash of the compiler, flags and sources."""
+def build_programs(name, source, builds, flags, sources):
+    """Compiles `source` once per build (extra flags in builds[build]) into BUILD_DIR/NAME-BUILD-HASH, the hash over
+    the compiler, the flags and `sources`, so a program is rebuilt only when one of them changes; at most two
+    compilers run at a time. Returns build -> program; fails the test session's fixture when a compile fails."""
     compiler = subprocess.run([CXX, "--version"], capture_output=True, check=True).stdout
-    sources = b"".join(path.read_bytes() for path in sorted(EMULATED.iterdir()) if path.is_file())
+    contents = b"".join(path.read_bytes() for path in sources)
+
+    def command(build, output):
+        return [CXX, *flags, *builds[build], f"-I{CUDA_INCLUDE}", str(source), "-o", str(output)]
+
     programs = {}
-    for build in BUILDS:
-        key = compiler + sources + " ".join(compile_command(build, "")).encode()
-        programs[build] = BUILD_DIR / f"selftest-{build}-{hashlib.sha256(key).hexdigest()[:16]}"
+    for build in builds:
+        key = compiler + contents + " ".join(command(build, "")).encode()
+        programs[build] = BUILD_DIR / f"{name}-{build}-{hashlib.sha256(key).hexdigest()[:16]}"
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
 
     def build_one(build):
         program = programs[build]
         partial = program.with_name(program.name + ".partial")
-        result = subprocess.run(compile_command(build, partial), capture_output=True, text=True)
+        result = subprocess.run(command(build, partial), capture_output=True, text=True)
         if result.returncode != 0:
-            return f"{' '.join(compile_command(build, partial))}\n{result.stderr}"
+            return f"{' '.join(command(build, partial))}\n{result.stderr[-8000:]}"
         os.replace(partial, program)
-        for stale in BUILD_DIR.glob(f"selftest-{build}-*"):
+        for stale in BUILD_DIR.glob(f"{name}-{build}-*"):
             if stale != program:
                 stale.unlink()
         return None
 
-    missing = [build for build in BUILDS if not programs[build].exists()]
-    with ThreadPoolExecutor(max_workers=2) as pool:  # at most two compilers at a time
+    missing = [build for build in builds if not programs[build].exists()]
+    with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [failure for failure in pool.map(build_one, missing) if failure]
     if failures:
-        pytest.fail("compiling the emulator's self-test failed:\n" + "\n".join(failures))
+        pytest.fail(f"compiling {source.name} failed:\n" + "\n".join(failures))
     return programs
+
+
+@pytest.fixture(scope="session")
+def selftest():
+    """build name -> path of the self-test program."""
+    sources = sorted(path for path in EMULATED.iterdir() if path.is_file())
+    return build_programs("selftest", EMULATED / "selftest.cpp", BUILDS, COMMON_FLAGS, sources)
 
 
 def run(program, case, order="forward", seed=0, stdin=None):
