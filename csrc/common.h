@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -83,14 +82,7 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
 void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu, int64_t num_blocks,
                              int64_t block_size);
 
-// Widest access in bytes (16, 8, 4, 2 or 1) that divides every byte count and address given: the kernels
-// that only move data use it to pick their load/store width without dispatching on dtype.
-inline int64_t access_width(std::initializer_list<uint64_t> byte_values) {
-  uint64_t bits = 16;
-  for (uint64_t v : byte_values) bits |= v;
-  return static_cast<int64_t>(bits & (~bits + 1));  // lowest set bit
-}
-
+// (access_width, the widest access that divides a set of addresses and strides, is in cuda/launch_plan.h.)
 inline uint64_t address_of(const at::Tensor& t) {
   return reinterpret_cast<uint64_t>(t.data_ptr());
 }

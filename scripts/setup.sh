@@ -30,7 +30,10 @@ if ! .venv/bin/python setup.py build_ext --inplace > build/build.log 2>&1; then
 fi
 grep '^paged_attn:' build/build.log || true
 # Registers, spills and shared memory of every CUDA kernel (ptxas, from the build log).
-.venv/bin/python scripts/ptxas_report.py build/build.log > build/registers.txt
+# (a rebuild that compiled no CUDA file keeps the last table; one that recompiled some files lists their kernels)
+if grep -q "ptxas info" build/build.log || [ ! -f build/registers.txt ]; then
+  .venv/bin/python scripts/ptxas_report.py build/build.log > build/registers.txt
+fi
 cat build/registers.txt
 
 # Make the checkout importable (like an editable install, without a rebuild on every run).

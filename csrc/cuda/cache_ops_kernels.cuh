@@ -2,7 +2,7 @@
 // launch_plan.h, and swap_blocks needs no kernel).
 //
 // These ops only move data, so the kernels are dtype-agnostic: they copy `Unit`s, the widest access (16, 8, 4, 2 or
-// 1 bytes) that divides every address, stride and row length involved (access_width in csrc/common.h). With the
+// 1 bytes) that divides every address, stride and row length involved (access_width in launch_plan.h). With the
 // usual head dims that is a 16-byte vector access per thread. Cache addresses come from PagedCache.
 //
 //   reshape_and_cache  grid (num_tokens): one thread block writes one token's [num_kv_heads, head_dim] rows.

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -154,6 +155,14 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
 
 // ---------------------------------------------------------------------------------------------------------------
 // Cache ops (csrc/cuda/cache_ops_kernels.cuh). They copy Units: 16, 8, 4, 2 or 1 bytes.
+
+// Widest access in bytes (16, 8, 4, 2 or 1) that divides every byte count and address given: the kernels that only
+// move data use it to pick their load/store width without dispatching on dtype.
+inline int64_t access_width(std::initializer_list<uint64_t> byte_values) {
+  uint64_t bits = 16;
+  for (uint64_t v : byte_values) bits |= v;
+  return static_cast<int64_t>(bits & (~bits + 1));  // lowest set bit
+}
 
 constexpr int kMaxCopyThreads = 512;
 constexpr int kMaxLayersPerLaunch = 128;  // copy_blocks: layers whose pointers one launch carries as a parameter

@@ -25,7 +25,7 @@ import torch
 
 from .model import LlamaModel, Tokenizer
 from .sampling import SamplingParams, sample
-from .scheduler import EngineStats, Request, Scheduler, Sequence
+from .scheduler import EngineStats, Request, Scheduler, Sequence, kv_bytes_per_block
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
 
@@ -124,8 +124,7 @@ class LLM:
             raise ValueError(f"max_model_len must be in [2, {cfg.max_model_len}] (the model's context), got "
                              f"{max_model_len}")
         self.max_model_len = max_model_len or cfg.max_model_len
-        bytes_per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * \
-            torch.empty((), dtype=model.dtype).element_size()
+        bytes_per_block = kv_bytes_per_block(cfg, block_size, model.dtype)
         if num_gpu_blocks is None:
             if kv_cache_memory is None:
                 kv_cache_memory = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else \

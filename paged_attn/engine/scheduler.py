@@ -103,8 +103,7 @@ class Scheduler:
         self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * \
-            torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
         # The cache tensors come first: an oversized pool fails here, at once, before the manager's bookkeeping.
         self.kv_caches = _allocate_caches(config, num_gpu_blocks, block_size, dtype, device, False,
                                           self.bytes_per_block, "num_gpu_blocks")
@@ -384,6 +383,12 @@ class Scheduler:
             context_lens=context_lens,
             logits_indices=tensor([end - 1 for end in ends]),
         )
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block: keys and values of block_size tokens, in every layer."""
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * \
+        torch.empty((), dtype=dtype).element_size()
 
 
 def _common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -31,6 +31,7 @@
 
 namespace {
 
+using paged_attn::access_width;
 using paged_attn::to_dim3;
 
 struct CaseError : std::runtime_error {
@@ -201,13 +202,6 @@ void run_attention(const Case& c, const simt::Options& options) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The widest access (16, 8, 4, 2 or 1 bytes) dividing every value: csrc/common.h's access_width.
-int64_t access_width(std::initializer_list<uint64_t> byte_values) {
-  uint64_t bits = 16;
-  for (uint64_t v : byte_values) bits |= v;
-  return static_cast<int64_t>(bits & (~bits + 1));
-}
-
 uint64_t address(const View& v) { return reinterpret_cast<uint64_t>(v.data); }
 
 void run_reshape_and_cache(const Case& c, const simt::Options& options) {
