@@ -40,13 +40,40 @@ void check_cache(const at::Tensor& cache, const char* name) {
   // NOTE: num_blocks = 0 is an empty pool and fine; a zero block_size would divide by zero in the index math.
   TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
               ": block_size, num_kv_heads and head_dim must be positive, got shape ", cache.sizes());
-  const int64_t num_kv_heads = cache.size(2), head_dim = cache.size(3);
-  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == head_dim && cache.stride(1) == num_kv_heads * head_dim,
-              name, ": the last three dimensions [block_size, num_kv_heads, head_dim] must be contiguous, got shape ",
+  TORCH_CHECK(cache.stride(3) == 1, name, ": the last dimension (head_dim) must be contiguous, got shape ",
               cache.sizes(), " with strides ", cache.strides());
-  TORCH_CHECK(cache.size(0) <= 1 || cache.stride(0) >= cache.size(1) * num_kv_heads * head_dim, name,
-              ": blocks must not overlap (block stride >= block_size * num_kv_heads * head_dim), got shape ",
+  TORCH_CHECK(!has_self_overlap(cache), name,
+              ": its elements must not overlap (no two (block, token, kv head) rows may share memory), got shape ",
               cache.sizes(), " with strides ", cache.strides());
+}
+
+bool has_packed_rows(const at::Tensor& cache) {
+  return cache.stride(3) == 1 && cache.stride(2) == cache.size(3) && cache.stride(1) == cache.size(2) * cache.size(3);
+}
+
+int64_t block_span_bytes(const at::Tensor& t) {
+  int64_t last = 0;  // offset of a block's last element, in elements
+  for (int64_t d = 1; d < t.dim(); ++d) {
+    if (t.size(d) == 0) return 0;
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  return (last + 1) * static_cast<int64_t>(t.element_size());
+}
+
+bool has_self_overlap(const at::Tensor& t) {
+  // Sufficient for no overlap: taken by increasing stride, each dimension steps past everything the dimensions
+  // inside it cover. (Any layout a view of a contiguous tensor gives passes, e.g. the halves of a last dimension.)
+  c10::SmallVector<std::pair<int64_t, int64_t>, 6> dims;  // (stride, size) of the dims of size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements covered by the dims so far, from the first to one past the last
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return true;
+    extent += (size - 1) * stride;
+  }
+  return false;
 }
 
 namespace {
@@ -309,16 +336,19 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
   const auto block_shape = src.sizes().slice(1);
   TORCH_CHECK(std::find(block_shape.begin(), block_shape.end(), 0) == block_shape.end(),
               "src and dst must have positive sizes after the block dimension, got ", src.sizes());
+  // A block is copied as the run of bytes it spans (block_span_bytes), so src and dst must lay a block out alike;
+  // the block dimension may have any stride, as long as the blocks' spans do not overlap.
+  TORCH_CHECK(src.strides().slice(1) == dst.strides().slice(1),
+              "src and dst must have the same strides within a block (all dimensions after the first), got ",
+              src.strides(), " and ", dst.strides());
   for (const at::Tensor* t : {&src, &dst}) {
     TORCH_CHECK(t->device().is_cpu() || t->device().is_cuda(), "swap_blocks supports CPU and CUDA tensors, got ",
                 t->device());
-    // Each block must be one contiguous run of bytes; the block dimension may have any stride.
-    TORCH_CHECK(t->size(0) == 0 || t->select(0, 0).is_contiguous(),
-                "src and dst must be contiguous within each block (all dimensions after the first), got strides ",
-                t->strides());
-    TORCH_CHECK(t->size(0) <= 1 || t->stride(0) >= t->select(0, 0).numel(),
-                "src and dst blocks must not overlap (block stride >= elements per block), got shape ", t->sizes(),
-                " with strides ", t->strides());
+    TORCH_CHECK(t->size(0) == 0 || !has_self_overlap(t->select(0, 0)), "src and dst must not have overlapping elements within a block, "
+                "got strides ", t->strides());
+    TORCH_CHECK(t->size(0) <= 1 || t->stride(0) * t->element_size() >= block_span_bytes(*t),
+                "src and dst blocks must not overlap (the block stride must reach past the bytes a block spans), got "
+                "shape ", t->sizes(), " with strides ", t->strides());
   }
   check_block_mapping_shape(block_mapping, at::Device(at::kCPU));
   // src and dst may be one cache (exactly the same memory; the caller then forbids destinations that are sources),
@@ -333,17 +363,28 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
 void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
-                                int64_t sliding_window, double logits_soft_cap) {
+                                int64_t sliding_window, double logits_soft_cap,
+                                const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len) {
   check_cache_pair(key_cache, value_cache);
-  TORCH_CHECK(query.dim() == 3, "query must have shape [num_seqs, num_heads, head_dim], got ", query.sizes());
+  TORCH_CHECK(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", query.sizes());
   TORCH_CHECK(query.device() == key_cache.device(), "query and key_cache must be on the same device, got ",
               query.device(), " and ", key_cache.device());
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and key_cache must have the same dtype, got ",
               query.scalar_type(), " and ", key_cache.scalar_type());
   TORCH_CHECK(query.stride(2) == 1, "query must be contiguous in its last dimension (head_dim), got strides ",
               query.strides());
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
+  int64_t num_seqs = num_tokens;  // one query token per sequence without query_start_loc
+  if (query_start_loc.has_value()) {
+    check_index_tensor(*query_start_loc, "query_start_loc", at::kInt, 1, query.device());
+    TORCH_CHECK(query_start_loc->size(0) >= 1, "query_start_loc must have num_seqs + 1 entries (at least 1), got 0");
+    num_seqs = query_start_loc->size(0) - 1;
+    TORCH_CHECK(!max_query_len.has_value() || *max_query_len >= 0, "max_query_len must be >= 0, got ",
+                *max_query_len);
+  } else {
+    TORCH_CHECK(!max_query_len.has_value(), "max_query_len is given without query_start_loc");
+  }
   TORCH_CHECK(num_heads > 0 && head_dim > 0, "query must have positive num_heads and head_dim, got shape ",
               query.sizes());
   TORCH_CHECK(key_cache.size(3) == head_dim, "query has head_dim ", head_dim, " but the cache has head_dim ",
@@ -355,11 +396,13 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
               "out must be a ", query.scalar_type(), " tensor of shape ", query.sizes(), " on ", query.device(),
               ", got ", out.scalar_type(), " ", out.sizes(), " on ", out.device());
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  // num_seqs comes from query_start_loc, else from query: say which.
+  const char* seqs_from = query_start_loc.has_value() ? " (query_start_loc has num_seqs + 1 entries)" : " (query rows)";
   check_index_tensor(block_tables, "block_tables", at::kInt, 2, query.device());
-  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs = ", num_seqs, " rows, got ",
-              block_tables.size(0));
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have num_seqs = ", num_seqs, seqs_from,
+              " rows, got ", block_tables.size(0));
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1, query.device());
-  TORCH_CHECK(seq_lens.size(0) == num_seqs, "seq_lens must have num_seqs = ", num_seqs, " entries, got ",
+  TORCH_CHECK(seq_lens.size(0) == num_seqs, "seq_lens must have num_seqs = ", num_seqs, seqs_from, " entries, got ",
               seq_lens.size(0));
   if (alibi_slopes.has_value()) {
     check_index_tensor(*alibi_slopes, "alibi_slopes", at::kFloat, 1, query.device());
@@ -370,10 +413,33 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
               "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap);
-  const at::Tensor no_slopes;
+  const at::Tensor none;
   check_no_overlap({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
                     {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
-                    {alibi_slopes.has_value() ? &*alibi_slopes : &no_slopes, "alibi_slopes"}});
+                    {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes"},
+                    {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc"}});
+}
+
+void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at::Tensor& seq_lens_cpu,
+                                 int64_t num_tokens, std::optional<int64_t> max_query_len) {
+  const auto starts = query_start_loc_cpu.contiguous();
+  const auto lens = seq_lens_cpu.contiguous();
+  const int32_t* qsl = starts.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  const int64_t num_seqs = starts.size(0) - 1;
+  TORCH_CHECK(qsl[0] == 0, "query_start_loc[0] must be 0, got ", qsl[0]);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t query_len = int64_t{qsl[s + 1]} - qsl[s];
+    TORCH_CHECK(query_len >= 0, "query_start_loc must be non-decreasing, got query_start_loc[", s, "] = ", qsl[s],
+                " > query_start_loc[", s + 1, "] = ", qsl[s + 1]);
+    TORCH_CHECK(query_len <= len[s], "sequence ", s, " has ", query_len,
+                " query tokens (query_start_loc[s + 1] - query_start_loc[s]) but seq_lens[", s, "] = ", len[s],
+                ": its query tokens are its last ones, so there can be at most seq_lens[s]");
+    TORCH_CHECK(!max_query_len.has_value() || query_len <= *max_query_len, "sequence ", s, " has ", query_len,
+                " query tokens, more than max_query_len = ", *max_query_len);
+  }
+  TORCH_CHECK(qsl[num_seqs] == num_tokens, "query_start_loc[-1] must be num_tokens = ", num_tokens,
+              " (query rows), got ", qsl[num_seqs]);
 }
 
 void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu, int64_t num_blocks,

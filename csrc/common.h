@@ -19,9 +19,24 @@ void set_validation_enabled(bool enabled);
 // float32, float16 or bfloat16, with a message naming the argument.
 void check_kv_dtype(const at::Tensor& t, const char* name);
 
-// A paged cache: [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive and contiguous
-// (num_blocks may be 0; the block dimension may have any stride, e.g. one half of a [num_blocks, 2, ...] allocation).
+// A paged cache: [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive (num_blocks may
+// be 0), the last dimension contiguous and the others with any strides under which no two elements overlap
+// (has_self_overlap): e.g. one half of a [num_blocks, 2, ...] allocation, or the K (or V) half of vLLM's packed
+// [num_blocks, block_size, num_kv_heads, 2 * head_dim] cache.
 void check_cache(const at::Tensor& cache, const char* name);
+
+// Whether a cache's block is one contiguous run: [block_size, num_kv_heads, head_dim] packed (strides
+// num_kv_heads * head_dim, head_dim, 1).
+bool has_packed_rows(const at::Tensor& cache);
+
+// The bytes one block of t ([num_blocks, ...]) spans, from its first element to the end of its last one: the
+// block's size when it is contiguous, more for a strided view (e.g. the K half of a packed K|V block spans the V
+// rows between its own). 0 when a block is empty.
+int64_t block_span_bytes(const at::Tensor& t);
+
+// Whether some layouts' elements could share memory: false when, dims taken by increasing stride, each stride
+// reaches past everything the smaller-stride dims cover (what views of contiguous tensors satisfy).
+bool has_self_overlap(const at::Tensor& t);
 
 // Whether a and b share at least one byte of memory. Exact: it compares the bytes their elements cover, not their
 // [min, max) ranges, so the interleaved halves of one [num_blocks, 2, ...] allocation, or the key and value slices
@@ -75,7 +90,14 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
 void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
-                                int64_t sliding_window, double logits_soft_cap);
+                                int64_t sliding_window, double logits_soft_cap,
+                                const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len);
+
+// query_start_loc (int32 [num_seqs + 1]) starts at 0, never decreases and ends at num_tokens; each sequence's
+// query_len = qsl[s + 1] - qsl[s] is at most seq_lens[s] and, when max_query_len is given, at most max_query_len.
+// Takes CPU tensors.
+void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at::Tensor& seq_lens_cpu,
+                                 int64_t num_tokens, std::optional<int64_t> max_query_len);
 
 // Every seq_lens[s] is in [0, max_blocks_per_seq * block_size], and the block-table entries that sequence s
 // reads (the first ceil(seq_lens[s] / block_size)) are in [0, num_blocks). Takes CPU tensors.

@@ -4,7 +4,8 @@
 // paged_attn/ops.py.
 //
 // Cache layout (every op): key_cache, value_cache are [num_blocks, block_size, num_kv_heads, head_dim] with the
-// last three dimensions contiguous and any stride on the block dimension. Slot = block * block_size + offset.
+// last dimension contiguous and any strides on the others (elements must not overlap), e.g. the K and V halves of
+// one [num_blocks, block_size, num_kv_heads, 2 * head_dim] allocation. Slot = block * block_size + offset.
 #include <torch/library.h>
 
 TORCH_LIBRARY(paged_attn, m) {
@@ -15,8 +16,11 @@ TORCH_LIBRARY(paged_attn, m) {
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   // Copy blocks between caches on any pair of devices (swap out / in); block_mapping [num_pairs, 2] lives on the CPU.
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
-  // Decode attention: out[s, h] = softmax(scale * q[s, h] . K_s) V_s over the paged keys/values of sequence s.
-  // sliding_window = 0 and logits_soft_cap = 0 turn those features off.
+  // Paged attention: out[i, h] = softmax(scale * q[i, h] . K_s[:p + 1]) V_s[:p + 1] for query token i at position p of
+  // sequence s, over s's paged keys/values. Without query_start_loc one token per sequence (decode, p = L_s - 1);
+  // with it (int32 [num_seqs + 1]) tokens qsl[s]..qsl[s + 1] are the last ones of sequence s (prefill, chunks,
+  // mixed batches); max_query_len bounds qsl[s + 1] - qsl[s]. sliding_window = 0, logits_soft_cap = 0: off.
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, Tensor? alibi_slopes, int sliding_window, float logits_soft_cap) -> ()");
+        "Tensor seq_lens, float scale, Tensor? alibi_slopes, int sliding_window, float logits_soft_cap, "
+        "Tensor? query_start_loc=None, int? max_query_len=None) -> ()");
 }

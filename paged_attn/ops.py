@@ -1,9 +1,10 @@
 """Typed wrappers over ``torch.ops.paged_attn.*``, with the fake (meta) kernels that ``torch.compile`` needs.
 
 The paged KV cache, for every op: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` tensors (float32, float16 or bfloat16) whose last three dimensions are contiguous; the block dimension
-may have any stride (e.g. the two halves of one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
-allocation). Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+head_dim]`` tensors (float32, float16 or bfloat16) whose last dimension is contiguous; the other dimensions may
+have any strides under which no two elements share memory (e.g. the two halves of one ``[num_blocks, 2,
+block_size, num_kv_heads, head_dim]`` allocation, or the K and V halves of vLLM's packed ``[num_blocks,
+block_size, num_kv_heads, 2 * head_dim]`` cache). Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
 ``t % block_size``; its *slot* is ``block * block_size + offset``.
 """
 
@@ -71,8 +72,11 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: BlockMappin
     """Copy blocks from one cache to another, on any pair of devices (swap out GPU->CPU, swap in CPU->GPU).
 
     Args:
-        src, dst: caches ``[num_blocks, ...]`` with the same per-block shape and dtype, each contiguous within a
-            block (the block dimension may have any stride). ``dst`` is modified in place.
+        src, dst: caches ``[num_blocks, ...]`` with the same per-block shape, strides and dtype (the block
+            dimension may have any stride). ``dst`` is modified in place. Each block is copied as the run of bytes
+            it spans: for a strided view that includes the bytes between its rows, e.g. the V rows of a packed K|V
+            cache when its K half is swapped; swap both halves with the same mapping, or swap the packed tensor
+            itself (one copy instead of two).
         block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` on the CPU (or a list of pairs);
             destinations are distinct.
 
@@ -89,37 +93,55 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
+    query_start_loc: Optional[torch.Tensor] = None,
+    max_query_len: Optional[int] = None,
     scale: Optional[float] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Decode attention over a paged KV cache: one query token per sequence.
+    """Attention over a paged KV cache: decode (one query token per sequence), or any mix of prefills, prefill
+    chunks and decodes with ``query_start_loc``.
 
     Args:
-        query: ``[num_seqs, num_heads, head_dim]`` (last dimension contiguous), same dtype as the caches.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``num_heads`` must be a
-            multiple of ``num_kv_heads`` (query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``).
+        query: ``[num_tokens, num_heads, head_dim]`` (last dimension contiguous), same dtype as the caches.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, last dimension contiguous,
+            any other strides (e.g. the K and V halves of vLLM's packed ``[..., 2 * head_dim]`` cache);
+            ``num_heads`` must be a multiple of ``num_kv_heads`` (query head ``h`` reads kv head
+            ``h // (num_heads // num_kv_heads)``).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past ``ceil(seq_lens[s] / block_size)`` are
             never read and may hold anything (e.g. -1).
-        seq_lens: int32 ``[num_seqs]``; a sequence of length 0 gets a zero output row.
+        seq_lens: int32 ``[num_seqs]``: tokens of each sequence in the cache, the query tokens' own included
+            (write them with :func:`reshape_and_cache` first).
+        query_start_loc: int32 ``[num_seqs + 1]``, from 0, non-decreasing, ending at ``num_tokens``: query rows
+            ``qsl[s]:qsl[s + 1]`` are the last ``q_s = qsl[s + 1] - qsl[s]`` tokens of sequence ``s`` (``q_s <=
+            seq_lens[s]``; 0 is allowed), at positions ``seq_lens[s] - q_s + i``; each attends causally to the
+            sequence's tokens up to its own position. Without it, one token per sequence (``num_tokens =
+            num_seqs``), the last one: a sequence of length 0 then gets a zero output row.
+        max_query_len: an upper bound of ``q_s`` (host int, like FlashAttention's ``max_seqlen_q``). On CUDA it
+            sizes the launch without reading ``query_start_loc``; without it the CUDA path copies
+            ``query_start_loc`` to the host once (a synchronization: not capturable in a CUDA graph). A bound
+            smaller than some ``q_s`` is an error (checked on the CPU and with validation on).
         scale: logit scale, default ``head_dim ** -0.5``.
-        alibi_slopes: float32 ``[num_heads]``: adds ``slope[h] * (t - (seq_len - 1))`` to the logit of token ``t``.
-        sliding_window: only the last ``sliding_window`` tokens take part.
+        alibi_slopes: float32 ``[num_heads]``: adds ``slope[h] * (t - p)`` to the logit of token ``t`` for the
+            query at position ``p``.
+        sliding_window: only the last ``sliding_window`` positions up to ``p`` take part (``t > p - window``).
         logits_soft_cap: ``c``: logits become ``c * tanh(logit / c)`` (before ALiBi).
-        out: optional ``[num_seqs, num_heads, head_dim]`` contiguous output to write into.
+        out: optional ``[num_tokens, num_heads, head_dim]`` contiguous output to write into.
 
     Returns:
-        ``[num_seqs, num_heads, head_dim]`` in the query dtype (``out`` when given). Softmax and the weighted sum
-        are accumulated in float32.
+        ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given). Softmax and the weighted
+        sum are accumulated in float32.
 
     Example::
 
-        out = paged_attn.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
+        out = paged_attn.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)  # decode
+        out = paged_attn.paged_attention(q, key_cache, value_cache, block_tables, seq_lens,
+                                         query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32))
     """
     if query.dim() != 3 or query.shape[1] == 0 or query.shape[2] == 0:
-        raise ValueError(f"query must have shape [num_seqs, num_heads, head_dim] with positive num_heads and "
+        raise ValueError(f"query must have shape [num_tokens, num_heads, head_dim] with positive num_heads and "
                          f"head_dim, got {tuple(query.shape)}")
     if sliding_window is not None and not (_is_int(sliding_window) and sliding_window > 0):
         raise ValueError(f"sliding_window must be a positive integer number of tokens or None, got {sliding_window!r}")
@@ -127,13 +149,19 @@ def paged_attention(
         raise ValueError(f"logits_soft_cap must be positive and finite, or None, got {logits_soft_cap}")
     if scale is not None and not _is_finite(scale):
         raise ValueError(f"scale must be finite or None, got {scale}")
+    if max_query_len is not None:
+        if query_start_loc is None:
+            raise ValueError("max_query_len is given without query_start_loc")
+        if not (_is_int(max_query_len) and max_query_len >= 0):
+            raise ValueError(f"max_query_len must be a non-negative integer or None, got {max_query_len!r}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     torch.ops.paged_attn.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
-        int(sliding_window or 0), float(logits_soft_cap or 0.0),
+        int(sliding_window or 0), float(logits_soft_cap or 0.0), query_start_loc,
+        None if max_query_len is None else int(max_query_len),
     )
     return out
 
@@ -284,12 +312,20 @@ def _(src, dst, block_mapping) -> None:
 
 @torch.library.register_fake("paged_attn::paged_attention")
 def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-      logits_soft_cap) -> None:
+      logits_soft_cap, query_start_loc=None, max_query_len=None) -> None:
     _check_cache_pair(key_cache, value_cache)
-    _require(query.dim() == 3, "query must have shape [num_seqs, num_heads, head_dim], got ", _shape(query))
+    _require(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", _shape(query))
     _check_like_cache(query, "query", key_cache)
-    num_seqs, num_heads, head_dim = query.shape
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
+    num_seqs = num_tokens
+    if query_start_loc is not None:
+        _check_index_tensor(query_start_loc, "query_start_loc", torch.int32, 1, query.device)
+        _require(query_start_loc.shape[0] >= 1, "query_start_loc must have num_seqs + 1 entries (at least 1), got 0")
+        num_seqs = query_start_loc.shape[0] - 1
+        _require(max_query_len is None or max_query_len >= 0, "max_query_len must be >= 0, got ", max_query_len)
+    else:
+        _require(max_query_len is None, "max_query_len is given without query_start_loc")
     _require(num_heads > 0 and head_dim > 0, "query must have positive num_heads and head_dim, got shape ",
              _shape(query))
     _require(key_cache.shape[3] == head_dim, "query has head_dim ", head_dim, " but the cache has head_dim ",
@@ -299,11 +335,12 @@ def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_s
     _require(out.shape == query.shape and out.dtype == query.dtype and out.device == query.device,
              "out must be a ", query.dtype, " tensor of shape ", _shape(query), " on ", query.device, ", got ",
              out.dtype, " ", _shape(out), " on ", out.device)
+    seqs_from = " (query_start_loc has num_seqs + 1 entries)" if query_start_loc is not None else " (query rows)"
     _check_index_tensor(block_tables, "block_tables", torch.int32, 2, query.device)
-    _require(block_tables.shape[0] == num_seqs, "block_tables must have num_seqs = ", num_seqs, " rows, got ",
-             block_tables.shape[0])
+    _require(block_tables.shape[0] == num_seqs, "block_tables must have num_seqs = ", num_seqs, seqs_from,
+             " rows, got ", block_tables.shape[0])
     _check_index_tensor(seq_lens, "seq_lens", torch.int32, 1, query.device)
-    _require(seq_lens.shape[0] == num_seqs, "seq_lens must have num_seqs = ", num_seqs, " entries, got ",
+    _require(seq_lens.shape[0] == num_seqs, "seq_lens must have num_seqs = ", num_seqs, seqs_from, " entries, got ",
              seq_lens.shape[0])
     if alibi_slopes is not None:
         _check_index_tensor(alibi_slopes, "alibi_slopes", torch.float32, 1, query.device)

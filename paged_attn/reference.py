@@ -43,49 +43,52 @@ def swap_blocks(
 
 
 def paged_attention(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
     seq_lens: torch.Tensor,  # [num_seqs], int32
     *,
+    query_start_loc: Optional[torch.Tensor] = None,  # [num_seqs + 1], int32; None: one query token per sequence
     scale: Optional[float] = None,
     alibi_slopes: Optional[torch.Tensor] = None,  # [num_heads], float32
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     compute_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query dtype
-    """Vectorized paged decode attention: gather each sequence's keys/values through its block table (padded to
-    the longest sequence), then masked softmax attention in compute_dtype."""
-    num_seqs, num_heads, head_dim = query.shape
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query dtype
+    """Paged attention, one sequence at a time: gather the sequence's keys/values through its block table, then
+    causal softmax attention of its query tokens (the last q_s of its L_s tokens, at positions L_s - q_s + i) in
+    compute_dtype."""
+    num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    scale = head_dim**-0.5 if scale is None else scale
-    device = query.device
-    seq_lens = seq_lens.long().to(device)
-    max_len = int(seq_lens.max()) if num_seqs > 0 else 0
-    positions = torch.arange(max_len, device=device)  # [max_len]
-    valid = positions[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
-    if sliding_window is not None:
-        valid &= positions[None, :] >= seq_lens[:, None] - sliding_window
-    # Block-table entries past a sequence's end may be garbage: read block 0 there, then mask.
-    blocks = torch.where(valid, block_tables.long().to(device)[:, positions // block_size], 0)
-    offsets = (positions % block_size).expand(num_seqs, max_len)
-    keys = key_cache[blocks, offsets].to(compute_dtype)  # [num_seqs, max_len, num_kv_heads, head_dim]
-    values = value_cache[blocks, offsets].to(compute_dtype)
-    values = torch.where(valid[:, :, None, None], values, 0)  # masked slots may hold NaN
     group = num_heads // num_kv_heads
-    keys = keys.repeat_interleave(group, dim=2)  # [num_seqs, max_len, num_heads, head_dim]
-    values = values.repeat_interleave(group, dim=2)
-
-    logits = torch.einsum("shd,sthd->sht", query.to(compute_dtype), keys) * scale  # [num_seqs, num_heads, max_len]
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-    if alibi_slopes is not None:
-        distance = positions[None, :] - (seq_lens[:, None] - 1)  # [num_seqs, max_len], <= 0
-        logits = logits + alibi_slopes.to(device, compute_dtype)[None, :, None] * distance[:, None, :]
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # an empty sequence has only -inf logits
-    out = torch.einsum("sht,sthd->shd", probs, values)
+    scale = head_dim**-0.5 if scale is None else scale
+    if query_start_loc is None:
+        query_start_loc = torch.arange(num_tokens + 1)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=compute_dtype, device=query.device)
+    for seq, seq_len in enumerate(lens):
+        first, last = starts[seq], starts[seq + 1]
+        if first == last or seq_len == 0:
+            continue  # no query tokens; a decode row of an empty sequence stays zero
+        tokens = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[seq].long().to(query.device)[tokens // block_size]
+        keys = key_cache[blocks, tokens % block_size].to(compute_dtype)  # [seq_len, num_kv_heads, head_dim]
+        values = value_cache[blocks, tokens % block_size].to(compute_dtype)
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)  # [q_s]
+        q = query[first:last].to(compute_dtype)  # [q_s, num_heads, head_dim]
+        logits = torch.einsum("qhd,thd->hqt", q, keys) * scale  # [num_heads, q_s, seq_len]
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        distance = tokens[None, :] - positions[:, None]  # [q_s, seq_len]: t - p
+        if alibi_slopes is not None:
+            logits = logits + alibi_slopes.to(query.device, compute_dtype)[:, None, None] * distance
+        visible = distance <= 0  # causal
+        if sliding_window is not None:
+            visible &= distance > -sliding_window
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        out[first:last] = torch.einsum("hqt,thd->qhd", probs, values)
     return out.to(query.dtype)
 
 

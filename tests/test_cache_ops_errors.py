@@ -65,13 +65,17 @@ RESHAPE_ERRORS = {
         lambda k, v, kc, vc, s: (k.transpose(1, 2).contiguous().transpose(1, 2), v, kc, vc, s),
         "must be contiguous in their last dimension",
     ),
-    "cache inner layout": (
-        lambda k, v, kc, vc, s: (k, v, kc.transpose(1, 2).contiguous().transpose(1, 2), vc, s),
-        "last three dimensions .* must be contiguous",
+    "cache last dim": (
+        lambda k, v, kc, vc, s: (k, v, kc.transpose(2, 3).contiguous().transpose(2, 3), vc, s),
+        r"key_cache: the last dimension \(head_dim\) must be contiguous",
     ),
     "overlapping blocks": (
         lambda k, v, kc, vc, s: (k, v, kc[:1].expand(4, -1, -1, -1), vc, s),
-        "blocks must not overlap",
+        "key_cache: its elements must not overlap",
+    ),
+    "overlapping rows": (
+        lambda k, v, kc, vc, s: (k, v, kc.as_strided(kc.shape, (kc.stride(0), 8, 8, 1)), vc, s),
+        "key_cache: its elements must not overlap",
     ),
     "slot dtype": (lambda k, v, kc, vc, s: (k, v, kc, vc, s.int()), "slot_mapping must be Long"),
     "slot rank": (lambda k, v, kc, vc, s: (k, v, kc, vc, s[None]), "slot_mapping must have 1 dimension"),
@@ -188,9 +192,18 @@ SWAP_ERRORS = {
         lambda src, dst, m: (src, dst, torch.tensor([[0, 1], [2, 1]])),
         "destination block 1 appears more than once",
     ),
-    "within a block": (
+    "layouts differ within a block": (
         lambda src, dst, m: (src.transpose(1, 2).contiguous().transpose(1, 2), dst, m),
-        "contiguous within each block",
+        "src and dst must have the same strides within a block",
+    ),
+    "overlapping elements": (
+        lambda src, dst, m: (src.as_strided(src.shape, (src.stride(0), 0) + src.stride()[2:]),
+                             dst.as_strided(dst.shape, (dst.stride(0), 0) + dst.stride()[2:]), m),
+        "must not have overlapping elements within a block",
+    ),
+    "overlapping block spans": (
+        lambda src, dst, m: (src.as_strided(src.shape, (8,) + src.stride()[1:]), dst, m),
+        "the block stride must reach past the bytes a block spans",
     ),
 }
 

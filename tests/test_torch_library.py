@@ -5,6 +5,7 @@ import re
 import pytest
 import test_attention as attention
 import test_cache_ops_errors as errors
+import test_varlen_attention as varlen
 import torch
 import torch.utils._pytree as pytree
 from conftest import DEVICES
@@ -70,7 +71,8 @@ def test_torch_compile_fullgraph():
 # real tensors), and with the same messages: every error case of the op tests, run once for real and once on fake
 # tensors.
 
-KERNEL_ONLY = re.compile(r"contiguous|must not overlap|out of range|more than once|both a source")
+KERNEL_ONLY = re.compile(r"contiguous|must not overlap|out of range|more than once|both a source|strides|overlapping|"
+                         r"query_start_loc\[|non-decreasing|query tokens")
 
 
 def error_cases():
@@ -78,6 +80,7 @@ def error_cases():
     cases = [("reshape_and_cache", name) for name in errors.RESHAPE_ERRORS]
     cases += [("copy_blocks", name) for name in errors.COPY_ERRORS]
     cases += [("swap_blocks", name) for name in errors.SWAP_ERRORS]
+    cases += [("paged_attention varlen", name) for name in varlen.ERRORS]
     return cases + [("paged_attention", name) for name in attention.ERRORS]
 
 
@@ -92,6 +95,11 @@ def error_call(op, name):
     if op == "swap_blocks":
         src, (dst, _) = torch.randn(6, 8, 2, 32), errors.caches(num_blocks=3)
         return paged_attn.swap_blocks, errors.SWAP_ERRORS[name][0](src, dst, torch.tensor([[0, 1]])), {}
+    if op == "paged_attention varlen":
+        case = varlen.make_varlen_case(varlen.MIXED, 4, 2, 64, 16, torch.float32, "cpu")
+        kwargs = varlen._bad(case, **varlen.ERRORS[name][0])  # query_start_loc (and max_query_len) by keyword
+        positional = [kwargs.pop(k) for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+        return paged_attn.paged_attention, positional, kwargs
     make_args, kwargs, _, _ = attention.ERRORS[name]
     return paged_attn.paged_attention, make_args(*attention.error_case()), kwargs
 

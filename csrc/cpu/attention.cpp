@@ -88,21 +88,22 @@ inline Vec load_float(const scalar_t* p) {  // kVecSize elements, widened to flo
 }
 
 // This file's one place for paged address arithmetic (csrc/cpu/cache_ops.cpp and the CUDA kernels have their
-// own). Token t of a sequence lives in block block_table[t / block_size]
-// at offset t % block_size; in a block, token `offset`'s rows of all kv heads are contiguous ([num_kv_heads,
-// head_dim]); kv head g's row starts g * head_dim elements in.
+// own). Token t of a sequence lives in block block_table[t / block_size] at offset t % block_size; its row of kv
+// head g starts g * head_stride elements after the token's first row. Strides are each cache's own (vLLM's packed
+// cache has head_stride = 2 * head_dim, this project's contiguous one head_dim).
 template <typename scalar_t>
 struct PagedKV {
-  const scalar_t* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim], block stride key_block_stride
-  const scalar_t* value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], block stride value_block_stride
-  int64_t key_block_stride, value_block_stride, token_stride;  // in elements; token_stride = num_kv_heads * head_dim
+  const scalar_t* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim], strides key_*_stride
+  const scalar_t* value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], strides value_*_stride
+  int64_t key_block_stride, key_token_stride, key_head_stride;  // in elements
+  int64_t value_block_stride, value_token_stride, value_head_stride;
 
   // NOTE: block ids are widened to 64 bits first: block * block_stride can exceed 2^31.
-  const scalar_t* keys(int32_t block, int64_t offset) const {  // [num_kv_heads, head_dim]
-    return key_cache + int64_t{block} * key_block_stride + offset * token_stride;
+  const scalar_t* keys(int32_t block, int64_t offset) const {  // kv head g's row at + g * key_head_stride
+    return key_cache + int64_t{block} * key_block_stride + offset * key_token_stride;
   }
-  const scalar_t* values(int32_t block, int64_t offset) const {  // [num_kv_heads, head_dim]
-    return value_cache + int64_t{block} * value_block_stride + offset * token_stride;
+  const scalar_t* values(int32_t block, int64_t offset) const {  // kv head g's row at + g * value_head_stride
+    return value_cache + int64_t{block} * value_block_stride + offset * value_token_stride;
   }
 };
 
@@ -144,7 +145,8 @@ struct Prefetcher {
   int64_t lines_per_step = 0;            // cache lines of keys (and as many of values) per step
   int64_t token = 0, byte = 0;           // the cursor: next line to prefetch
   const Tile<scalar_t>* unit_tile = nullptr;  // the next unit's tile (nullptr: none)
-  int64_t unit_offset = 0, head_bytes = 0;    // its kv head's rows: elements into a token's rows, bytes
+  int64_t key_offset = 0, value_offset = 0;   // its kv head's rows: elements into a token's rows
+  int64_t head_bytes = 0;                     // bytes of a row
 
   void step() {
     if (tile == nullptr) return;
@@ -155,10 +157,10 @@ struct Prefetcher {
     }
   }
   void keys(int64_t i) const {  // the next unit's key row of its token i
-    if (unit_tile) lines_to_l1(unit_tile->keys[i] + unit_offset);
+    if (unit_tile) lines_to_l1(unit_tile->keys[i] + key_offset);
   }
   void values(int64_t i) const {  // the next unit's value row of its token i
-    if (unit_tile) lines_to_l1(unit_tile->values[i] + unit_offset);
+    if (unit_tile) lines_to_l1(unit_tile->values[i] + value_offset);
   }
   void lines_to_l1(const scalar_t* row) const {
     const uintptr_t begin = reinterpret_cast<uintptr_t>(row), end = begin + head_bytes;
@@ -168,20 +170,27 @@ struct Prefetcher {
   }
 };
 
+// The work, as query rows: row r is a query token at position row_len(r) - 1 of sequence row_seq(r), attending
+// to that sequence's tokens [window_start(r), row_len(r)). Decode: row r is sequence r's last token.
 template <typename scalar_t>
 struct Problem {
   PagedKV<scalar_t> kv;
-  const scalar_t* query;  // [num_seqs, num_heads, head_dim], strides query_seq_stride, query_head_stride
-  int64_t query_seq_stride, query_head_stride;
+  const scalar_t* query;  // [num_rows, num_heads, head_dim], strides query_row_stride, query_head_stride
+  int64_t query_row_stride, query_head_stride;
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
-  const int32_t* seq_lens;      // [num_seqs]
+  const int32_t* row_lens;      // [num_rows]: position + 1 (decode: seq_lens)
+  const int32_t* row_seqs;      // [num_rows]: the row's sequence, or nullptr: row r is sequence r (decode)
   const float* alibi_slopes;    // [num_heads] or nullptr
   int64_t max_blocks_per_seq, block_size, num_heads, num_kv_heads, group_size, head_dim, sliding_window;
   float scale, logits_soft_cap;
   bool avx512_bf16;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
 
-  int64_t window_start(int64_t seq) const {
-    return sliding_window > 0 ? std::max<int64_t>(0, seq_lens[seq] - sliding_window) : 0;
+  int64_t row_len(int64_t row) const { return row_lens[row]; }
+  const int32_t* block_table(int64_t row) const {
+    return block_tables + (row_seqs ? row_seqs[row] : row) * max_blocks_per_seq;
+  }
+  int64_t window_start(int64_t row) const {
+    return sliding_window > 0 ? std::max<int64_t>(0, row_lens[row] - sliding_window) : 0;
   }
 };
 
@@ -333,7 +342,8 @@ template <typename scalar_t>
 void attend_tile(const Problem<scalar_t>& pb, int64_t kv_head, const Tile<scalar_t>& tile, int64_t last_token,
                  Scratch& sc, Prefetcher<scalar_t>& prefetcher) {
   const int64_t group_size = pb.group_size, head_dim = pb.head_dim, first_head = kv_head * group_size;
-  const int64_t offset = kv_head * head_dim, num_tokens = tile.num_tokens;
+  const int64_t key_offset = kv_head * pb.kv.key_head_stride, value_offset = kv_head * pb.kv.value_head_stride;
+  const int64_t num_tokens = tile.num_tokens;
   const float* q = sc.q + first_head * head_dim;
   float* acc = sc.acc + first_head * head_dim;
 
@@ -342,7 +352,7 @@ void attend_tile(const Problem<scalar_t>& pb, int64_t kv_head, const Tile<scalar
     prefetcher.step();
     prefetcher.keys(i);
     for_each_head_tile(group_size, [&](auto heads, int64_t first) {
-      dot_heads<decltype(heads)::value>(q + first * head_dim, tile.keys[i] + offset, head_dim,
+      dot_heads<decltype(heads)::value>(q + first * head_dim, tile.keys[i] + key_offset, head_dim,
                                         sc.logits + first * kTileTokens + i, kTileTokens);
     });
   }
@@ -377,8 +387,9 @@ void attend_tile(const Problem<scalar_t>& pb, int64_t kv_head, const Tile<scalar
   }
   // 3. acc += p * v over the tile's tokens.
   for_each_head_tile(group_size, [&](auto heads, int64_t first) {
-    accumulate_values<decltype(heads)::value>(sc.logits + first * kTileTokens, tile.values, offset, num_tokens,
-                                              head_dim, acc + first * head_dim, first == 0 ? &prefetcher : nullptr);
+    accumulate_values<decltype(heads)::value>(sc.logits + first * kTileTokens, tile.values, value_offset,
+                                              num_tokens, head_dim, acc + first * head_dim,
+                                              first == 0 ? &prefetcher : nullptr);
   });
   for (int64_t i = num_tokens; i < kTileTokens; ++i) prefetcher.step();
 }
@@ -567,9 +578,10 @@ template <int kHeads>
 PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16>& pb, const at::BFloat16* query,
                                            int64_t kv_head, int64_t head0, const Tile<at::BFloat16>& tile,
                                            int64_t last_token, Scratch& sc, Prefetcher<at::BFloat16>* prefetcher) {
-  const int64_t head_dim = pb.head_dim, offset = kv_head * head_dim;
+  const int64_t head_dim = pb.head_dim;
   __m512 logits[kHeads];
-  tile_logits_avx512<kHeads>(query + head0 * pb.query_head_stride, pb.query_head_stride, tile.keys, offset,
+  tile_logits_avx512<kHeads>(query + head0 * pb.query_head_stride, pb.query_head_stride, tile.keys,
+                             kv_head * pb.kv.key_head_stride,
                              head_dim, pb.scale, prefetcher, logits);
   const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
   for (int j = 0; j < kHeads; ++j) {
@@ -584,7 +596,8 @@ PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16>& pb, cons
                         sc.exp_sums + head * kTileTokens, sc.acc + head * head_dim, head_dim,
                         sc.p_pairs + j * kTileTokens);
   }
-  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, offset, head_dim, sc.acc + head0 * head_dim, prefetcher);
+  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, kv_head * pb.kv.value_head_stride, head_dim,
+                             sc.acc + head0 * head_dim, prefetcher);
 }
 
 void attend_tile_avx512(const Problem<at::BFloat16>& pb, const at::BFloat16* query, int64_t kv_head,
@@ -618,11 +631,12 @@ inline bool avx512_bf16_path(int64_t) { return false; }
 // ---------------------------------------------------------------------------------------------------------------
 // Tasks
 
-// Attends every query head of sequence `seq` to its tokens [begin, end), leaving (max, lane sums, acc) in sc.
+// Attends every query head of query row `row` to its sequence's tokens [begin, end), leaving (max, lane sums, acc)
+// in sc.
 template <typename scalar_t>
-void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end, Scratch& sc) {
+void attend(const Problem<scalar_t>& pb, int64_t row, int64_t begin, int64_t end, Scratch& sc) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-  const scalar_t* query = pb.query + seq * pb.query_seq_stride;  // [num_heads, head_dim]
+  const scalar_t* query = pb.query + row * pb.query_row_stride;  // [num_heads, head_dim]
   if (!pb.avx512_bf16) {
     for (int64_t h = 0; h < num_heads; ++h) {
       for (int64_t d = 0; d < head_dim; ++d) {
@@ -633,8 +647,8 @@ void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end
   std::fill_n(sc.acc, num_heads * head_dim, 0.f);
   std::fill_n(sc.max_logit, num_heads, kNegInf);
   std::fill_n(sc.exp_sums, num_heads * kTileTokens, 0.f);
-  const int32_t* block_table = pb.block_tables + seq * pb.max_blocks_per_seq;
-  const int64_t last_token = pb.seq_lens[seq] - 1;
+  const int32_t* block_table = pb.block_table(row);
+  const int64_t last_token = pb.row_len(row) - 1;
   const int64_t num_tiles = (end - begin + kTileTokens - 1) / kTileTokens;
 
   // tiles[k % kRing] is tile k; tile k + kPrefetchTiles is looked up while tile k is worked on.
@@ -649,7 +663,10 @@ void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end
     if (k + kPrefetchTiles < num_tiles) {
       Tile<scalar_t>& ahead = tiles[(k + kPrefetchTiles) % kRing];
       ahead.load(pb.kv, block_table, pb.block_size, begin + (k + kPrefetchTiles) * kTileTokens, end);
-      const int64_t row_bytes = pb.kv.token_stride * int64_t{sizeof(scalar_t)};
+      // A token's rows of all kv heads: from its first row to the end of its last one (in the longer cache).
+      const int64_t row_bytes =
+          ((pb.num_kv_heads - 1) * std::max(pb.kv.key_head_stride, pb.kv.value_head_stride) + pb.head_dim) *
+          int64_t{sizeof(scalar_t)};
       const int64_t steps = 2 * pb.num_kv_heads * kTileTokens;
       prefetcher.tile = &ahead;
       prefetcher.row_bytes = row_bytes;
@@ -660,7 +677,8 @@ void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end
       // The next unit: the next kv head of this tile, or the first of the next tile (loaded: kPrefetchTiles >= 1).
       const bool last_head = kv_head + 1 == pb.num_kv_heads;
       prefetcher.unit_tile = !last_head ? &tile : k + 1 < num_tiles ? &tiles[(k + 1) % kRing] : nullptr;
-      prefetcher.unit_offset = last_head ? 0 : (kv_head + 1) * pb.head_dim;
+      prefetcher.key_offset = last_head ? 0 : (kv_head + 1) * pb.kv.key_head_stride;
+      prefetcher.value_offset = last_head ? 0 : (kv_head + 1) * pb.kv.value_head_stride;
 #if defined(CPU_CAPABILITY_AVX2)
       if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
         if (pb.avx512_bf16) {
@@ -675,18 +693,18 @@ void attend(const Problem<scalar_t>& pb, int64_t seq, int64_t begin, int64_t end
 }
 
 template <typename scalar_t>
-void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_seqs,
-                            scalar_t* out) {  // [num_seqs, num_heads, head_dim], contiguous
+void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_rows,
+                            scalar_t* out) {  // [num_rows, num_heads, head_dim], contiguous
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
 
-  // Split sequences only when there are too few to keep the threads evenly busy: into as many partitions as make
-  // the task count a multiple of the thread count, each at least kMinPartitionTokens long.
+  // Split rows only when there are too few to keep the threads evenly busy: into as many partitions as make the
+  // task count a multiple of the thread count, each at least kMinPartitionTokens long.
   const int64_t num_threads = at::get_num_threads();
   int64_t max_len = 0;  // tokens attended to, after the sliding window
-  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max(max_len, pb.seq_lens[s] - pb.window_start(s));
+  for (int64_t r = 0; r < num_rows; ++r) max_len = std::max(max_len, pb.row_len(r) - pb.window_start(r));
   int64_t num_partitions = 1;
-  if (num_seqs < 4 * num_threads && num_seqs % num_threads != 0) {
-    const int64_t balanced = num_threads / std::gcd(num_seqs, num_threads);  // num_seqs * balanced % num_threads == 0
+  if (num_rows < 4 * num_threads && num_rows % num_threads != 0) {
+    const int64_t balanced = num_threads / std::gcd(num_rows, num_threads);  // num_rows * balanced % num_threads == 0
     num_partitions = std::clamp<int64_t>(max_len / kMinPartitionTokens, 1, balanced);
   }
   // Whole tiles per partition (but the last).
@@ -694,32 +712,32 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_seqs,
       std::max<int64_t>(1, (max_len + num_partitions * kTileTokens - 1) / (num_partitions * kTileTokens)) *
       kTileTokens;
 
-  // Partial results of split sequences: max logit and exp sum [num_seqs, num_heads, num_partitions],
-  // acc [num_seqs, num_heads, num_partitions, head_dim].
-  const int64_t num_rows = num_seqs * num_heads * num_partitions;
-  std::vector<float> partials(num_partitions > 1 ? num_rows * (head_dim + 2) : 0);
+  // Partial results of split rows: max logit and exp sum [num_rows, num_heads, num_partitions],
+  // acc [num_rows, num_heads, num_partitions, head_dim].
+  const int64_t num_partials = num_rows * num_heads * num_partitions;
+  std::vector<float> partials(num_partitions > 1 ? num_partials * (head_dim + 2) : 0);
   float* max_logits = partials.data();
-  float* exp_sums = max_logits + num_rows;
-  float* partial_accs = exp_sums + num_rows;
+  float* exp_sums = max_logits + num_partials;
+  float* partial_accs = exp_sums + num_partials;
 
-  at::parallel_for(0, num_seqs * num_partitions, 1, [&](int64_t task_begin, int64_t task_end) {
+  at::parallel_for(0, num_rows * num_partitions, 1, [&](int64_t task_begin, int64_t task_end) {
     Scratch sc(num_heads, pb.group_size, head_dim);
     for (int64_t task = task_begin; task < task_end; ++task) {
-      const int64_t seq = task / num_partitions, partition = task % num_partitions, len = pb.seq_lens[seq];
-      const int64_t begin = std::min(pb.window_start(seq) + partition * partition_size, len);
-      attend(pb, seq, begin, std::min(begin + partition_size, len), sc);
+      const int64_t row = task / num_partitions, partition = task % num_partitions, len = pb.row_len(row);
+      const int64_t begin = std::min(pb.window_start(row) + partition * partition_size, len);
+      attend(pb, row, begin, std::min(begin + partition_size, len), sc);
       for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t row = seq * num_heads + h;
+        const int64_t out_row = row * num_heads + h;
         const float* acc = sc.acc + h * head_dim;
         const float* lane_sums = sc.exp_sums + h * kTileTokens;
         const float exp_sum = std::accumulate(lane_sums, lane_sums + kTileTokens, 0.f);
         if (num_partitions == 1) {
           const float inv_sum = exp_sum > 0 ? 1.f / exp_sum : 0.f;  // 0 for an empty sequence
           for (int64_t d = 0; d < head_dim; ++d) {
-            out[row * head_dim + d] = static_cast<scalar_t>(acc[acc_index(d, pb.avx512_bf16)] * inv_sum);
+            out[out_row * head_dim + d] = static_cast<scalar_t>(acc[acc_index(d, pb.avx512_bf16)] * inv_sum);
           }
         } else {
-          const int64_t slot = row * num_partitions + partition;
+          const int64_t slot = out_row * num_partitions + partition;
           max_logits[slot] = sc.max_logit[h];
           exp_sums[slot] = exp_sum;
           for (int64_t d = 0; d < head_dim; ++d) {
@@ -731,8 +749,8 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_seqs,
   });
   if (num_partitions == 1) return;
 
-  // Merge the partitions of each (seq, head) row; empty partitions (max -inf) contribute nothing.
-  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t row_begin, int64_t row_end) {
+  // Merge the partitions of each (row, head); empty partitions (max -inf) contribute nothing.
+  at::parallel_for(0, num_rows * num_heads, 1, [&](int64_t row_begin, int64_t row_end) {
     std::vector<float> merged(head_dim);
     for (int64_t row = row_begin; row < row_end; ++row) {
       const float* row_max = max_logits + row * num_partitions;
@@ -754,37 +772,59 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_seqs,
 
 }  // namespace
 
-void paged_attention_cpu(at::Tensor& out,                 // [num_seqs, num_heads, head_dim], contiguous
-                         const at::Tensor& query,         // [num_seqs, num_heads, head_dim], last dim contiguous
+void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_heads, head_dim], contiguous
+                         const at::Tensor& query,         // [num_tokens, num_heads, head_dim], last dim contiguous
                          const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_dim]
                          const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_dim]
                          const at::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq], int32
                          const at::Tensor& seq_lens,      // [num_seqs], int32
                          double scale,
                          const std::optional<at::Tensor>& alibi_slopes,  // [num_heads], float32
-                         int64_t sliding_window, double logits_soft_cap) {
+                         int64_t sliding_window, double logits_soft_cap,
+                         const std::optional<at::Tensor>& query_start_loc,  // [num_seqs + 1], int32, or none
+                         std::optional<int64_t> max_query_len) {
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                             sliding_window, logits_soft_cap);
+                             sliding_window, logits_soft_cap, query_start_loc, max_query_len);
   const int64_t block_size = key_cache.size(1);
   check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size);
+  if (query_start_loc.has_value()) check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
   if (out.numel() == 0) return;
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
 
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const auto slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
+  // Query rows of variable-length sequences: row i of sequence s is at position L_s - q_s + i.
+  std::vector<int32_t> row_lens, row_seqs;
+  if (query_start_loc.has_value()) {
+    const auto starts = query_start_loc->contiguous();
+    const int32_t* qsl = starts.const_data_ptr<int32_t>();
+    const int32_t* len = lens.const_data_ptr<int32_t>();
+    row_lens.resize(num_rows);
+    row_seqs.resize(num_rows);
+    for (int64_t s = 0; s + 1 < starts.size(0); ++s) {
+      const int32_t first_position = len[s] - (qsl[s + 1] - qsl[s]);
+      for (int32_t r = qsl[s]; r < qsl[s + 1]; ++r) {
+        row_lens[r] = first_position + (r - qsl[s]) + 1;
+        row_seqs[r] = static_cast<int32_t>(s);
+      }
+    }
+  }
   const auto run = [&](auto dtype_tag) {
     using scalar_t = decltype(dtype_tag);
     const PagedKV<scalar_t> kv{key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>(),
-                               key_cache.stride(0), value_cache.stride(0), num_kv_heads * head_dim};
+                               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)};
     const Problem<scalar_t> pb{kv, query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1),
-                               tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
+                               tables.const_data_ptr<int32_t>(),
+                               row_lens.empty() ? lens.const_data_ptr<int32_t>() : row_lens.data(),
+                               row_seqs.empty() ? nullptr : row_seqs.data(),
                                slopes.defined() ? slopes.const_data_ptr<float>() : nullptr, tables.size(1),
                                block_size, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
                                sliding_window, static_cast<float>(scale), static_cast<float>(logits_soft_cap),
                                avx512_bf16_path<scalar_t>(head_dim)};
-    paged_attention_kernel(pb, num_seqs, out.data_ptr<scalar_t>());
+    paged_attention_kernel(pb, num_rows, out.data_ptr<scalar_t>());
   };
   switch (query.scalar_type()) {  // check_paged_attention_args allows exactly these
     case at::kFloat: run(float{}); break;

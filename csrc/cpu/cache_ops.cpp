@@ -1,5 +1,5 @@
 // CPU kernels of the cache ops. They only move bytes, so they are dtype-agnostic: a row of head_dim elements
-// (or a whole block) is one memcpy. Every index is range-checked before anything is written, so a bad slot or
+// (or a whole block, when its rows are packed) is one memcpy. Every index is range-checked before anything is written, so a bad slot or
 // block id raises an error and leaves the caches untouched.
 //
 // Parallelism: at::parallel_for over tokens (reshape_and_cache) or over (layer, pair, key|value) copies
@@ -37,6 +37,9 @@ void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_k
   const int64_t key_token_stride = key.stride(0) * elem, key_head_stride = key.stride(1) * elem;
   const int64_t value_token_stride = value.stride(0) * elem, value_head_stride = value.stride(1) * elem;
   const int64_t key_block_stride = key_cache.stride(0) * elem, value_block_stride = value_cache.stride(0) * elem;
+  const int64_t key_slot_stride = key_cache.stride(1) * elem, value_slot_stride = value_cache.stride(1) * elem;
+  const int64_t key_cache_head_stride = key_cache.stride(2) * elem;
+  const int64_t value_cache_head_stride = value_cache.stride(2) * elem;
   const auto* key_ptr = static_cast<const char*>(key.data_ptr());
   const auto* value_ptr = static_cast<const char*>(value.data_ptr());
   auto* key_cache_ptr = static_cast<char*>(key_cache.data_ptr());
@@ -49,13 +52,13 @@ void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_k
       const int64_t slot = slot_ptr[token];
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / block_size, offset = slot % block_size;
-      char* key_dst = key_cache_ptr + block * key_block_stride + offset * num_kv_heads * row_bytes;
-      char* value_dst = value_cache_ptr + block * value_block_stride + offset * num_kv_heads * row_bytes;
+      char* key_dst = key_cache_ptr + block * key_block_stride + offset * key_slot_stride;
+      char* value_dst = value_cache_ptr + block * value_block_stride + offset * value_slot_stride;
       for (int64_t head = 0; head < num_kv_heads; ++head) {
-        std::memcpy(key_dst + head * row_bytes, key_ptr + token * key_token_stride + head * key_head_stride,
-                    row_bytes);
-        std::memcpy(value_dst + head * row_bytes, value_ptr + token * value_token_stride + head * value_head_stride,
-                    row_bytes);
+        std::memcpy(key_dst + head * key_cache_head_stride,
+                    key_ptr + token * key_token_stride + head * key_head_stride, row_bytes);
+        std::memcpy(value_dst + head * value_cache_head_stride,
+                    value_ptr + token * value_token_stride + head * value_head_stride, row_bytes);
       }
     }
   });
@@ -71,18 +74,31 @@ void copy_blocks_cpu(at::TensorList key_caches,     // num_layers x [num_blocks,
   check_block_mapping_range(block_mapping, first.size(0), first.size(0), /*same_cache=*/true);
 
   const int64_t num_pairs = block_mapping.size(0), elem = first.element_size();
-  const int64_t block_bytes = first.size(1) * first.size(2) * first.size(3) * elem;
+  const int64_t block_size = first.size(1), num_kv_heads = first.size(2), row_bytes = first.size(3) * elem;
+  const int64_t block_bytes = block_size * num_kv_heads * row_bytes;
   const auto mapping = block_mapping.contiguous();
   const int64_t* pairs = mapping.data_ptr<int64_t>();
 
-  // One task per (layer, pair, key|value).
+  // One task per (layer, pair, key|value). A block whose rows are packed is one memcpy, else one per row (e.g. the
+  // K half of a packed K|V cache: the V rows between them are not this cache's to copy).
   at::parallel_for(0, num_layers * num_pairs * 2, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t layer = task / (num_pairs * 2), pair = (task / 2) % num_pairs;
       const at::Tensor& cache = (task % 2 == 0) ? key_caches[layer] : value_caches[layer];
       auto* base = static_cast<char*>(cache.data_ptr());
-      const int64_t block_stride = cache.stride(0) * elem;
-      std::memcpy(base + pairs[2 * pair + 1] * block_stride, base + pairs[2 * pair] * block_stride, block_bytes);
+      char* dst = base + pairs[2 * pair + 1] * cache.stride(0) * elem;
+      const char* src = base + pairs[2 * pair] * cache.stride(0) * elem;
+      if (has_packed_rows(cache)) {
+        std::memcpy(dst, src, block_bytes);
+        continue;
+      }
+      const int64_t slot_stride = cache.stride(1) * elem, head_stride = cache.stride(2) * elem;
+      for (int64_t offset = 0; offset < block_size; ++offset) {
+        for (int64_t head = 0; head < num_kv_heads; ++head) {
+          const int64_t at = offset * slot_stride + head * head_stride;
+          std::memcpy(dst + at, src + at, row_bytes);
+        }
+      }
     }
   });
 }
@@ -94,7 +110,7 @@ void swap_blocks_cpu(const at::Tensor& src,             // [num_src_blocks, ...b
   check_block_mapping_range(block_mapping, src.size(0), dst.size(0), /*same_cache=*/same_memory(src, dst));
   const int64_t num_pairs = block_mapping.size(0), elem = src.element_size();
   if (num_pairs == 0) return;
-  const int64_t block_bytes = src.numel() / std::max<int64_t>(1, src.size(0)) * elem;
+  const int64_t block_bytes = block_span_bytes(src);  // a strided block: its whole span (check_swap_blocks_args)
   const int64_t src_block_stride = src.stride(0) * elem, dst_block_stride = dst.stride(0) * elem;
   const auto* src_ptr = static_cast<const char*>(src.data_ptr());
   auto* dst_ptr = static_cast<char*>(dst.data_ptr());

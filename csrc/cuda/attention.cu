@@ -73,10 +73,15 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_seqs, num_he
                           const at::Tensor& block_tables,   // [num_seqs, max_blocks_per_seq], int32
                           const at::Tensor& seq_lens,       // [num_seqs], int32
                           double scale, const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                          double logits_soft_cap) {
+                          double logits_soft_cap,
+                          const std::optional<at::Tensor>& query_start_loc,  // [num_seqs + 1], int32, or none
+                          std::optional<int64_t> max_query_len) {
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                             sliding_window, logits_soft_cap);
+                             sliding_window, logits_soft_cap, query_start_loc, max_query_len);
   TORCH_CHECK(query.is_cuda(), "paged_attention: expected CUDA tensors, got ", query.device());
+  TORCH_CHECK(!query_start_loc.has_value(), "paged_attention: query_start_loc is not supported on CUDA yet");
+  TORCH_CHECK(has_packed_rows(key_cache) && has_packed_rows(value_cache),
+              "paged_attention: caches with strided rows are not supported on CUDA yet");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32, "paged_attention: block_size ", block_size,

@@ -36,6 +36,8 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
                             at::Tensor& value_cache,        // [num_blocks, block_size, num_kv_heads, head_dim]
                             const at::Tensor& slot_mapping) {  // [num_tokens], int64, < 0 = padding
   check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);  // sizes > 0 (check_cache)
+  TORCH_CHECK(has_packed_rows(key_cache) && has_packed_rows(value_cache),
+              "reshape_and_cache: caches with strided rows are not supported on CUDA yet");
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
@@ -81,6 +83,10 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
                       at::TensorList value_caches,   // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
                       const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64
   check_copy_blocks_args(key_caches, value_caches, block_mapping);  // sizes > 0 (check_cache)
+  for (size_t layer = 0; layer < key_caches.size(); ++layer) {
+    TORCH_CHECK(has_packed_rows(key_caches[layer]) && has_packed_rows(value_caches[layer]),
+                "copy_blocks: caches with strided rows are not supported on CUDA yet");
+  }
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   if (num_layers == 0 || block_mapping.size(0) == 0) return;
   const at::Tensor& first = key_caches[0];
@@ -191,7 +197,7 @@ void swap_blocks_cuda(const at::Tensor& src,             // [num_src_blocks, ...
   const c10::cuda::CUDAStream dst_stream = peer ? c10::cuda::getCurrentCUDAStream(dst.device().index()) : stream;
   if (peer) wait_for(dst_stream, stream);
   const size_t elem = src.element_size();
-  const size_t block_bytes = c10::multiply_integers(src.sizes().slice(1)) * elem;
+  const size_t block_bytes = block_span_bytes(src);  // a strided block: its whole span (check_swap_blocks_args)
   const size_t src_pitch = src.stride(0) * elem, dst_pitch = dst.stride(0) * elem;
   const auto* src_ptr = static_cast<const char*>(src.data_ptr());
   auto* dst_ptr = static_cast<char*>(dst.data_ptr());

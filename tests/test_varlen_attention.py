@@ -1,0 +1,284 @@
+"""paged_attention with query_start_loc: prefills, prefill chunks after a cached prefix, decodes and empty
+sequences in one call, against paged_attn.reference (float64) and, for the reference itself, against decode
+attention computed row by row.
+
+Tolerances as in test_attention.py: float32 within 1e-5, float16/bfloat16 within 2e-2. Cache slots no sequence
+owns, and whole unused blocks, are NaN; block-table entries past a sequence's end hold garbage.
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICES
+from test_attention import GARBAGE, NAN, dense_attention_float64, tolerance
+
+import paged_attn
+from paged_attn import reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (seq_len, query_len) per sequence: a whole prompt, a decode, an empty sequence, a chunk after a cached prefix,
+# a prompt of exactly two blocks, a sequence with no query rows, a long chunk over several tiles and partitions.
+MIXED = [(37, 37), (50, 1), (0, 0), (70, 13), (32, 32), (5, 0), (300, 120), (33, 1)]
+LAYOUTS = ["contiguous", "halves", "packed"]
+
+
+def make_varlen_case(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, device, layout="contiguous"):
+    """Caches holding each sequence's seq_len tokens in scattered blocks (the rest NaN), and query rows for the last
+    query_len tokens of each. Returns the op's arguments: query, key_cache, value_cache, block_tables, seq_lens,
+    query_start_loc.
+
+    layout "halves": K and V are the [:, 0] and [:, 1] halves of one [num_blocks, 2, ...] allocation; "packed": they
+    are the [..., :head_dim] and [..., head_dim:] halves of vLLM's [num_blocks, block_size, num_kv_heads,
+    2 * head_dim] cache (head stride 2 * head_dim). Both make the query a slice of a fused QKV tensor."""
+    seq_lens = [n for n, _ in specs]
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    max_blocks = max(blocks_per_seq + [1]) + 2
+    num_blocks = sum(blocks_per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    num_tokens = sum(q for _, q in specs)
+    if layout == "contiguous":
+        key_cache = torch.full(shape, NAN, dtype=dtype, device=device)
+        value_cache = torch.full(shape, NAN, dtype=dtype, device=device)
+        query = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+    else:
+        if layout == "halves":
+            alloc = torch.full((num_blocks, 2) + shape[1:], NAN, dtype=dtype, device=device)
+            key_cache, value_cache = alloc[:, 0], alloc[:, 1]
+        else:
+            alloc = torch.full(shape[:3] + (2 * head_dim,), NAN, dtype=dtype, device=device)
+            key_cache, value_cache = alloc[..., :head_dim], alloc[..., head_dim:]
+        qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+        query = qkv[:, :num_heads]
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in blocks_per_seq]
+    for table, n in zip(tables, seq_lens):
+        for i, block in enumerate(table):
+            filled = min(block_size, n - i * block_size)
+            key_cache[block, :filled] = torch.randn(filled, num_kv_heads, head_dim, dtype=dtype)
+            value_cache[block, :filled] = torch.randn(filled, num_kv_heads, head_dim, dtype=dtype)
+    block_tables = torch.tensor([table + [GARBAGE[i % 2]] * (max_blocks - len(table))
+                                 for i, table in enumerate(tables)], dtype=torch.int32).reshape(len(specs), max_blocks)
+    starts = torch.tensor([0] + [q for _, q in specs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return (query, key_cache, value_cache, block_tables.to(device), torch.tensor(seq_lens, dtype=torch.int32,
+            device=device), starts.to(device))
+
+
+def attend(case, **kwargs):
+    query, key_cache, value_cache, block_tables, seq_lens, starts = case
+    return paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=starts,
+                                      **kwargs)
+
+
+def expected(case, **kwargs):
+    query, key_cache, value_cache, block_tables, seq_lens, starts = case
+    out = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=starts,
+                                    compute_dtype=torch.float64, **kwargs)
+    return out.to(query.dtype)
+
+
+def check(case, **kwargs):
+    actual = attend(case, **kwargs)
+    dtype = case[0].dtype
+    assert actual.dtype == dtype and actual.shape == case[0].shape
+    assert not actual.isnan().any(), "NaN in the output: an unused (poisoned) slot leaked in"
+    torch.testing.assert_close(actual, expected(case, **kwargs), **tolerance(dtype))
+    return actual
+
+
+def alibi(num_heads, device):
+    return torch.rand(num_heads, device=device) * 0.5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reference itself: row by row, a query at position p is decode attention over the first p + 1 tokens.
+
+
+@pytest.mark.parametrize("features", [{}, {"alibi": True, "sliding_window": 9, "logits_soft_cap": 4.0}])
+def test_reference_equals_decode_attention_row_by_row(features):
+    specs = [(21, 21), (30, 7), (9, 1), (4, 0)]
+    case = make_varlen_case(specs, 4, 2, 32, 8, torch.float32, "cpu")
+    query, key_cache, value_cache, block_tables, _, starts = case
+    kwargs = {k: v for k, v in features.items() if k != "alibi"}
+    slopes = alibi(4, "cpu") if features.get("alibi") else None
+    # one decode "sequence" per query row: the row's sequence's block table, length position + 1
+    row_tables, row_lens = [], []
+    for seq, (seq_len, query_len) in enumerate(specs):
+        for i in range(query_len):
+            row_tables.append(block_tables[seq])
+            row_lens.append(seq_len - query_len + i + 1)
+    dense = dense_attention_float64(query, key_cache, value_cache, torch.stack(row_tables), torch.tensor(row_lens),
+                                    alibi_slopes=slopes, **kwargs)
+    ours = reference.paged_attention(query, key_cache, value_cache, block_tables, case[4], query_start_loc=starts,
+                                     alibi_slopes=slopes, compute_dtype=torch.float64, **kwargs)
+    torch.testing.assert_close(ours.double(), dense, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The op
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_mixed_batch(device, dtype, heads, head_dim):
+    check(make_varlen_case(MIXED, *heads, head_dim, 16, dtype, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_sizes_and_cache_layouts(device, block_size, layout):
+    check(make_varlen_case(MIXED, 8, 2, 64, block_size, torch.bfloat16, device, layout))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "features",
+    [{"alibi": True}, {"sliding_window": 7}, {"sliding_window": 64}, {"logits_soft_cap": 5.0}, {"scale": 0.3},
+     {"alibi": True, "sliding_window": 20, "logits_soft_cap": 30.0, "scale": 0.2}],
+    ids=["alibi", "window7", "window64", "softcap", "scale", "all"])
+def test_features(device, dtype, features):
+    case = make_varlen_case(MIXED, 8, 2, 64, 16, dtype, device, "packed")
+    kwargs = dict(features)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = alibi(8, device)
+    check(case, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_token_per_sequence_is_exactly_decode(device, dtype):
+    """query_start_loc = arange: the same output, bit for bit, as the decode call without it."""
+    case = make_varlen_case([(n, 1) for n in (1, 17, 64, 200, 3)], 8, 2, 128, 16, dtype, device, "halves")
+    query, key_cache, value_cache, block_tables, seq_lens, _ = case
+    decode = paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+    assert torch.equal(attend(case), decode)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_in_chunks_equals_prefill_at_once(device):
+    """A 150-token prompt attended at once, or as chunks of 40 after its cached prefix, gives the same rows."""
+    whole = make_varlen_case([(150, 150)], 8, 2, 64, 16, torch.float32, device)
+    query, key_cache, value_cache, block_tables, seq_lens, _ = whole
+    at_once = attend(whole)
+    for start in range(0, 150, 40):
+        end = min(150, start + 40)
+        chunk = (query[start:end], key_cache, value_cache, block_tables, torch.tensor([end], dtype=torch.int32,
+                 device=device), torch.tensor([0, end - start], dtype=torch.int32, device=device))
+        torch.testing.assert_close(attend(chunk), at_once[start:end], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_mixes(device):
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        num_seqs = int(torch.randint(1, 7, (), generator=generator))
+        specs = []
+        for _ in range(num_seqs):
+            seq_len = int(torch.randint(0, 260, (), generator=generator))
+            query_len = int(torch.randint(0, seq_len + 1, (), generator=generator)) if seq_len else 0
+            specs.append((seq_len, query_len))
+        block_size = [8, 16, 32][int(torch.randint(0, 3, (), generator=generator))]
+        layout = LAYOUTS[int(torch.randint(0, 3, (), generator=generator))]
+        check(make_varlen_case(specs, 8, 4, 64, block_size, torch.bfloat16, device, layout),
+              sliding_window=int(torch.randint(1, 100, (), generator=generator)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_max_query_len_and_out(device):
+    case = make_varlen_case(MIXED, 4, 2, 64, 16, torch.float32, device)
+    out = torch.full_like(case[0], NAN).contiguous()
+    result = attend(case, max_query_len=120, out=out)
+    assert result is out
+    torch.testing.assert_close(out, expected(case), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attend(case, max_query_len=500), out, rtol=0, atol=0)  # a loose bound is fine
+
+
+def test_compiles_fullgraph():
+    case = make_varlen_case(MIXED, 4, 2, 64, 16, torch.float32, "cpu")
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(query, key_cache, value_cache, block_tables, seq_lens, starts):
+        return paged_attn.paged_attention(query * 2, key_cache, value_cache, block_tables, seq_lens,
+                                          query_start_loc=starts, max_query_len=120) + 1
+
+    query, *rest = case
+    torch.testing.assert_close(f(*case), attend((query * 2, *rest), max_query_len=120) + 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Malformed query_start_loc (and friends): a clear error, nothing written.
+
+
+def _bad(case, **changes):
+    query, key_cache, value_cache, block_tables, seq_lens, starts = case
+    args = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                seq_lens=seq_lens, query_start_loc=starts)
+    args.update({k: v(args[k]) if callable(v) else v for k, v in changes.items()})
+    return args
+
+
+def _loc(values, dtype=torch.int32):
+    return lambda starts: torch.tensor(values, dtype=dtype, device=starts.device)
+
+
+# MIXED has 8 sequences and 174 query rows; starts = [0, 37, 38, 38, 51, 83, 83, 203, 204]
+ERRORS = {
+    "dtype": (dict(query_start_loc=lambda s: s.long()), "query_start_loc must be Int"),
+    "rank": (dict(query_start_loc=lambda s: s[None]), "query_start_loc must have 1 dimension"),
+    "empty": (dict(query_start_loc=lambda s: s[:0]), "query_start_loc must have num_seqs \\+ 1 entries"),
+    "length": (dict(query_start_loc=lambda s: s[:-1]), "block_tables must have num_seqs = 7 \\(query_start_loc"),
+    "first": (dict(query_start_loc=_loc([1, 37, 38, 38, 51, 83, 83, 203, 204])), "query_start_loc\\[0\\] must be 0"),
+    "decreasing": (dict(query_start_loc=_loc([0, 37, 36, 38, 51, 83, 83, 203, 204])),
+                   "query_start_loc must be non-decreasing"),
+    "last": (dict(query_start_loc=_loc([0, 37, 38, 38, 51, 83, 83, 203, 203])),
+             "query_start_loc\\[-1\\] must be num_tokens = 204"),
+    "too many rows": (dict(query_start_loc=_loc([0, 38, 38, 38, 51, 83, 83, 203, 204])),
+                      "sequence 0 has 38 query tokens .* seq_lens\\[0\\] = 37"),
+    "rows of an empty sequence": (dict(query_start_loc=_loc([0, 36, 38, 39, 51, 83, 83, 203, 204])),
+                                  "sequence 2 has 1 query tokens .* seq_lens\\[2\\] = 0"),
+    "max_query_len": (dict(max_query_len=119), "sequence 6 has 120 query tokens, more than max_query_len = 119"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ERRORS)
+def test_malformed_query_start_loc(device, name, validation):
+    case = make_varlen_case(MIXED, 4, 2, 64, 16, torch.float32, device)
+    changes, message = ERRORS[name]
+    args = _bad(case, **changes)
+    out = torch.full_like(case[0], 7.0).contiguous()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.paged_attn.paged_attention(out, args["query"], args["key_cache"], args["value_cache"],
+                                             args["block_tables"], args["seq_lens"], 0.125, None, 0, 0.0,
+                                             args["query_start_loc"], changes.get("max_query_len"))
+    assert (out == 7.0).all(), "the op wrote its output before refusing the call"
+
+
+def test_wrapper_refuses_bad_max_query_len():
+    case = make_varlen_case([(4, 4)], 4, 2, 64, 16, torch.float32, "cpu")
+    query, key_cache, value_cache, block_tables, seq_lens, starts = case
+    with pytest.raises(ValueError, match="max_query_len is given without query_start_loc"):
+        paged_attn.paged_attention(query, key_cache, value_cache, block_tables[:0], seq_lens[:0], max_query_len=4)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="max_query_len must be a non-negative integer"):
+            attend(case, max_query_len=bad)
+
+
+def test_fake_kernel_checks_query_start_loc():
+    """Under torch.compile a query_start_loc of the wrong dtype or length fails at trace time."""
+    case = make_varlen_case(MIXED, 4, 2, 64, 16, torch.float32, "cpu")
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(query, key_cache, value_cache, block_tables, seq_lens, starts):
+        return paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                          query_start_loc=starts)
+
+    query, key_cache, value_cache, block_tables, seq_lens, starts = case
+    with pytest.raises(Exception, match="query_start_loc must be Int"):
+        f(query, key_cache, value_cache, block_tables, seq_lens, starts.long())
+    with pytest.raises(Exception, match="block_tables must have num_seqs = "):
+        f(query, key_cache, value_cache, block_tables, seq_lens, starts[:-1])
