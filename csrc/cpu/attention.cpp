@@ -1,4 +1,8 @@
-// CPU kernel of paged decode attention (paged_attn::paged_attention): one query token per sequence.
+// CPU kernels of paged attention (paged_attn::paged_attention). Decode: one query token per sequence, the kernel
+// described first. With query_start_loc (variable-length queries: prefills, prefill chunks, decodes in one call),
+// the rows of sequences with one query token still take the decode kernel (as rows at position seq_len - 1), and
+// sequences with more take the tiled prefill kernel ("Prefill" below), where a query tile shares each key/value
+// tile among its rows.
 //
 // Math, per sequence s of length L, query head h (reading kv head h / group_size) and token t in [start, L),
 // start = max(0, L - sliding_window) (0 without a window):
@@ -50,6 +54,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -180,12 +185,14 @@ struct Problem {
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
   const int32_t* row_lens;      // [num_rows]: position + 1 (decode: seq_lens)
   const int32_t* row_seqs;      // [num_rows]: the row's sequence, or nullptr: row r is sequence r (decode)
+  const int32_t* row_tokens;    // [num_rows]: the row's index in query and out, or nullptr: r
   const float* alibi_slopes;    // [num_heads] or nullptr
   int64_t max_blocks_per_seq, block_size, num_heads, num_kv_heads, group_size, head_dim, sliding_window;
   float scale, logits_soft_cap;
   bool avx512_bf16;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
 
   int64_t row_len(int64_t row) const { return row_lens[row]; }
+  int64_t token(int64_t row) const { return row_tokens ? row_tokens[row] : row; }
   const int32_t* block_table(int64_t row) const {
     return block_tables + (row_seqs ? row_seqs[row] : row) * max_blocks_per_seq;
   }
@@ -636,7 +643,7 @@ inline bool avx512_bf16_path(int64_t) { return false; }
 template <typename scalar_t>
 void attend(const Problem<scalar_t>& pb, int64_t row, int64_t begin, int64_t end, Scratch& sc) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-  const scalar_t* query = pb.query + row * pb.query_row_stride;  // [num_heads, head_dim]
+  const scalar_t* query = pb.query + pb.token(row) * pb.query_row_stride;  // [num_heads, head_dim]
   if (!pb.avx512_bf16) {
     for (int64_t h = 0; h < num_heads; ++h) {
       for (int64_t d = 0; d < head_dim; ++d) {
@@ -694,7 +701,7 @@ void attend(const Problem<scalar_t>& pb, int64_t row, int64_t begin, int64_t end
 
 template <typename scalar_t>
 void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_rows,
-                            scalar_t* out) {  // [num_rows, num_heads, head_dim], contiguous
+                            scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
 
   // Split rows only when there are too few to keep the threads evenly busy: into as many partitions as make the
@@ -727,7 +734,7 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_rows,
       const int64_t begin = std::min(pb.window_start(row) + partition * partition_size, len);
       attend(pb, row, begin, std::min(begin + partition_size, len), sc);
       for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t out_row = row * num_heads + h;
+        const int64_t out_row = pb.token(row) * num_heads + h;
         const float* acc = sc.acc + h * head_dim;
         const float* lane_sums = sc.exp_sums + h * kTileTokens;
         const float exp_sum = std::accumulate(lane_sums, lane_sums + kTileTokens, 0.f);
@@ -737,7 +744,7 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_rows,
             out[out_row * head_dim + d] = static_cast<scalar_t>(acc[acc_index(d, pb.avx512_bf16)] * inv_sum);
           }
         } else {
-          const int64_t slot = out_row * num_partitions + partition;
+          const int64_t slot = (row * num_heads + h) * num_partitions + partition;
           max_logits[slot] = sc.max_logit[h];
           exp_sums[slot] = exp_sum;
           for (int64_t d = 0; d < head_dim; ++d) {
@@ -765,7 +772,385 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_rows,
         for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * acc[d];
       }
       const float inv_total = total > 0 ? 1.f / total : 0.f;
-      for (int64_t d = 0; d < head_dim; ++d) out[row * head_dim + d] = static_cast<scalar_t>(merged[d] * inv_total);
+      scalar_t* dst = out + (pb.token(row / num_heads) * num_heads + row % num_heads) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] * inv_total);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Prefill: the query rows of sequences with more than one query token (query_start_loc), in tiles.
+//
+// First a parallel pass packs each (sequence, kv head)'s keys and values as float32 tiles of kPrefillKeys tokens:
+// keys transposed, [head_dim][kPrefillKeys], values [kPrefillKeys][head_dim], the last tile padded with zeros
+// (never with the poisoned slots that follow). Every cache row is read once, whatever the number of query tiles.
+// Then a task is (sequence, kv head, query tile): up to kPrefillRows rows (or one position's group_size if
+// larger), r = i * group_size + j for the tile's query positions p0 + i and the group's query heads j, so that
+// query heads sharing a kv head share its key and value tiles. The task walks the key tiles the query tile can
+// see (from the one holding its first position's window start to the one holding its last position):
+//   2. S = Q K^T for every row (Q pre-scaled, float32),
+//   3. soft cap, ALiBi, the causal and window mask (-inf), then the online softmax per row: raise the row's max
+//      (rescaling its sum and O), P = exp(S - max), sum += P,
+//   4. O += P V.
+// Then out = O / sum. Micro-kernels: AVX-512 FMA, 6 rows x 32 keys (S) and 6 rows x 64 dims (O), where the CPU has
+// it and head_dim % 16 == 0; plain loops the compiler vectorizes elsewhere. Tasks are pulled from a shared counter,
+// most keys first: tiles late in a causal sequence cost more, and a static split would leave a thread idle.
+constexpr int64_t kPrefillRows = 48;  // rows of a query tile (a multiple of the micro-kernels' 6)
+constexpr int64_t kPrefillKeys = 32;  // keys of a key tile: two AVX-512 vectors of logits per row
+constexpr int kMicroRows = 6;
+
+struct PrefillScratch {
+  std::vector<float> buffer;
+  float* q;          // [max_rows, head_dim], pre-scaled
+  float* o;          // [max_rows, head_dim]
+  float* s;          // [max_rows, kPrefillKeys]: logits, then P
+  float* kt;         // [head_dim, kPrefillKeys]
+  float* v;          // [kPrefillKeys, head_dim]
+  float* max_logit;  // [max_rows]
+  float* sum;        // [max_rows]
+  PrefillScratch(int64_t max_rows, int64_t head_dim)
+      : buffer(2 * max_rows * head_dim + max_rows * kPrefillKeys + 2 * kPrefillKeys * head_dim + 2 * max_rows) {
+    q = buffer.data();
+    o = q + max_rows * head_dim;
+    s = o + max_rows * head_dim;
+    kt = s + max_rows * kPrefillKeys;
+    v = kt + head_dim * kPrefillKeys;
+    max_logit = v + kPrefillKeys * head_dim;
+    sum = max_logit + max_rows;
+  }
+};
+
+// Portable micro-kernels. s[r] = q[r] . kt (all kPrefillKeys lanes), for `rows` rows.
+inline void qk_rows_portable(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * kPrefillKeys;
+    std::fill_n(sr, kPrefillKeys, 0.f);
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float qd = q[r * head_dim + d];
+      const float* k = kt + d * kPrefillKeys;
+      for (int64_t n = 0; n < kPrefillKeys; ++n) sr[n] += qd * k[n];
+    }
+  }
+}
+
+// o[r] += sum_n p[r][n] v[n] over n < num_keys, for `rows` rows.
+inline void pv_rows_portable(const float* p, int64_t rows, int64_t num_keys, const float* v, int64_t head_dim,
+                             float* o) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* orow = o + r * head_dim;
+    for (int64_t n = 0; n < num_keys; ++n) {
+      const float w = p[r * kPrefillKeys + n];
+      const float* vrow = v + n * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) orow[d] += w * vrow[d];
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+template <int R>
+PAGED_ATTN_AVX512 void qk_micro_avx512(const float* q, int64_t head_dim, const float* kt, float* s) {
+  __m512 acc[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(kt + d * kPrefillKeys), k1 = _mm512_loadu_ps(kt + d * kPrefillKeys + 16);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 qd = _mm512_set1_ps(q[r * head_dim + d]);
+      acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * kPrefillKeys, acc[r][0]);
+    _mm512_storeu_ps(s + r * kPrefillKeys + 16, acc[r][1]);
+  }
+}
+
+template <int R, int C>
+PAGED_ATTN_AVX512 void pv_micro_avx512(const float* p, int64_t num_keys, const float* v, int64_t head_dim,
+                                       float* o) {  // o: the rows' dims [d0, d0 + 16 C), v: from d0
+  __m512 acc[R][C];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_loadu_ps(o + r * head_dim + 16 * c);
+  for (int64_t n = 0; n < num_keys; ++n) {
+    __m512 vn[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) vn[c] = _mm512_loadu_ps(v + n * head_dim + 16 * c);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * kPrefillKeys + n]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, vn[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * head_dim + 16 * c, acc[r][c]);
+}
+
+// Calls f(std::integral_constant<int, R>, first_row) over [0, rows) in groups of up to kMicroRows.
+template <typename F>
+inline void for_each_micro_rows(int64_t rows, F&& f) {
+  for (int64_t first = 0; first < rows; first += kMicroRows) {
+    switch (std::min<int64_t>(kMicroRows, rows - first)) {
+      case 6: f(std::integral_constant<int, 6>{}, first); break;
+      case 5: f(std::integral_constant<int, 5>{}, first); break;
+      case 4: f(std::integral_constant<int, 4>{}, first); break;
+      case 3: f(std::integral_constant<int, 3>{}, first); break;
+      case 2: f(std::integral_constant<int, 2>{}, first); break;
+      default: f(std::integral_constant<int, 1>{}, first); break;
+    }
+  }
+}
+
+PAGED_ATTN_AVX512 void qk_rows_avx512(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s) {
+  for_each_micro_rows(rows, [&](auto micro, int64_t first) {
+    qk_micro_avx512<decltype(micro)::value>(q + first * head_dim, head_dim, kt, s + first * kPrefillKeys);
+  });
+}
+
+PAGED_ATTN_AVX512 void pv_rows_avx512(const float* p, int64_t rows, int64_t num_keys, const float* v,
+                                      int64_t head_dim, float* o) {
+  for_each_micro_rows(rows, [&](auto micro, int64_t first) {
+    constexpr int R = decltype(micro)::value;
+    const float* pr = p + first * kPrefillKeys;
+    float* orow = o + first * head_dim;
+    int64_t d = 0;
+    for (; d + 64 <= head_dim; d += 64) pv_micro_avx512<R, 4>(pr, num_keys, v + d, head_dim, orow + d);
+    switch ((head_dim - d) / 16) {
+      case 3: pv_micro_avx512<R, 3>(pr, num_keys, v + d, head_dim, orow + d); break;
+      case 2: pv_micro_avx512<R, 2>(pr, num_keys, v + d, head_dim, orow + d); break;
+      case 1: pv_micro_avx512<R, 1>(pr, num_keys, v + d, head_dim, orow + d); break;
+      default: break;
+    }
+  });
+}
+
+// Step 3 for one row whose logits x (2 vectors; -inf where masked) are final: raise the max (rescaling sum and
+// the row of O), x = P = exp(x - max), sum += P. A row that sees nothing yet (max -inf) gets P = 0.
+PAGED_ATTN_AVX512 void softmax_row_avx512(float* x, float* max_logit, float* sum, float* orow, int64_t head_dim) {
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  const float new_max = std::max(*max_logit, _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+  if (new_max == kNegInf) {
+    _mm512_storeu_ps(x, _mm512_setzero_ps());
+    _mm512_storeu_ps(x + 16, _mm512_setzero_ps());
+    return;
+  }
+  if (new_max != *max_logit) {
+    const float alpha = std::exp(*max_logit - new_max);  // 0 on the row's first visible tile
+    *sum *= alpha;
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(a, _mm512_loadu_ps(orow + d)));
+    *max_logit = new_max;
+  }
+  const __m512 m = _mm512_set1_ps(new_max);
+  const __m512 p0 = exp_nonpositive(_mm512_sub_ps(x0, m)), p1 = exp_nonpositive(_mm512_sub_ps(x1, m));
+  _mm512_storeu_ps(x, p0);
+  _mm512_storeu_ps(x + 16, p1);
+  *sum += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+}
+
+inline bool use_avx512f() {
+  static const bool use = __builtin_cpu_supports("avx512f") && std::getenv("PAGED_ATTN_NO_AVX512") == nullptr;
+  return use;
+}
+#endif
+
+// The packed keys and values of the prefill sequences: tile k of (sequence seqs[i], kv head g) is tile
+// (first_tile[i] + k) * num_kv_heads + g.
+struct PackedKV {
+  std::vector<int64_t> first_tile;  // [seqs + 1]
+  std::vector<float> keys;          // [tiles, head_dim, kPrefillKeys]
+  std::vector<float> values;        // [tiles, kPrefillKeys, head_dim]
+};
+
+template <typename scalar_t>
+PackedKV pack_kv(const Problem<scalar_t>& pb, const int32_t* seq_lens, const std::vector<int32_t>& seqs) {
+  const int64_t head_dim = pb.head_dim, num_kv_heads = pb.num_kv_heads, tile_size = kPrefillKeys * head_dim;
+  PackedKV packed;
+  packed.first_tile.push_back(0);
+  for (const int32_t seq : seqs) {
+    packed.first_tile.push_back(packed.first_tile.back() + (seq_lens[seq] + kPrefillKeys - 1) / kPrefillKeys);
+  }
+  const int64_t num_tiles = packed.first_tile.back() * num_kv_heads;
+  packed.keys.resize(num_tiles * tile_size);
+  packed.values.resize(num_tiles * tile_size);
+  at::parallel_for(0, static_cast<int64_t>(seqs.size()) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t i = unit / num_kv_heads, kv_head = unit % num_kv_heads, seq = seqs[i], len = seq_lens[seq];
+      const int32_t* block_table = pb.block_tables + seq * pb.max_blocks_per_seq;
+      for (int64_t tile = 0; tile * kPrefillKeys < len; ++tile) {
+        const int64_t index = (packed.first_tile[i] + tile) * num_kv_heads + kv_head;
+        float* kt = packed.keys.data() + index * tile_size;
+        float* v = packed.values.data() + index * tile_size;
+        const int64_t num_keys = std::min(kPrefillKeys, len - tile * kPrefillKeys);
+        for (int64_t n = 0; n < num_keys; ++n) {
+          const int64_t t = tile * kPrefillKeys + n;
+          const int32_t block = block_table[t / pb.block_size];
+          const scalar_t* k = pb.kv.keys(block, t % pb.block_size) + kv_head * pb.kv.key_head_stride;
+          const scalar_t* vr = pb.kv.values(block, t % pb.block_size) + kv_head * pb.kv.value_head_stride;
+          for (int64_t d = 0; d < head_dim; ++d) {
+            kt[d * kPrefillKeys + n] = static_cast<float>(k[d]);
+            v[n * head_dim + d] = static_cast<float>(vr[d]);
+          }
+        }
+        for (int64_t n = num_keys; n < kPrefillKeys; ++n) {  // zeros: never NaN from the slots that follow
+          for (int64_t d = 0; d < head_dim; ++d) kt[d * kPrefillKeys + n] = v[n * head_dim + d] = 0.f;
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+struct PrefillTask {
+  int32_t seq_index;  // into the prefill sequences (and PackedKV::first_tile)
+  int32_t kv_head;
+  int32_t first;     // the tile's first query token within the sequence's rows
+  int32_t num_keys;  // keys the tile walks (its cost)
+};
+
+template <typename scalar_t>
+void prefill_task(const Problem<scalar_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
+                  const std::vector<int32_t>& seqs, const PackedKV& packed, const PrefillTask& task,
+                  int64_t positions_per_tile, bool avx512, PrefillScratch& sc, scalar_t* out) {
+  const int64_t group_size = pb.group_size, head_dim = pb.head_dim, seq = seqs[task.seq_index];
+  const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+  const int64_t num_positions = std::min<int64_t>(positions_per_tile, query_len - task.first);
+  const int64_t rows = num_positions * group_size;
+  const int64_t first_position = seq_lens[seq] - query_len + task.first;  // of the tile's first row
+  const int64_t last_position = first_position + num_positions - 1;
+  const int64_t first_token =
+      pb.sliding_window > 0 ? std::max<int64_t>(0, first_position - pb.sliding_window + 1) : 0;
+  const int64_t first_head = task.kv_head * group_size;
+  const int64_t first_query_row = query_start_loc[seq] + task.first;  // in query / out
+  const bool logit_mods = pb.logits_soft_cap > 0 || pb.alibi_slopes != nullptr;
+
+  for (int64_t i = 0; i < num_positions; ++i) {
+    for (int64_t j = 0; j < group_size; ++j) {
+      const scalar_t* q =
+          pb.query + (first_query_row + i) * pb.query_row_stride + (first_head + j) * pb.query_head_stride;
+      float* qr = sc.q + (i * group_size + j) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) qr[d] = pb.scale * static_cast<float>(q[d]);
+    }
+  }
+  std::fill_n(sc.o, rows * head_dim, 0.f);
+  std::fill_n(sc.max_logit, rows, kNegInf);
+  std::fill_n(sc.sum, rows, 0.f);
+
+  for (int64_t tile = first_token / kPrefillKeys; tile * kPrefillKeys <= last_position; ++tile) {
+    const int64_t t0 = tile * kPrefillKeys, num_keys = std::min(kPrefillKeys, last_position + 1 - t0);
+    const int64_t index = (packed.first_tile[task.seq_index] + tile) * pb.num_kv_heads + task.kv_head;
+    const float* kt = packed.keys.data() + index * kPrefillKeys * head_dim;
+    const float* v = packed.values.data() + index * kPrefillKeys * head_dim;
+    // 2. S = Q K^T.
+#if defined(CPU_CAPABILITY_AVX2)
+    if (avx512) {
+      qk_rows_avx512(sc.q, rows, head_dim, kt, sc.s);
+    } else
+#endif
+      qk_rows_portable(sc.q, rows, head_dim, kt, sc.s);
+    // 3. Logit mods, mask, online softmax.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t position = first_position + r / group_size, head = first_head + r % group_size;
+      float* x = sc.s + r * kPrefillKeys;
+      const int64_t visible_begin = pb.sliding_window > 0 ? position - pb.sliding_window + 1 : 0;
+      const bool all_visible = t0 + kPrefillKeys - 1 <= position && t0 >= visible_begin;
+      if (logit_mods || !all_visible) {
+        for (int64_t n = 0; n < kPrefillKeys; ++n) {
+          const int64_t t = t0 + n;
+          if (t > position || t < visible_begin) {  // keys past the tile's own are past every row's position
+            x[n] = kNegInf;
+            continue;
+          }
+          if (pb.logits_soft_cap > 0) x[n] = pb.logits_soft_cap * std::tanh(x[n] / pb.logits_soft_cap);
+          if (pb.alibi_slopes) x[n] += pb.alibi_slopes[head] * static_cast<float>(t - position);
+        }
+      }
+#if defined(CPU_CAPABILITY_AVX2)
+      if (avx512) {
+        softmax_row_avx512(x, sc.max_logit + r, sc.sum + r, sc.o + r * head_dim, head_dim);
+        continue;
+      }
+#endif
+      Vec tile_max(kNegInf);
+      for (int64_t n = 0; n < kPrefillKeys; n += kVecSize) tile_max = at::vec::maximum(tile_max, Vec::loadu(x + n));
+      const float old_max = sc.max_logit[r];
+      const float new_max = std::max(
+          old_max, at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, tile_max));
+      if (new_max == kNegInf) {  // nothing visible to this row yet
+        std::fill_n(x, kPrefillKeys, 0.f);
+        continue;
+      }
+      if (new_max != old_max) {
+        const float alpha = std::exp(old_max - new_max);  // 0 on the row's first visible tile
+        sc.sum[r] *= alpha;
+        float* orow = sc.o + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) orow[d] *= alpha;
+        sc.max_logit[r] = new_max;
+      }
+      Vec row_sum(0.f);
+      for (int64_t n = 0; n < kPrefillKeys; n += kVecSize) {
+        const Vec p = (Vec::loadu(x + n) - Vec(new_max)).exp_u20();
+        row_sum = row_sum + p;
+        p.store(x + n);
+      }
+      sc.sum[r] += at::vec::vec_reduce_all<float>(std::plus<Vec>(), row_sum);
+    }
+    // 4. O += P V.
+#if defined(CPU_CAPABILITY_AVX2)
+    if (avx512) {
+      pv_rows_avx512(sc.s, rows, num_keys, v, head_dim, sc.o);
+      continue;
+    }
+#endif
+    pv_rows_portable(sc.s, rows, num_keys, v, head_dim, sc.o);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / group_size, head = first_head + r % group_size;
+    scalar_t* dst = out + ((first_query_row + i) * pb.num_heads + head) * head_dim;
+    const float inv_sum = 1.f / sc.sum[r];  // > 0: every row sees at least its own token
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(sc.o[r * head_dim + d] * inv_sum);
+  }
+}
+
+// Every query row of the sequences in `seqs` (each with more than one query token), in tiles.
+template <typename scalar_t>
+void prefill_kernel(const Problem<scalar_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
+                    const std::vector<int32_t>& seqs, scalar_t* out) {  // out: [num_tokens, num_heads, head_dim]
+  const int64_t positions_per_tile = std::max<int64_t>(1, kPrefillRows / pb.group_size);
+  std::vector<PrefillTask> tasks;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t seq = seqs[i], query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    for (int64_t first = 0; first < query_len; first += positions_per_tile) {
+      const int64_t last_position = seq_lens[seq] - query_len + std::min(query_len, first + positions_per_tile) - 1;
+      const int64_t first_position = seq_lens[seq] - query_len + first;
+      const int64_t first_token = pb.sliding_window > 0 ? std::max<int64_t>(0, first_position - pb.sliding_window + 1) : 0;
+      for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
+        tasks.push_back({static_cast<int32_t>(i), static_cast<int32_t>(kv_head), static_cast<int32_t>(first),
+                         static_cast<int32_t>(last_position + 1 - first_token)});
+      }
+    }
+  }
+  const PackedKV packed = pack_kv(pb, seq_lens, seqs);
+  std::stable_sort(tasks.begin(), tasks.end(), [](const auto& a, const auto& b) { return a.num_keys > b.num_keys; });
+#if defined(CPU_CAPABILITY_AVX2)
+  const bool avx512 = pb.head_dim % 16 == 0 && use_avx512f();
+#else
+  const bool avx512 = false;
+#endif
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    if (begin >= end) return;
+    PrefillScratch sc(positions_per_tile * pb.group_size, pb.head_dim);
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      prefill_task(pb, query_start_loc, seq_lens, seqs, packed, tasks[i], positions_per_tile, avx512, sc, out);
     }
   });
 }
@@ -795,19 +1180,20 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const auto slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
-  // Query rows of variable-length sequences: row i of sequence s is at position L_s - q_s + i.
-  std::vector<int32_t> row_lens, row_seqs;
-  if (query_start_loc.has_value()) {
-    const auto starts = query_start_loc->contiguous();
+  // With query_start_loc: sequences with several query tokens go to the tiled prefill kernel; the rows of those
+  // with one (decodes) to the decode kernel, as rows at position L_s - 1 of their sequence.
+  std::vector<int32_t> decode_lens, decode_seqs, decode_tokens, prefill_seqs;
+  const auto starts = query_start_loc.has_value() ? query_start_loc->contiguous() : at::Tensor();
+  if (starts.defined()) {
     const int32_t* qsl = starts.const_data_ptr<int32_t>();
     const int32_t* len = lens.const_data_ptr<int32_t>();
-    row_lens.resize(num_rows);
-    row_seqs.resize(num_rows);
-    for (int64_t s = 0; s + 1 < starts.size(0); ++s) {
-      const int32_t first_position = len[s] - (qsl[s + 1] - qsl[s]);
-      for (int32_t r = qsl[s]; r < qsl[s + 1]; ++r) {
-        row_lens[r] = first_position + (r - qsl[s]) + 1;
-        row_seqs[r] = static_cast<int32_t>(s);
+    for (int32_t s = 0; s + 1 < starts.size(0); ++s) {
+      if (qsl[s + 1] - qsl[s] > 1) {
+        prefill_seqs.push_back(s);
+      } else if (qsl[s + 1] - qsl[s] == 1) {
+        decode_lens.push_back(len[s]);
+        decode_seqs.push_back(s);
+        decode_tokens.push_back(qsl[s]);
       }
     }
   }
@@ -816,15 +1202,21 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
     const PagedKV<scalar_t> kv{key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>(),
                                key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                                value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)};
-    const Problem<scalar_t> pb{kv, query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1),
-                               tables.const_data_ptr<int32_t>(),
-                               row_lens.empty() ? lens.const_data_ptr<int32_t>() : row_lens.data(),
-                               row_seqs.empty() ? nullptr : row_seqs.data(),
-                               slopes.defined() ? slopes.const_data_ptr<float>() : nullptr, tables.size(1),
-                               block_size, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
-                               sliding_window, static_cast<float>(scale), static_cast<float>(logits_soft_cap),
-                               avx512_bf16_path<scalar_t>(head_dim)};
-    paged_attention_kernel(pb, num_rows, out.data_ptr<scalar_t>());
+    Problem<scalar_t> pb{kv, query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1),
+                         tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(), nullptr, nullptr,
+                         slopes.defined() ? slopes.const_data_ptr<float>() : nullptr, tables.size(1),
+                         block_size, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
+                         sliding_window, static_cast<float>(scale), static_cast<float>(logits_soft_cap),
+                         avx512_bf16_path<scalar_t>(head_dim)};
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    if (!starts.defined()) return paged_attention_kernel(pb, num_rows, out_ptr);
+    if (!prefill_seqs.empty()) {
+      prefill_kernel(pb, starts.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(), prefill_seqs, out_ptr);
+    }
+    if (!decode_seqs.empty()) {
+      pb.row_lens = decode_lens.data(), pb.row_seqs = decode_seqs.data(), pb.row_tokens = decode_tokens.data();
+      paged_attention_kernel(pb, static_cast<int64_t>(decode_seqs.size()), out_ptr);
+    }
   };
   switch (query.scalar_type()) {  // check_paged_attention_args allows exactly these
     case at::kFloat: run(float{}); break;
