@@ -148,19 +148,21 @@ def test_requests_sharing_a_prefix_with_one_being_computed_wait_one_step_and_sha
     plain = LLM(tiny_model, block_size=4, num_gpu_blocks=64)
     expected = token_ids(plain.generate(prompts, params, use_tqdm=False))
     llm = LLM(tiny_model, block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
-    steps = []
+    prefills = []  # per step: (request id, tokens computed) of each sequence in prefill
     schedule = llm.scheduler.schedule
 
     def record():
-        requests, batch = schedule()
-        steps.append((batch.is_prefill, [r.request_id - requests[0].request_id for r in requests], batch.query_lens))
-        return requests, batch
+        step = schedule()
+        prefilling = {seq.seq_id: request.request_id for request in llm.scheduler.running if not request.prefilled
+                      for seq in request.seqs}
+        prefills.append([(prefilling[seq.seq_id], num_new_tokens)
+                         for seq, num_new_tokens in zip(step.seqs, step.num_new_tokens) if seq.seq_id in prefilling])
+        return step
 
     llm.scheduler.schedule = record
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
-    prefills = [(ids, lens) for is_prefill, ids, lens in steps if is_prefill]
     # the first prompt alone; then the rest, each computing only its own 3 tokens (the unrelated one all 6)
-    assert prefills == [([0], [15]), ([0, 1, 2, 3], [3, 3, 3, 6])]
+    assert [step for step in prefills if step] == [[(0, 15)], [(1, 3), (2, 3), (3, 3), (4, 6)]]
     stats = llm.stats()
     assert stats.prefix_cache_hit_tokens == 3 * 12 and stats.peak_blocks_saved_by_sharing == 3 * 3
     assert stats.num_prefill_tokens == 15 + 3 * 3 + 6
