@@ -2,10 +2,10 @@
 
 An exception (KeyboardInterrupt, an error in the forward pass, the sampler, a cache op, the block manager) is
 injected at chosen calls of each point where a step can fail: a step computing prompt tokens, a step decoding, one
-whose decode fills a block, half-way through the forward pass (some layers' KV written, not the others), the sampler, a swap out
-or in, a copy-on-write, a fork of samples or beams, and running out of blocks. After each, the engine must hold no
-request and no block, its prefix cache must hold no block whose KV was not written (the cache starts as NaN, so an
-unwritten block shows), and its next ``generate`` must give exactly what a fresh engine gives.
+whose decode fills a block, half-way through the forward pass (some layers' KV written, not the others), the
+sampler, a swap out or in, a copy-on-write, a fork of samples or beams, and running out of blocks. After each, the
+engine must hold no request and no block, its prefix cache must hold no block whose KV was not written (the cache
+starts as NaN, so an unwritten block shows), and its next ``generate`` must give exactly what a fresh engine gives.
 
 The configurations cover prefix caching, swapping and recomputation, with and without chunked prefill. The model is
 a small random Llama built in place (conftest's ``tiny_model``), on the CPU.

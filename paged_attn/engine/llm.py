@@ -231,12 +231,11 @@ class LLM:
         step = self.scheduler.schedule()
         logits = self.runner.run(step)  # [num_sampling_seqs, vocab_size]
         self.scheduler.mark_computed(step)  # the step's KV is written: its full blocks may now be hit
-        requests = step.sampling_requests
         logprobs = torch.log_softmax(logits, dim=-1)
         greedy = logprobs.argmax(dim=-1)
         greedy_ids, greedy_logprobs = greedy.tolist(), logprobs.gather(-1, greedy[:, None]).squeeze(-1).tolist()
         finished, row = [], 0
-        for request in requests:
+        for request in step.sampling_requests:
             rows = slice(row, row + len(request.seqs))
             row = rows.stop
             if request.params.beam_width > 1:

@@ -17,6 +17,7 @@ import torch
 from .. import ops
 from ..block_manager import PAD_BLOCK_ID
 from .model import Batch, LlamaModel, ModelConfig
+from .scheduler import ScheduledStep
 
 
 class ModelRunner:
@@ -29,7 +30,7 @@ class ModelRunner:
                                               torch.device("cpu"), self.device.type == "cuda", self.bytes_per_block,
                                               "num_cpu_blocks") if num_cpu_blocks else []
 
-    def run(self, step) -> torch.Tensor:
+    def run(self, step: ScheduledStep) -> torch.Tensor:
         """Apply the step's cache operations, then run its forward pass (which writes the KV of its tokens).
         Return float32 logits ``[num_sampling_seqs, vocab_size]``: one row per sequence whose last token was
         computed, in the step's order."""
@@ -49,7 +50,7 @@ class ModelRunner:
             ops.swap_blocks(src[0], dst[0], mapping)
             ops.swap_blocks(src[1], dst[1], mapping)
 
-    def prepare(self, step) -> Batch:
+    def prepare(self, step: ScheduledStep) -> Batch:
         """The step's paged metadata: sequence ``s`` computes its tokens ``[num_computed_tokens, + num_new_tokens)``
         and attends over all its tokens up to each one."""
         block_size = self.block_size
