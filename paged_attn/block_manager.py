@@ -26,7 +26,7 @@ Vocabulary:
   (``mark_computed``, after the step that wrote it completed), never when its slots are handed out. A step
   that fails before that leaves nothing behind: freeing its sequences frees their unpublished blocks, so no
   later request can hit KV that was never written. (A sequence allocated before the step that computes its
-  prefix has completed computes that prefix again; the engine's scheduler holds such a request back one step.)
+  prefix has completed computes that prefix again; the engine's scheduler holds such a request back until then.)
 - *swapping*: preemption moves a group of sequences (the beams of one request) to CPU blocks and back; a
   block shared inside the group is moved once and stays shared.
 

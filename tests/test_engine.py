@@ -124,8 +124,14 @@ def test_weights_and_tokenizer_equal_transformers(model, hf_model):
     dict(block_size=8, enable_prefix_caching=True),
     dict(block_size=8, enable_prefix_caching=True, max_num_seqs=2),  # later requests hit earlier ones' blocks
     dict(block_size=4, num_gpu_blocks=17, enable_prefix_caching=True, admission_headroom=0),  # hits cached blocks
+    # chunked prefill: 16 tokens a step (decodes included), so each prompt (31 to 49 tokens) takes several steps
+    dict(max_num_batched_tokens=16, max_num_seqs=4),
+    dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, admission_headroom=0, max_num_batched_tokens=16,
+         max_num_seqs=4),
+    dict(block_size=4, num_gpu_blocks=24, admission_headroom=0, max_num_batched_tokens=16, max_num_seqs=4),
+    dict(block_size=8, enable_prefix_caching=True, max_num_batched_tokens=16, max_num_seqs=4),
 ], ids=["default", "max_num_seqs=2", "swap", "recompute", "prefix_caching", "prefix_caching+max_num_seqs=2",
-        "recompute+prefix_caching"])
+        "recompute+prefix_caching", "chunked", "chunked+swap", "chunked+recompute", "chunked+prefix_caching"])
 def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
     llm = make_llm(**config)
     assert greedy_tokens(llm, prompts) == hf_greedy
@@ -134,6 +140,8 @@ def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
     if config.get("num_gpu_blocks"):
         assert stats.num_preemptions > 0
         assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
+    if config.get("max_num_batched_tokens"):
+        assert stats.num_mixed_steps > 0  # prompt chunks computed next to decodes
     if config.get("enable_prefix_caching"):
         # Chat prompts share the system prompt: later prompts hit the first one's blocks (held back one step, until
         # its KV is written) ...
@@ -141,6 +149,67 @@ def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
         # ... and a second run hits the (freed, still cached) blocks of the first.
         assert greedy_tokens(llm, prompts) == hf_greedy
         assert llm.stats().prefix_cache_hit_tokens > stats.prefix_cache_hit_tokens
+
+
+def record_steps(llm):
+    """Log (decode tokens, prefill tokens) of every step the engine runs."""
+    steps, schedule = [], llm.scheduler.schedule
+
+    def record():
+        step = schedule()
+        steps.append((step.num_decode_tokens, step.num_prefill_tokens))
+        return step
+
+    llm.scheduler.schedule = record
+    return steps
+
+
+def test_a_long_prompt_is_chunked_next_to_a_decoding_request(make_llm, prompts, hf_greedy):
+    """16 tokens a step: the 31-token prompt takes two steps (sampling only after the second), the 49-token one
+    starts with the token left over and goes on in chunks of 15 beside the first request's decodes."""
+    llm = make_llm(max_num_batched_tokens=16, max_num_seqs=4)
+    steps = record_steps(llm)
+    assert greedy_tokens(llm, [prompts[2], prompts[3]]) == [hf_greedy[2], hf_greedy[3]]
+    assert steps[:7] == [(0, 16), (0, 16), (1, 15), (1, 15), (1, 15), (1, 3), (2, 0)]
+    assert all(decode + prefill <= 16 for decode, prefill in steps)
+    stats = llm.stats()
+    assert stats.num_mixed_steps == 4 and stats.num_prefill_tokens == 31 + 49
+    assert stats.num_steps == len(steps) and stats.num_decode_steps == len(steps) - 2
+
+
+def test_prefix_cache_hits_the_full_block_of_a_shared_block_and_a_half(make_llm, prompts, hf_greedy):
+    """The first two chat prompts share 24 tokens: one full block of 16 and half of the next. The second prompt
+    waits until the first one's chunk has written that block, hits it, and computes the rest, its half-shared
+    block included."""
+    assert prompts[0][:24] == prompts[1][:24] and prompts[0][24] != prompts[1][24]
+    llm = make_llm(block_size=16, enable_prefix_caching=True, max_num_batched_tokens=16, max_num_seqs=4)
+    assert greedy_tokens(llm, prompts[:2]) == hf_greedy[:2]
+    stats = llm.stats()
+    assert stats.prefix_cache_hit_tokens == 16
+    assert stats.num_prefill_tokens == len(prompts[0]) + len(prompts[1]) - 16
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [64, 0], ids=["swap", "recompute"])
+def test_preemption_half_way_through_a_prompt(make_llm, prompts, hf_greedy, num_cpu_blocks):
+    """21 blocks of 4: the 31-token prompt (8 blocks) decodes while the 49-token one (13 blocks) is computed 15
+    tokens a step; when the first needs a ninth block, the second, 16 tokens in, is preempted. Swapped out, it goes
+    on from its 16th token once back; dropped, it is computed again from the start."""
+    llm = make_llm(block_size=4, num_gpu_blocks=21, num_cpu_blocks=num_cpu_blocks, admission_headroom=0,
+                   max_num_batched_tokens=16, max_num_seqs=4)
+    preempted, preempt = [], llm.scheduler._preempt
+
+    def record(request, step):
+        preempted.append((request.prefilled, request.seqs[0].num_computed_tokens, len(request.seqs[0].token_ids)))
+        preempt(request, step)
+
+    llm.scheduler._preempt = record
+    assert greedy_tokens(llm, [prompts[2], prompts[3]]) == [hf_greedy[2], hf_greedy[3]]
+    assert preempted == [(False, 16, 49)]
+    stats = llm.stats()
+    if num_cpu_blocks:
+        assert stats.num_swapped_out == 1 and stats.num_prefill_tokens == 31 + 49
+    else:
+        assert stats.num_recomputed == 1 and stats.num_prefill_tokens == 31 + 16 + 49
 
 
 @pytest.mark.parametrize("config", [

@@ -1,13 +1,14 @@
 """Exception safety of the engine: whatever fails inside ``generate``, and wherever, the engine ends clean.
 
 An exception (KeyboardInterrupt, an error in the forward pass, the sampler, a cache op, the block manager) is
-injected at chosen calls of each point where a step can fail: the prefill, a decode step, the decode step that
-fills a block, half-way through the forward pass (some layers' KV written, not the others), the sampler, a swap out
-or in, a copy-on-write, a fork of samples or beams, and running out of blocks. After each, the engine must hold no
-request and no block, its prefix cache must hold no block whose KV was not written (the cache starts as NaN, so an
-unwritten block shows), and its next ``generate`` must give exactly what a fresh engine gives.
+injected at chosen calls of each point where a step can fail: a step computing prompt tokens, a step decoding, one
+whose decode fills a block, half-way through the forward pass (some layers' KV written, not the others), the
+sampler, a swap out or in, a copy-on-write, a fork of samples or beams, and running out of blocks. After each, the
+engine must hold no request and no block, its prefix cache must hold no block whose KV was not written (the cache
+starts as NaN, so an unwritten block shows), and its next ``generate`` must give exactly what a fresh engine gives.
 
-The model is a small random Llama built in place (conftest's ``tiny_model``), on the CPU.
+The configurations cover prefix caching, swapping and recomputation, with and without chunked prefill. The model is
+a small random Llama built in place (conftest's ``tiny_model``), on the CPU.
 """
 
 import random
@@ -44,12 +45,17 @@ CONFIGS = {
     "prefix": dict(num_gpu_blocks=64, enable_prefix_caching=True),
     "prefix+swap": dict(num_gpu_blocks=22, num_cpu_blocks=32, enable_prefix_caching=True, admission_headroom=0),
     "prefix+recompute": dict(num_gpu_blocks=22, enable_prefix_caching=True, admission_headroom=0),
+    # chunked prefill: prompts of 14 to 22 tokens computed 10 tokens a step (decodes included)
+    "chunked+prefix+swap": dict(num_gpu_blocks=22, num_cpu_blocks=32, enable_prefix_caching=True,
+                                admission_headroom=0, max_num_batched_tokens=10, max_num_seqs=10),
+    "chunked+prefix+recompute": dict(num_gpu_blocks=22, enable_prefix_caching=True, admission_headroom=0,
+                                     max_num_batched_tokens=10, max_num_seqs=10),
 }
 
 
 def make_llm(model, config):
     llm = LLM(model, block_size=BLOCK_SIZE, **config)
-    for key_cache, value_cache in llm.scheduler.kv_caches:  # unwritten KV reads as NaN
+    for key_cache, value_cache in llm.runner.kv_caches:  # unwritten KV reads as NaN
         key_cache.fill_(float("nan"))
         value_cache.fill_(float("nan"))
     return llm
@@ -74,6 +80,8 @@ def expected(model):
         stats = llm.stats()
         assert (stats.num_preemptions > 0) == (config["num_gpu_blocks"] < 64), name
         assert (stats.num_swapped_out > 0) == ("num_cpu_blocks" in config), name
+        if "max_num_batched_tokens" in config:
+            assert stats.num_mixed_steps > 0, name  # prompt chunks next to decodes
     assert len({str(r) for r in results.values()}) == 1  # paging policy never changes a token
     return results
 
@@ -92,17 +100,29 @@ class Point:
             raise error
 
 
+def query_lens(batch):
+    return batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+
+
+def computes_a_prompt(batch, kv_caches):  # (a prompt, a chunk of one or a recomputation)
+    return bool((query_lens(batch) > 1).any())
+
+
+def decodes(batch, kv_caches):
+    return bool((query_lens(batch) == 1).any())
+
+
 def is_decode_filling_a_block(batch, kv_caches):
-    return not batch.is_prefill and bool((batch.seq_lens % BLOCK_SIZE == 0).any())
+    return bool(((query_lens(batch) == 1) & (batch.seq_lens % BLOCK_SIZE == 0)).any())
 
 
 # name -> (where: (object, attribute) of the engine to patch, which calls count, what is raised)
 def points(llm):
     scheduler, model = llm.scheduler, llm.model
-    cpu_caches = {t.data_ptr() for pair in scheduler.cpu_kv_caches for t in pair}
+    cpu_caches = {t.data_ptr() for pair in llm.runner.cpu_kv_caches for t in pair}
     return {
-        "prefill": ((model, "forward"), lambda batch, kv: batch.is_prefill, KeyboardInterrupt()),
-        "decode": ((model, "forward"), lambda batch, kv: not batch.is_prefill, Injected("decode")),
+        "prefill": ((model, "forward"), computes_a_prompt, KeyboardInterrupt()),
+        "decode": ((model, "forward"), decodes, Injected("decode")),
         "block_fill": ((model, "forward"), is_decode_filling_a_block, Injected("a decode step that fills a block")),
         # raised after the call: a layer's KV is written, the next layers' are not
         "mid_forward": ((ops, "reshape_and_cache"), None, KeyboardInterrupt()),
@@ -151,7 +171,7 @@ def assert_clean(llm):
     assert manager.num_free_cpu_blocks == manager.num_cpu_blocks
     assert llm.stats().gpu_blocks_used == 0
     for block_id in manager.hash_to_block_id.values():  # every cached block holds written KV in every layer
-        for key_cache, value_cache in scheduler.kv_caches:
+        for key_cache, value_cache in llm.runner.kv_caches:
             assert torch.isfinite(key_cache[block_id]).all() and torch.isfinite(value_cache[block_id]).all(), block_id
 
 

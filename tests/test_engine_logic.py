@@ -148,19 +148,55 @@ def test_requests_sharing_a_prefix_with_one_being_computed_wait_one_step_and_sha
     plain = LLM(tiny_model, block_size=4, num_gpu_blocks=64)
     expected = token_ids(plain.generate(prompts, params, use_tqdm=False))
     llm = LLM(tiny_model, block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
-    steps = []
+    prefills = []  # per step: (request id, tokens computed) of each sequence in prefill
     schedule = llm.scheduler.schedule
 
     def record():
-        requests, batch = schedule()
-        steps.append((batch.is_prefill, [r.request_id - requests[0].request_id for r in requests], batch.query_lens))
-        return requests, batch
+        step = schedule()
+        prefilling = {seq.seq_id: request.request_id for request in llm.scheduler.running if not request.prefilled
+                      for seq in request.seqs}
+        prefills.append([(prefilling[seq.seq_id], num_new_tokens)
+                         for seq, num_new_tokens in zip(step.seqs, step.num_new_tokens) if seq.seq_id in prefilling])
+        return step
 
     llm.scheduler.schedule = record
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
-    prefills = [(ids, lens) for is_prefill, ids, lens in steps if is_prefill]
     # the first prompt alone; then the rest, each computing only its own 3 tokens (the unrelated one all 6)
-    assert prefills == [([0], [15]), ([0, 1, 2, 3], [3, 3, 3, 6])]
+    assert [step for step in prefills if step] == [[(0, 15)], [(1, 3), (2, 3), (3, 3), (4, 6)]]
     stats = llm.stats()
     assert stats.prefix_cache_hit_tokens == 3 * 12 and stats.peak_blocks_saved_by_sharing == 3 * 3
     assert stats.num_prefill_tokens == 15 + 3 * 3 + 6
+
+
+# ---- chunked prefill ----
+
+def test_the_token_budget_must_cover_a_decode_of_every_running_sequence(tiny_model):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be at least max_num_seqs \(16\)"):
+        LLM(tiny_model, num_gpu_blocks=8, max_num_batched_tokens=8, max_num_seqs=16)
+
+
+@pytest.mark.parametrize("config", [
+    dict(),
+    dict(enable_prefix_caching=True),
+    dict(num_gpu_blocks=44, num_cpu_blocks=64, admission_headroom=0),
+    dict(num_gpu_blocks=44, admission_headroom=0),
+], ids=["chunked", "chunked+prefix_caching", "chunked+swap", "chunked+recompute"])
+def test_chunked_prefill_changes_no_token(tiny_model, config):
+    """Prompts of up to 43 tokens computed 8 tokens a step (decodes included), with parallel sampling (which forks
+    only once the prompt's last token is computed), beam search, prefix caching and preemption (the small pools
+    preempt requests half-way through their prompts): the same tokens as prompts computed whole."""
+    prompts = [list(range(10 + i, 50 + i)) for i in range(3)] + [list(range(60, 70)), list(range(10, 53))]
+    params = [SamplingParams(max_tokens=16, n=3, temperature=1.0, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=16, beam_width=2, ignore_eos=True),
+              SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=16, n=2, temperature=0.8, seed=2),
+              SamplingParams(max_tokens=16, ignore_eos=True)]
+    expected = token_ids(LLM(tiny_model, block_size=4, num_gpu_blocks=128).generate(prompts, params, use_tqdm=False))
+    llm = LLM(tiny_model, block_size=4, max_num_batched_tokens=8, max_num_seqs=8, **{"num_gpu_blocks": 128, **config})
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+    stats = llm.stats()
+    assert stats.num_mixed_steps > 0
+    assert stats.num_preemptions > 0 if "admission_headroom" in config else stats.num_preemptions == 0
+    if config.get("enable_prefix_caching"):  # the last prompt shares 40 tokens with the first
+        assert stats.prefix_cache_hit_tokens > 0
+    assert llm.scheduler.manager.num_free_blocks == llm.scheduler.manager.num_gpu_blocks

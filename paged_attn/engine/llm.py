@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from .model import LlamaModel, Tokenizer
+from .model_runner import ModelRunner, kv_bytes_per_block
 from .sampling import SamplingParams, sample
-from .scheduler import EngineStats, Request, Scheduler, Sequence, kv_bytes_per_block
+from .scheduler import EngineStats, Request, Scheduler, Sequence
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
 
@@ -62,6 +63,9 @@ class LLM:
         num_cpu_blocks: CPU blocks to swap preempted requests to; 0 means preemption recomputes.
         enable_prefix_caching: reuse the KV of full blocks of earlier prompts with the same prefix.
         max_num_seqs: sequences (counting samples and beams) running at once.
+        max_num_batched_tokens: tokens computed in one step (one forward pass), decodes and prompts together; a
+            prompt that does not fit what the step leaves is computed in chunks over several steps. At least
+            max_num_seqs.
         admission_headroom: a new request is admitted while others run only if this many free blocks per running
             sequence remain after its prompt, so that running sequences can grow without being preempted (0:
             whenever its prompt fits). On a full pool it trades a little concurrency for fewer preemptions.
@@ -133,9 +137,14 @@ class LLM:
         if num_gpu_blocks < 1:
             raise ValueError(f"the KV cache must hold at least one block of {bytes_per_block} bytes, got "
                              f"num_gpu_blocks={num_gpu_blocks} (kv_cache_memory={kv_cache_memory})")
-        self.scheduler = Scheduler(cfg, device, model.dtype, block_size, num_gpu_blocks, num_cpu_blocks,
-                                   enable_prefix_caching, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   kv_reservation, admission_headroom)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({max_num_seqs}): every running sequence decodes a token each step")
+        # The cache tensors come first: an oversized pool fails there, at once, before the scheduler's bookkeeping.
+        self.runner = ModelRunner(model, block_size, num_gpu_blocks, num_cpu_blocks)
+        self.scheduler = Scheduler(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, max_num_seqs,
+                                   max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom)
+        self.num_generated_tokens = 0  # since the last generate began
         self.generator = torch.Generator(device).manual_seed(seed)
         self._request_ids = itertools.count()
         self._lock = threading.Lock()  # one generate at a time
@@ -165,8 +174,8 @@ class LLM:
 
     def stats(self) -> EngineStats:
         """KV-cache figures: blocks used now and at the peak of the last ``generate``, utilization, blocks saved
-        by sharing, preemptions, prefix-cache hits."""
-        return self.scheduler.stats()
+        by sharing, preemptions, prefix-cache hits, steps."""
+        return self.scheduler.stats(self.runner.bytes_per_block, self.num_generated_tokens)
 
     # ---- internals ----
 
@@ -174,6 +183,7 @@ class LLM:
         requests = [self._make_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
         scheduler = self.scheduler
         scheduler.reset_stats()
+        self.num_generated_tokens = 0
         outputs: dict[int, RequestOutput] = {}
         progress = _progress_bar(len(requests), use_tqdm)
         start = time.perf_counter()
@@ -184,7 +194,7 @@ class LLM:
                 for request in self._step():
                     outputs[request.request_id] = self._output(request)
                     progress.update(1)
-                rate = scheduler.num_generated_tokens / (time.perf_counter() - start)
+                rate = self.num_generated_tokens / (time.perf_counter() - start)
                 progress.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         except BaseException:  # KeyboardInterrupt included: drop every request, publish nothing unwritten
             scheduler.abort_all()
@@ -202,7 +212,7 @@ class LLM:
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         else:
             text, token_ids = None, prompt
-        cfg, scheduler = self.config, self.scheduler
+        cfg = self.config
         if not token_ids:
             raise ValueError("empty prompt: a prompt needs at least one token")
         if len(token_ids) >= self.max_model_len:
@@ -210,29 +220,22 @@ class LLM:
                              f"{self.max_model_len} tokens (it must leave room for one generated token)")
         if not all(0 <= t < cfg.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
-        if params.width > scheduler.max_num_seqs:
-            raise ValueError(f"n / beam_width of {params.width} exceeds max_num_seqs={scheduler.max_num_seqs}")
-        needed = scheduler.max_blocks(len(token_ids), params)
-        if needed > scheduler.manager.num_gpu_blocks:
-            raise ValueError(
-                f"request can never fit in the KV cache: {params.width} sequence(s) of up to "
-                f"{needed // params.width} blocks of {scheduler.block_size} tokens "
-                f"(kv_reservation={scheduler.kv_reservation!r}) need {needed} blocks, but the cache has "
-                f"{scheduler.manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
+        self.scheduler.check_request(len(token_ids), params)
         generator = self.generator if params.seed is None else \
             torch.Generator(self.device).manual_seed(params.seed)
         return Request(next(self._request_ids), text, token_ids, params, generator)
 
     def _step(self) -> list[Request]:
-        """Run one scheduled step and sample; return the requests that finished."""
-        requests, batch = self.scheduler.schedule()
-        logits = self.model.forward(batch, self.scheduler.kv_caches)  # [num_seqs, vocab_size]
-        self.scheduler.mark_computed(requests)  # the step's KV is written: its full blocks may now be hit
+        """Run one scheduled step and sample for the requests whose prefill is complete; return the requests that
+        finished."""
+        step = self.scheduler.schedule()
+        logits = self.runner.run(step)  # [num_sampling_seqs, vocab_size]
+        self.scheduler.mark_computed(step)  # the step's KV is written: its full blocks may now be hit
         logprobs = torch.log_softmax(logits, dim=-1)
         greedy = logprobs.argmax(dim=-1)
         greedy_ids, greedy_logprobs = greedy.tolist(), logprobs.gather(-1, greedy[:, None]).squeeze(-1).tolist()
         finished, row = [], 0
-        for request in requests:
+        for request in step.sampling_requests:
             rows = slice(row, row + len(request.seqs))
             row = rows.stop
             if request.params.beam_width > 1:
@@ -267,7 +270,7 @@ class LLM:
             if seq.finish_reason is not None:
                 self.scheduler.free(seq)
                 request.finished.append(seq)
-        self.scheduler.num_generated_tokens += len(token_ids)
+        self.num_generated_tokens += len(token_ids)
         request.seqs = [seq for seq in request.seqs if seq.finish_reason is None]
 
     def _beam_search_step(self, request: Request, logprobs: torch.Tensor) -> None:
@@ -300,7 +303,7 @@ class LLM:
             self.scheduler.fork(parent, child)
         for seq in beams:
             self.scheduler.free(seq)
-        self.scheduler.num_generated_tokens += len(beams)
+        self.num_generated_tokens += len(beams)
         request.forked = True
         request.seqs = [] if done else [child for _, child in candidates]
 

@@ -2,9 +2,9 @@
 forward pass that keeps its keys and values in the paged KV cache.
 
 The forward pass mirrors transformers' ``LlamaForCausalLM`` operation by operation (RMSNorm in float32, RoPE
-from the same float32 tables, SwiGLU), with the query/key/value and gate/up projections fused. Prefill writes the
-new tokens' keys and values with ``reshape_and_cache`` and attends causally over the cached prefix plus the new
-tokens; decode attends with ``paged_attention``, one token per sequence.
+from the same float32 tables, SwiGLU), with the query/key/value and gate/up projections fused. One step may mix
+decodes, prompts and chunks of prompts: each layer writes the new tokens' keys and values with
+``reshape_and_cache``, then ``paged_attention`` attends each new token causally over its sequence's cached tokens.
 """
 
 from __future__ import annotations
@@ -50,18 +50,17 @@ class ModelConfig:
 
 @dataclass
 class Batch:
-    """Paged metadata of one step, built by the scheduler. Prefill: each sequence feeds tokens
-    ``[context_len, seq_len)`` and attends over ``[0, seq_len)``; decode: each feeds its last token."""
+    """Paged metadata of one step, built by the model runner: sequence ``s`` feeds its last ``q_s`` tokens (rows
+    ``query_start_loc[s]:query_start_loc[s + 1]``, ``q_s`` >= 1) and attends over its first ``seq_lens[s]``."""
 
-    is_prefill: bool
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
-    seq_lens: torch.Tensor  # int32 [num_seqs]
-    query_lens: list[int]  # new tokens per sequence (prefill)
-    context_lens: list[int]  # tokens already in the cache per sequence (prefill)
-    logits_indices: torch.Tensor  # int64 [num_seqs]: the last new token of each sequence
+    seq_lens: torch.Tensor  # int32 [num_seqs]: tokens in the cache once this step's are written
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int  # the largest q_s
+    logits_indices: torch.Tensor  # int64 [num_sampling_seqs]: rows whose next-token logits are wanted
 
 
 class Tokenizer:
@@ -327,38 +326,15 @@ class LlamaModel:
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
-    def _prefill_attention(self, q, k, v, key_cache, value_cache, batch: Batch) -> torch.Tensor:
-        """Causal attention per sequence over its cached prefix plus its new tokens. q: [num_tokens, num_heads,
-        head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (already written to the cache)."""
-        out = torch.empty_like(q)
-        block_size = key_cache.shape[1]
-        start = 0
-        for i, (query_len, context_len) in enumerate(zip(batch.query_lens, batch.context_lens)):
-            end = start + query_len
-            query = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
-            if context_len == 0:
-                key, value = k[start:end], v[start:end]
-                mask, causal = None, True
-            else:  # part of the prompt was a prefix-cache hit: read all its keys/values back from the cache
-                seq_len = context_len + query_len
-                blocks = batch.block_tables[i, :-(-seq_len // block_size)].long()
-                key = key_cache[blocks].flatten(0, 1)[:seq_len]
-                value = value_cache[blocks].flatten(0, 1)[:seq_len]
-                mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(context_len)
-                causal = False
-            attn = F.scaled_dot_product_attention(
-                query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, enable_gqa=True)
-            out[start:end] = attn[0].transpose(0, 1)
-            start = end
-        return out
-
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Run one step; return float32 logits ``[num_seqs, vocab_size]`` of each sequence's last token."""
+        """Run one step; return float32 logits ``[len(logits_indices), vocab_size]`` of the rows named there."""
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # decode form when every sequence feeds one token (the same attention, without query_start_loc)
+        query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
+        max_query_len = batch.max_query_len if batch.max_query_len > 1 else None
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
@@ -369,10 +345,8 @@ class LlamaModel:
             k = self._rope(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
-            if batch.is_prefill:
-                attn = self._prefill_attention(q, k, v, key_cache, value_cache, batch)
-            else:
-                attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens)
+            attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                                       query_start_loc=query_start_loc, max_query_len=max_query_len)
             hidden = hidden + self._linear(attn.view(num_tokens, q_size), layer["o_proj"])
             x = self._rms_norm(hidden, layer["post_attention_layernorm"])
             gate, up = self._linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)

@@ -1,13 +1,22 @@
-"""Sequences, requests and the iteration-level scheduler that owns the paged KV cache.
+"""Sequences, requests and the iteration-level scheduler: which requests run each step, and how many tokens each.
 
-Every step is either a prefill (newly admitted or recomputed requests) or a decode (one token for every running
-sequence). A request's sequences are scheduled, swapped and preempted together. Each sequence's ``token_ids``
-are its prompt plus every token sampled so far; the block manager holds all of them but the last, whose slot is
-reserved (``append_slot``) when the step that writes its KV is scheduled. Every cache operation the manager asks
-for (copy-on-write, swap out, swap in) is applied as soon as it is returned, so it always precedes the step's
-writes. Once the step's forward pass has completed, ``mark_computed`` publishes the blocks it filled to the
-prefix cache; if anything fails before that, ``abort_all`` drops every request and no unwritten block is ever
-published.
+Every step is one forward pass over a mixed batch, as in vLLM v1: first each running request that decodes gets one
+token per sequence (its slot reserved, preempting the newest requests if blocks run out), then requests whose
+prefill is under way continue it, then waiting requests are admitted; each prefill takes as many of its remaining
+tokens as the step's budget (``max_num_batched_tokens``) leaves, so a long prompt is computed in chunks over
+several steps. A request's sequences are scheduled, swapped and preempted together.
+
+Each sequence's ``token_ids`` are its prompt plus every token sampled so far, and the first
+``num_computed_tokens`` of them have their KV in the cache. Admission (or re-admission after preemption by
+recomputation) allocates blocks for all its tokens, prefix-cache hits counted as computed; the request is then in
+*prefill* until every one of them is computed. It samples only in the step that computes the last token of each
+of its sequences (a chunk that ends earlier gives no token); from then on it decodes, and the slot of each newly
+sampled token is reserved (``append_slot``) when the step that writes its KV is scheduled.
+
+The scheduler decides; ``ModelRunner`` applies the cache operations the step asks for (swap in, swap out,
+copy-on-write) and runs it. Once the forward pass has completed, ``mark_computed`` advances the sequences and
+publishes the blocks written so far to the prefix cache; if anything fails before that, ``abort_all`` drops every
+request and no unwritten block is ever published.
 
 ``kv_reservation`` picks how KV memory is promised to requests. ``"none"`` (paged, the default): blocks are taken
 as tokens arrive and a request holds only what it has written. The other two emulate the contiguous allocators
@@ -28,9 +37,7 @@ from typing import Optional
 
 import torch
 
-from .. import ops
 from ..block_manager import BlockManager
-from .model import Batch, ModelConfig
 from .sampling import SamplingParams
 
 _seq_ids = itertools.count()
@@ -43,8 +50,7 @@ class Sequence:
     num_prompt_tokens: int
     cumulative_logprob: float = 0.0
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
-    num_cached_tokens: int = 0  # at admission: leading tokens whose KV was already in the cache
-    slot: int = -1  # decode: where the last token's KV goes
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
     finish_reason: Optional[str] = None
     score: float = 0.0  # beam search: cumulative log-probability / length
 
@@ -63,15 +69,32 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)  # live (running, swapped or waiting) sequences
     finished: list[Sequence] = field(default_factory=list)
     forked: bool = False  # whether the prompt's sequence has been fanned out into n samples / beams
+    prefilled: bool = False  # every token allocated at admission is computed: the request decodes
 
     def __post_init__(self):
         if not self.seqs:
             self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
 
 
+@dataclass
+class ScheduledStep:
+    """One step as the scheduler decided it: the cache operations to apply first (swap in, swap out, copy, in
+    that order), then, for each scheduled sequence, its next ``num_new_tokens`` tokens to compute."""
+
+    seqs: list[Sequence] = field(default_factory=list)  # a request's sequences are adjacent
+    num_new_tokens: list[int] = field(default_factory=list)  # per sequence, from its num_computed_tokens on
+    block_tables: list[list[int]] = field(default_factory=list)  # per sequence
+    sampling_requests: list[Request] = field(default_factory=list)  # those whose every last token is computed
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src_block, dst_block)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class EngineStats:
-    """KV-cache figures since the last ``generate`` began (peaks over its steps) and now."""
+    """KV-cache and scheduling figures since the last ``generate`` began (peaks over its steps) and now."""
 
     block_size: int
     num_gpu_blocks: int
@@ -86,30 +109,24 @@ class EngineStats:
     num_swapped_out: int
     num_recomputed: int
     prefix_cache_hit_tokens: int
-    num_prefill_tokens: int  # tokens computed by prefill steps (prompts, recomputation)
+    num_prefill_tokens: int  # tokens computed in prefill (prompts, and recomputation after preemption)
     num_generated_tokens: int
-    num_decode_steps: int
+    num_steps: int  # forward passes
+    num_decode_steps: int  # steps that decoded at least one token
+    num_mixed_steps: int  # steps that decoded and computed prefill tokens together
     peak_running_seqs: int  # sequences in one step, at most
 
 
 class Scheduler:
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
-                 num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "none",
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "none",
                  admission_headroom: int = 0):
         if kv_reservation not in KV_RESERVATIONS:
             raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {kv_reservation!r}")
-        self.device, self.block_size = device, block_size
+        self.block_size = block_size
         self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
-        # The cache tensors come first: an oversized pool fails here, at once, before the manager's bookkeeping.
-        self.kv_caches = _allocate_caches(config, num_gpu_blocks, block_size, dtype, device, False,
-                                          self.bytes_per_block, "num_gpu_blocks")
-        self.cpu_kv_caches = _allocate_caches(config, num_cpu_blocks, block_size, dtype, torch.device("cpu"),
-                                              device.type == "cuda", self.bytes_per_block, "num_cpu_blocks") \
-            if num_cpu_blocks else []
         self.manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                     enable_prefix_caching=enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -123,24 +140,29 @@ class Scheduler:
         self.peak = self.manager.stats()
         self.peak_saved = self.peak.blocks_saved_by_sharing
         self.num_preemptions = self.num_swapped_out = self.num_recomputed = 0
-        self.prefix_cache_hit_tokens = self.num_prefill_tokens = self.num_generated_tokens = 0
-        self.num_decode_steps = self.peak_running_seqs = 0
+        self.prefix_cache_hit_tokens = self.num_prefill_tokens = 0
+        self.num_steps = self.num_decode_steps = self.num_mixed_steps = self.peak_running_seqs = 0
 
-    def stats(self) -> EngineStats:
+    def stats(self, bytes_per_block: int, num_generated_tokens: int) -> EngineStats:
         now = self.manager.stats()
         return EngineStats(
             block_size=self.block_size, num_gpu_blocks=now.num_gpu_blocks,
-            num_cpu_blocks=self.manager.num_cpu_blocks, bytes_per_block=self.bytes_per_block,
+            num_cpu_blocks=self.manager.num_cpu_blocks, bytes_per_block=bytes_per_block,
             gpu_blocks_used=now.gpu_blocks_used, peak_gpu_blocks_used=self.peak.gpu_blocks_used,
             peak_tokens=self.peak.num_tokens, utilization_at_peak=self.peak.utilization,
             peak_blocks_saved_by_sharing=self.peak_saved, num_preemptions=self.num_preemptions,
             num_swapped_out=self.num_swapped_out, num_recomputed=self.num_recomputed,
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens, num_prefill_tokens=self.num_prefill_tokens,
-            num_generated_tokens=self.num_generated_tokens, num_decode_steps=self.num_decode_steps,
+            num_generated_tokens=num_generated_tokens, num_steps=self.num_steps,
+            num_decode_steps=self.num_decode_steps, num_mixed_steps=self.num_mixed_steps,
             peak_running_seqs=self.peak_running_seqs,
         )
 
-    def _record_peak(self) -> None:
+    def _record_step(self, step: ScheduledStep) -> None:
+        self.num_steps += 1
+        self.num_prefill_tokens += step.num_prefill_tokens
+        self.num_decode_steps += step.num_decode_tokens > 0
+        self.num_mixed_steps += step.num_decode_tokens > 0 and step.num_prefill_tokens > 0
         self.peak_running_seqs = max(self.peak_running_seqs, self._running_seqs())
         now = self.manager.stats()
         if now.gpu_blocks_used > self.peak.gpu_blocks_used:
@@ -155,6 +177,18 @@ class Scheduler:
         max_len = self.max_model_len if self.kv_reservation == "max_model_len" else \
             min(num_prompt_tokens + params.max_tokens, self.max_model_len)
         return params.width * self.blocks_for(max_len)
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError for a request that could never run: too many sequences, or more blocks than the pool."""
+        if params.width > self.max_num_seqs:
+            raise ValueError(f"n / beam_width of {params.width} exceeds max_num_seqs={self.max_num_seqs}")
+        needed = self.max_blocks(num_prompt_tokens, params)
+        if needed > self.manager.num_gpu_blocks:
+            raise ValueError(
+                f"request can never fit in the KV cache: {params.width} sequence(s) of up to "
+                f"{needed // params.width} blocks of {self.block_size} tokens "
+                f"(kv_reservation={self.kv_reservation!r}) need {needed} blocks, but the cache has "
+                f"{self.manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
 
     def _reserved_unused_blocks(self) -> int:
         """Blocks that running requests have reserved but not yet taken (0 when paged)."""
@@ -174,6 +208,7 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self.manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
         self.manager.free(seq.seq_id)
@@ -181,12 +216,14 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         self.running.remove(request)
 
-    def mark_computed(self, requests: list[Request]) -> None:
-        """The step's forward pass has written the KV of every token of these requests' sequences: publish
-        their full blocks to the prefix cache."""
-        for request in requests:
-            for seq in request.seqs:
-                self.manager.mark_computed(seq.seq_id)
+    def mark_computed(self, step: ScheduledStep) -> None:
+        """The step's forward pass has written the KV of its tokens: advance every scheduled sequence and publish
+        its full blocks written so far to the prefix cache."""
+        for seq, num_new_tokens in zip(step.seqs, step.num_new_tokens):
+            seq.num_computed_tokens += num_new_tokens
+            self.manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+        for request in step.sampling_requests:
+            request.prefilled = True
 
     def abort_all(self) -> None:
         """Drop every request and free its blocks (after an error). Blocks of the failed step were never
@@ -209,20 +246,24 @@ class Scheduler:
 
     # ---- scheduling ----
 
-    def schedule(self) -> tuple[list[Request], Batch]:
-        """Pick the next step: swapped requests come back first, then new ones are prefilled, else decode."""
-        self._swap_in()
+    def schedule(self) -> ScheduledStep:
+        """Pick the next step: swapped requests come back first; then one token for each decoding sequence, the
+        next chunk of each prefill under way, and new requests while the token budget and max_num_seqs allow."""
+        step = ScheduledStep()
+        self._swap_in(step)
+        self._schedule_decodes(step)
+        for request in self.running:
+            if not request.prefilled and self._budget(step) > 0:
+                self._schedule_prefill(step, request)
         if not self.swapped:
-            admitted = self._admit()
-            if admitted:
-                self._record_peak()
-                return admitted, self._prefill_batch(admitted)
-        scheduled = self._reserve_decode_slots()
-        if not scheduled:
+            self._admit(step)
+        if not step.seqs:
             raise RuntimeError("scheduler is stuck: requests are waiting but none can run")
-        self.num_decode_steps += 1
-        self._record_peak()
-        return scheduled, self._decode_batch(scheduled)
+        self._record_step(step)
+        return step
+
+    def _budget(self, step: ScheduledStep) -> int:
+        return self.max_num_batched_tokens - step.num_decode_tokens - step.num_prefill_tokens
 
     def _running_width(self) -> int:
         return sum(request.params.width for request in self.running)
@@ -230,7 +271,7 @@ class Scheduler:
     def _running_seqs(self) -> int:
         return sum(len(request.seqs) for request in self.running)
 
-    def _swap_in(self) -> None:
+    def _swap_in(self, step: ScheduledStep) -> None:
         while self.swapped:
             request = self.swapped[0]
             seq_ids = [seq.seq_id for seq in request.seqs]
@@ -239,12 +280,59 @@ class Scheduler:
                 if (num_blocks + self._running_seqs() + len(seq_ids) > self.manager.num_free_blocks
                         or self._running_width() + request.params.width > self.max_num_seqs):
                     return
-            mapping = self.manager.swap_in(seq_ids)
-            for (gpu_key, gpu_value), (cpu_key, cpu_value) in zip(self.kv_caches, self.cpu_kv_caches):
-                ops.swap_blocks(cpu_key, gpu_key, mapping)
-                ops.swap_blocks(cpu_value, gpu_value, mapping)
+            step.blocks_to_swap_in += self.manager.swap_in(seq_ids)
             self.swapped.pop(0)
             self._add_running(request)
+
+    def _can_append(self, request: Request) -> bool:
+        if len(request.seqs) == 1:
+            return self.manager.can_append_slot(request.seqs[0].seq_id)
+        return len(request.seqs) <= self.manager.num_free_blocks  # each may need a new or copied block
+
+    def _schedule_decodes(self, step: ScheduledStep) -> None:
+        """Reserve the slot of every decoding sequence's new token, preempting the newest requests if needed."""
+        pending, self.running = self.running, []
+        while pending:
+            request = pending.pop(0)
+            if request.prefilled:
+                while not self._can_append(request) and pending:
+                    self._preempt(pending.pop(), step)
+                if not self._can_append(request) and self.running:
+                    self._preempt(request, step)
+                    continue
+                # (alone, a request always fits: LLM rejects any request the whole pool could not hold)
+                for seq in request.seqs:
+                    _, cow = self.manager.append_slot(seq.seq_id, seq.token_ids[-1])
+                    if cow is not None:
+                        step.blocks_to_copy.append(cow)
+                self._add_to_step(step, request, [1] * len(request.seqs))
+                step.num_decode_tokens += len(request.seqs)
+            self.running.append(request)
+
+    def _schedule_prefill(self, step: ScheduledStep, request: Request) -> None:
+        """The request's next chunk: all its remaining tokens if they fit the step's budget, else as many as fit
+        but never a sequence's last token (a request samples only once each of its sequences has computed it)."""
+        remaining = [len(seq.token_ids) - seq.num_computed_tokens for seq in request.seqs]
+        budget = self._budget(step)
+        if sum(remaining) <= budget:
+            chunk = remaining
+        else:
+            chunk = []
+            for num_tokens in remaining:
+                chunk.append(min(num_tokens - 1, budget))
+                budget -= chunk[-1]
+        self._add_to_step(step, request, chunk)
+        step.num_prefill_tokens += sum(chunk)
+
+    def _add_to_step(self, step: ScheduledStep, request: Request, num_new_tokens: list[int]) -> None:
+        for seq, num_tokens in zip(request.seqs, num_new_tokens):
+            if num_tokens:
+                step.seqs.append(seq)
+                step.num_new_tokens.append(num_tokens)
+                step.block_tables.append(self.manager.block_table(seq.seq_id))
+        if all(seq.num_computed_tokens + num_tokens == len(seq.token_ids)
+               for seq, num_tokens in zip(request.seqs, num_new_tokens)):
+            step.sampling_requests.append(request)
 
     def _can_admit(self, request: Request) -> bool:
         if self.kv_reservation != "none":
@@ -260,85 +348,53 @@ class Scheduler:
         needed = sum(self.blocks_for(len(seq.token_ids)) for seq in request.seqs)
         return needed + keep_free <= self.manager.num_free_blocks
 
-    def _admit(self) -> list[Request]:
-        admitted, num_tokens = [], 0
-        while self.waiting:
+    def _admit(self, step: ScheduledStep) -> None:
+        while self.waiting and self._budget(step) > 0:
             request = self.waiting[0]
-            new_tokens = sum(len(seq.token_ids) for seq in request.seqs)
-            if admitted and num_tokens + new_tokens > self.max_num_batched_tokens:
-                break
             if self.running and self._running_width() + request.params.width > self.max_num_seqs:
                 break
             if not self._can_admit(request):
                 break
-            if admitted and self._shares_blocks_being_computed(request, admitted):
-                break  # next step, its prefix is in the cache: it shares those blocks instead of computing them
+            if self._shares_blocks_being_computed(request):
+                break  # later, its prefix is in the cache: it shares those blocks instead of computing them
             for seq in request.seqs:
-                seq.num_cached_tokens = self.manager.allocate(seq.seq_id, seq.token_ids)
-                self.prefix_cache_hit_tokens += seq.num_cached_tokens
-                num_tokens += len(seq.token_ids) - seq.num_cached_tokens
+                seq.num_computed_tokens = self.manager.allocate(seq.seq_id, seq.token_ids)
+                self.prefix_cache_hit_tokens += seq.num_computed_tokens
             self.waiting.popleft()
             self._add_running(request)
-            admitted.append(request)
-        return admitted
+            self._schedule_prefill(step, request)
 
-    def _shares_blocks_being_computed(self, request: Request, admitted: list[Request]) -> bool:
-        """Whether the request's prompt has more full blocks in common with a prompt admitted to this step than the
-        prefix cache holds for it. Blocks enter the cache only once written (after this step), so admitted now it
-        would compute and hold copies of them; admitted one step later, it hits them."""
+    def _shares_blocks_being_computed(self, request: Request) -> bool:
+        """Whether the request's prompt has more full blocks in common with a prefill under way (this step's
+        included) than the prefix cache holds for it. Blocks enter the cache only once written, so admitted now
+        it would compute and hold copies of them; admitted once they are written, it hits them."""
         if not self.manager.enable_prefix_caching:
             return False
-        for seq in request.seqs:
+        computing = [seq.token_ids for other in self.running if not other.prefilled for seq in other.seqs]
+        for seq in request.seqs if computing else []:
             tokens = seq.token_ids
             cached = self.manager.cached_prefix_length(tokens)
             hittable = (len(tokens) - 1) // self.block_size * self.block_size  # never the last token's block
-            for other in (other_seq.token_ids for other_request in admitted for other_seq in other_request.seqs):
+            for other in computing:
                 common = _common_prefix_length(tokens, other) // self.block_size * self.block_size
                 if min(common, hittable) > cached:
                     return True
         return False
 
-    def _can_append(self, request: Request) -> bool:
-        if len(request.seqs) == 1:
-            return self.manager.can_append_slot(request.seqs[0].seq_id)
-        return len(request.seqs) <= self.manager.num_free_blocks  # each may need a new or copied block
-
-    def _reserve_decode_slots(self) -> list[Request]:
-        """Reserve the slot of every running sequence's last token, preempting the newest requests if needed."""
-        pending, self.running = self.running, []
-        while pending:
-            request = pending.pop(0)
-            while not self._can_append(request) and pending:
-                self._preempt(pending.pop())
-            if not self._can_append(request) and self.running:
-                self._preempt(request)
-                continue
-            # (alone, a request always fits: LLM rejects any request the whole pool could not hold)
-            cows = []
-            for seq in request.seqs:
-                seq.slot, cow = self.manager.append_slot(seq.seq_id, seq.token_ids[-1])
-                if cow is not None:
-                    cows.append(cow)
-            if cows:
-                ops.copy_blocks([key for key, _ in self.kv_caches], [value for _, value in self.kv_caches], cows)
-            self.running.append(request)
-        return list(self.running)
-
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, step: ScheduledStep) -> None:
         """Swap the request's sequences out to CPU blocks if there is room, else drop their KV to recompute."""
         self.num_preemptions += 1
         seq_ids = [seq.seq_id for seq in request.seqs]
-        if self.cpu_kv_caches and self.manager.can_swap_out(seq_ids):
-            mapping = self.manager.swap_out(seq_ids)
-            for (gpu_key, gpu_value), (cpu_key, cpu_value) in zip(self.kv_caches, self.cpu_kv_caches):
-                ops.swap_blocks(gpu_key, cpu_key, mapping)
-                ops.swap_blocks(gpu_value, cpu_value, mapping)
+        if self.manager.num_cpu_blocks and self.manager.can_swap_out(seq_ids):
+            step.blocks_to_swap_out += self.manager.swap_out(seq_ids)
             self.swapped.append(request)
             self.swapped.sort(key=lambda r: r.request_id)
             self.num_swapped_out += 1
         else:
-            for seq_id in seq_ids:
-                self.manager.free(seq_id)
+            for seq in request.seqs:
+                self.manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+            request.prefilled = False
             self.waiting.appendleft(request)  # victims go newest first, so the oldest ends up in front
             self.num_recomputed += 1
 
@@ -346,82 +402,6 @@ class Scheduler:
         self.running.append(request)
         self.running.sort(key=lambda r: r.request_id)
 
-    # ---- paged metadata (the one place it is built) ----
-
-    def _prefill_batch(self, requests: list[Request]) -> Batch:
-        seqs = [seq for request in requests for seq in request.seqs]
-        input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, len(seq.token_ids)
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += self.manager.slot_mapping(seq.seq_id, start, end)
-            query_lens.append(end - start)
-            context_lens.append(start)
-        self.num_prefill_tokens += sum(query_lens)
-        return self._batch(True, seqs, input_ids, positions, slots, query_lens, context_lens)
-
-    def _decode_batch(self, requests: list[Request]) -> Batch:
-        seqs = [seq for request in requests for seq in request.seqs]
-        return self._batch(False, seqs, [seq.token_ids[-1] for seq in seqs],
-                           [len(seq.token_ids) - 1 for seq in seqs], [seq.slot for seq in seqs],
-                           [1] * len(seqs), [len(seq.token_ids) - 1 for seq in seqs])
-
-    def _batch(self, is_prefill, seqs, input_ids, positions, slots, query_lens, context_lens) -> Batch:
-        def tensor(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        ends = list(itertools.accumulate(query_lens))
-        return Batch(
-            is_prefill=is_prefill,
-            input_ids=tensor(input_ids),
-            positions=tensor(positions),
-            slot_mapping=tensor(slots),
-            block_tables=self.manager.block_tables_tensor([seq.seq_id for seq in seqs], self.device),
-            seq_lens=tensor([len(seq.token_ids) for seq in seqs], torch.int32),
-            query_lens=query_lens,
-            context_lens=context_lens,
-            logits_indices=tensor([end - 1 for end in ends]),
-        )
-
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: keys and values of block_size tokens, in every layer."""
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * \
-        torch.empty((), dtype=dtype).element_size()
-
 
 def _common_prefix_length(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def _allocate_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                     device: torch.device, pin_memory: bool, bytes_per_block: int, name: str):
-    """One (key_cache, value_cache) pair per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each;
-    a pool that cannot be allocated raises ValueError at once."""
-    total = num_blocks * bytes_per_block
-    too_big = f"{name}={num_blocks} blocks of {bytes_per_block} bytes ({total / 2**30:.2f} GiB of KV cache)"
-    if device.type == "cpu" and not pin_memory:  # untouched pages would be granted lazily and fail much later
-        available = _available_cpu_memory()
-        if available is not None and total > available:
-            raise ValueError(f"{too_big} do not fit the {available / 2**30:.2f} GiB of memory available on the "
-                             f"CPU; lower {name} or kv_cache_memory")
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    try:
-        return [(torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory),
-                 torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory))
-                for _ in range(config.num_layers)]
-    except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
-        raise ValueError(f"{too_big} cannot be allocated on {device}: {error}") from None
-
-
-def _available_cpu_memory() -> Optional[int]:
-    """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
