@@ -68,6 +68,8 @@ def parse_args():
     parser.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra environment variable for vLLM (repeatable), e.g. VLLM_CPU_ATTN_SPLIT_KV=0")
     parser.add_argument("--profile", action="store_true", help="also profile one batch-32 call of each engine")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="ours with LLM(torch_compile=True): prefill steps' elementwise work compiled")
     parser.add_argument("--quick", action="store_true", help="float32, batch 1 and 8, 16 new tokens, 1 repeat")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # internal: run one engine
     parser.add_argument("--worker-spec", help=argparse.SUPPRESS)
@@ -154,12 +156,12 @@ def make_prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
 # ---- workers (one engine each, in its own venv) ----
 
 class OursEngine:
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, torch_compile: bool):
         import torch
 
         from paged_attn.engine import LLM, SamplingParams
 
-        self.llm = LLM(dtype=getattr(torch, dtype))
+        self.llm = LLM(dtype=getattr(torch, dtype), torch_compile=torch_compile)
         self.make_params = lambda max_tokens: SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -202,7 +204,7 @@ def worker_main(args) -> None:
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
     start = time.perf_counter()
     if args.worker == "ours":
-        engine = OursEngine(spec["dtype"])
+        engine = OursEngine(spec["dtype"], spec["torch_compile"])
     else:
         engine = VllmEngine(spec["dtype"], spec["hf_dir"], spec["max_num_seqs"])
     load_s = time.perf_counter() - start
@@ -278,7 +280,8 @@ def start_workers(args, dtype: str, prompts, spec_path: str, batch_sizes: list[i
     """Both engines loaded and warmed up for ``batch_sizes``; vLLM admits as many sequences as the timed runs."""
     with open(spec_path, "w") as f:
         json.dump({"dtype": dtype, "prompts": prompts, "max_tokens": args.max_tokens, "hf_dir": args.hf_dir,
-                   "batch_sizes": batch_sizes, "max_num_seqs": max(args.batch_sizes)}, f)
+                   "batch_sizes": batch_sizes, "max_num_seqs": max(args.batch_sizes),
+                   "torch_compile": args.torch_compile}, f)
     workers = {}
     try:
         workers["ours"] = Worker("ours", args.ours_python, spec_path, {})

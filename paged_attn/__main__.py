@@ -110,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="compile the elementwise work of prefill steps (torch.compile; the first compiles)")
     return parser.parse_args(argv)
 
 
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
               block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**20),
               num_cpu_blocks=args.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
-              max_num_seqs=args.max_num_seqs, seed=args.seed)
+              max_num_seqs=args.max_num_seqs, seed=args.seed, torch_compile=args.torch_compile)
     cfg, stats = llm.config, llm.stats()
     print(f"model: {os.path.basename(model_path)} ({cfg.num_layers} layers, {cfg.num_heads} heads / "
           f"{cfg.num_kv_heads} kv heads, head dim {cfg.head_dim}) on {args.device}, "

@@ -200,3 +200,32 @@ def test_chunked_prefill_changes_no_token(tiny_model, config):
     if config.get("enable_prefix_caching"):  # the last prompt shares 40 tokens with the first
         assert stats.prefix_cache_hit_tokens > 0
     assert llm.scheduler.manager.num_free_blocks == llm.scheduler.manager.num_gpu_blocks
+
+
+# ---- torch_compile ----
+
+def test_torch_compile_runs_large_steps_compiled_with_the_same_tokens(tiny_model):
+    """torch_compile=True: steps of >= 128 tokens take the compiled elementwise kernels, smaller ones stay eager,
+    and greedy outputs equal the eager engine's."""
+    from paged_attn.engine import LlamaModel
+
+    prompts = [[(7 * i + 3 * j) % 100 + 1 for j in range(40 + i)] for i in range(4)]  # 166 prompt tokens
+    params = SamplingParams(max_tokens=12)
+    eager = LLM(LlamaModel(tiny_model.config, tiny_model.state_dict()), block_size=4, num_gpu_blocks=128)
+    model = LlamaModel(tiny_model.config, tiny_model.state_dict())
+    compiled = LLM(model, block_size=4, num_gpu_blocks=128, torch_compile=True)
+    calls = []
+
+    def counted(fn):
+        def call(*args):
+            calls.append(args[0].shape[0])
+            return fn(*args)
+        return call
+
+    model._compiled = tuple(counted(fn) for fn in model._compiled)
+    expected, actual = eager.generate(prompts, params, use_tqdm=False), compiled.generate(prompts, params,
+                                                                                          use_tqdm=False)
+    assert token_ids(actual) == token_ids(expected)
+    for a, e in zip(actual, expected):
+        assert a.outputs[0].cumulative_logprob == pytest.approx(e.outputs[0].cumulative_logprob, abs=1e-4)
+    assert calls and min(calls) >= 128, "the prefill step should run compiled, the decode steps eager"

@@ -75,6 +75,9 @@ class LLM:
             admission, as a contiguous KV allocator must (a baseline for comparisons; see ``scheduler``).
         seed: seeds the sampling of requests that give no seed of their own.
         tokenizer: for a transformers model, anything with ``encode``/``decode`` (e.g. its tokenizer).
+        torch_compile: run the elementwise work of steps of 128 tokens or more (prefill) as ``torch.compile``'d
+            fused kernels (see ``LlamaModel.compile_elementwise``; the first such step compiles, for seconds;
+            outputs may then differ from eager ones in the last bits). Needs a C++ compiler on the CPU.
 
     ``generate`` may be called from several threads: the calls run one after another, never interleaved. If it
     raises (an invalid request, an interrupt, an error in the forward pass or the sampler), the engine drops
@@ -86,7 +89,7 @@ class LLM:
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, admission_headroom: int = 2,
-                 kv_reservation: str = "none", seed: int = 0, tokenizer=None):
+                 kv_reservation: str = "none", seed: int = 0, tokenizer=None, torch_compile: bool = False):
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as error:
@@ -120,6 +123,8 @@ class LLM:
         else:
             raise ValueError(f"model must be a GGUF path, a LlamaModel or a transformers Llama model, got "
                              f"{type(model).__name__}")
+        if torch_compile:
+            model.compile_elementwise()
         self.model, self.config, self.device = model, model.config, device
         self.tokenizer: Optional[Tokenizer] = tokenizer or model.tokenizer
 

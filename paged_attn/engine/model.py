@@ -215,6 +215,8 @@ class LlamaModel:
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
         self.check_dtype(self.device, self.dtype, use_onednn)
+        self._compiled = None  # (rms_norm, rope_qkv, silu_mul) compiled: see compile_elementwise
+        self._compile_min_tokens = 0
 
         def get(name):
             return weights[name].to(device=self.device, dtype=self.dtype)
@@ -317,42 +319,69 @@ class LlamaModel:
             })
         return weights
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * x32.to(x.dtype)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def compile_elementwise(self, min_tokens: int = 128) -> None:
+        """From now on, steps of at least ``min_tokens`` tokens run the elementwise work around the projections
+        (RMSNorm, RoPE, SiLU * up) as ``torch.compile``'d kernels (inductor fuses each into one loop); smaller steps
+        stay eager, where a compiled call's fixed cost outweighs the fusion (measured on the CPU: 4.7x faster per
+        layer at 256 tokens, 1.7x slower at 32). The first large step compiles (seconds). Results may differ from
+        the eager ones in the last bits (a fused reduction sums in another order)."""
+        self._compiled = (torch.compile(_rms_norm, dynamic=True), torch.compile(_rope_qkv, dynamic=True),
+                          torch.compile(_silu_mul, dynamic=True))
+        self._compile_min_tokens = min_tokens
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(logits_indices), vocab_size]`` of the rows named there."""
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size = cfg.num_heads * cfg.head_dim
         # decode form when every sequence feeds one token (the same attention, without query_start_loc)
         query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
         max_query_len = batch.max_query_len if batch.max_query_len > 1 else None
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
+        compiled = self._compiled is not None and num_tokens >= self._compile_min_tokens
+        rms_norm, rope_qkv, silu_mul = self._compiled if compiled else (_rms_norm, _rope_qkv, _silu_mul)
+        eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            x = self._rms_norm(hidden, layer["input_layernorm"])
-            q, k, v = self._linear(x, layer["qkv_proj"]).split([q_size, kv_size, kv_size], dim=-1)
-            q = self._rope(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self._rope(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            x = rms_norm(hidden, layer["input_layernorm"], eps)
+            q, k, v = rope_qkv(self._linear(x, layer["qkv_proj"]), cos, sin, *heads)
             ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
             attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                                        query_start_loc=query_start_loc, max_query_len=max_query_len)
             hidden = hidden + self._linear(attn.view(num_tokens, q_size), layer["o_proj"])
-            x = self._rms_norm(hidden, layer["post_attention_layernorm"])
-            gate, up = self._linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)
-            hidden = hidden + self._linear(F.silu(gate) * up, layer["down_proj"])
-        hidden = self._rms_norm(hidden[batch.logits_indices], self.norm)
+            x = rms_norm(hidden, layer["post_attention_layernorm"], eps)
+            hidden = hidden + self._linear(silu_mul(self._linear(x, layer["gate_up_proj"])), layer["down_proj"])
+        hidden = _rms_norm(hidden[batch.logits_indices], self.norm, eps)
         return self._linear(hidden, self.lm_head).float()
+
+
+# The elementwise work of a layer, as plain functions of tensors (so that torch.compile can take them whole).
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's output [num_tokens, (num_heads + 2 num_kv_heads) head_dim] as q, k (rotated) and v."""
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (_rope(q.view(num_tokens, num_heads, head_dim), cos, sin),
+            _rope(k.view(num_tokens, num_kv_heads, head_dim), cos, sin), v.view(num_tokens, num_kv_heads, head_dim))
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _names(dtypes) -> str:
