@@ -447,3 +447,68 @@ def test_copy_blocks(driver, tmp_path, num_layers):
     for i in range(num_layers):
         assert_same_bits(out[f"key_caches.{i}"], expected_keys[i], f"key_caches[{i}]")
         assert_same_bits(out[f"value_caches.{i}"], expected_values[i], f"value_caches[{i}]")
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.bfloat16, 3)],
+                         ids=["float-64", "bf16-3 (2-byte units)"])
+@pytest.mark.parametrize("layout", ["packed", "transposed"])
+def test_reshape_and_cache_into_strided_caches(driver, tmp_path, dtype, head_dim, layout):
+    """Caches with strided rows (vLLM's packed K|V halves, one allocation; token and head dimensions transposed):
+    each token's rows land in their slots and nothing else changes."""
+    num_tokens, num_kv_heads, num_blocks, block_size = 9, 2, 5, 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = relayout(torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype), layout)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[3] = -1
+    case = Case("reshape_and_cache", dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                                          slot_mapping=slots), dict(element_size=key.element_size()),
+                ("key_cache", "value_cache"), dtype)
+    out = run_everywhere(driver, case, tmp_path, ["key_cache", "value_cache"])
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
+    assert_same_bits(out["key_cache"], expected_key, "key_cache")
+    assert_same_bits(out["value_cache"], expected_value, "value_cache")
+
+
+def test_copy_blocks_strided_views_copy_only_their_rows(driver, tmp_path):
+    """Layer 0: the K and V halves of one packed allocation; layer 1: transposed caches. Each view's rows move (the
+    two packed halves together cover their allocation, so every byte of it is compared)."""
+    shape = (6, 4, 2, 16)
+    packed_key, packed_value = relayout(torch.randn(shape, dtype=torch.bfloat16),
+                                        torch.randn(shape, dtype=torch.bfloat16), "packed")
+    t_key, t_value = relayout(torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16),
+                              "transposed")
+    mapping = torch.tensor([[0, 3], [5, 1], [2, 4]])
+    tensors = {"key_caches.0": packed_key, "key_caches.1": t_key, "value_caches.0": packed_value,
+               "value_caches.1": t_value, "block_mapping": mapping}
+    case = Case("copy_blocks", tensors, dict(num_layers=2, element_size=2), tuple(tensors)[:-1], torch.bfloat16)
+    out = run_everywhere(driver, case, tmp_path, list(tensors)[:-1])
+    expected_keys, expected_values = [packed_key.clone(), t_key.clone()], [packed_value.clone(), t_value.clone()]
+    reference.copy_blocks(expected_keys, expected_values, mapping)
+    for i in range(2):
+        assert_same_bits(out[f"key_caches.{i}"], expected_keys[i], f"key_caches[{i}]")
+        assert_same_bits(out[f"value_caches.{i}"], expected_values[i], f"value_caches[{i}]")
+
+
+def test_copy_blocks_of_one_packed_half_leaves_the_other_alone(driver, tmp_path):
+    """Only the K half of a packed cache is copied (the V 'cache' is a separate allocation): the V rows between the
+    K rows of a destination block keep their NaN."""
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 16
+    alloc = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_dim, dtype=torch.bfloat16)
+    alloc[4:, ..., head_dim:] = NAN  # the destinations' V rows (a copy of the whole block span would fill them)
+    key = alloc[..., :head_dim]
+    other_value = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    mapping = torch.tensor([[1, 4], [2, 5]])
+    tensors = {"key_caches.0": key, "value_caches.0": other_value, "block_mapping": mapping}
+    case = Case("copy_blocks", tensors, dict(num_layers=1, element_size=2), ("key_caches.0", "value_caches.0"),
+                torch.bfloat16)
+    run_everywhere(driver, case, tmp_path, ["key_caches.0"])
+    buffer_id = case.buffer_ids[alloc.untyped_storage().data_ptr()]
+    data = bytearray((tmp_path / f"out{buffer_id}.bin").read_bytes())
+    after = torch.frombuffer(data, dtype=torch.bfloat16).view(alloc.shape)
+    expected = alloc.clone()
+    expected[4, ..., :head_dim] = alloc[1, ..., :head_dim]
+    expected[5, ..., :head_dim] = alloc[2, ..., :head_dim]
+    assert_same_bits(after, expected, "the packed allocation")
