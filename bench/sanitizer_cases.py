@@ -1,8 +1,10 @@
 """Small CUDA cases of every op, for compute-sanitizer (bench/gpu_check.sh runs it under memcheck and racecheck).
 
 Each case is checked against paged_attn.reference, so the run also fails on a wrong result. Covers both
-paged_attention paths (single pass: many sequences; split-KV: one long sequence), GQA groups above and below the
-8 query heads a thread block serves, every dtype, a strided cache view, padding slots and copy/swap of blocks.
+paged_attention decode paths (single pass: many sequences; split-KV: one long sequence), GQA groups above and below
+the 8 query heads a thread block serves, every dtype, a strided cache view, padding slots and copy/swap of blocks;
+with query_start_loc, the tensor-core kernel next to the decode kernel (float16/bfloat16) and the decode kernel for
+every row (float32), on vLLM's packed K|V cache.
 """
 
 import torch
@@ -25,6 +27,22 @@ def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtyp
     return query, key_cache, value_cache, block_tables, seq_lens_t
 
 
+def packed_varlen_case(specs, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """(seq_len, query_len) per sequence, caches as the halves of one packed [..., 2 * head_dim] allocation."""
+    blocks_per_seq = [-(-n // block_size) for n, _ in specs]
+    num_blocks = sum(blocks_per_seq) + 2
+    alloc = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_dim, dtype=dtype, device="cuda")
+    key_cache, value_cache = alloc[..., :head_dim], alloc[..., head_dim:]
+    perm = torch.randperm(num_blocks).tolist()
+    width = max(blocks_per_seq) + 1
+    tables = [[perm.pop() for _ in range(n)] + [-1] * (width - n) for n in blocks_per_seq]
+    block_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([n for n, _ in specs], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0] + [q for _, q in specs], dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    query = torch.randn(int(starts[-1]), num_heads, head_dim, dtype=dtype, device="cuda")
+    return (query, key_cache, value_cache, block_tables, seq_lens), starts
+
+
 def main():
     torch.manual_seed(0)
     tolerance = dict(rtol=2e-2, atol=2e-2)
@@ -37,6 +55,14 @@ def main():
             for kwargs in ({}, {"alibi_slopes": slopes, "sliding_window": 1000, "logits_soft_cap": 30.0}):
                 torch.testing.assert_close(paged_attn.paged_attention(*case, **kwargs),
                                            reference.paged_attention(*case, **kwargs), **tolerance)
+
+        # query_start_loc: a prompt, a chunk after a prefix, a decode, a sequence without rows; packed K|V cache
+        specs = [(150, 150), (200, 70), (90, 1), (30, 0)]
+        case, starts = packed_varlen_case(specs, 8, 2, 128, 16, dtype)
+        for kwargs in ({}, {"sliding_window": 40, "alibi_slopes": torch.rand(8, device="cuda") * 0.1}):
+            torch.testing.assert_close(paged_attn.paged_attention(*case, query_start_loc=starts, **kwargs),
+                                       reference.paged_attention(*case, query_start_loc=starts, **kwargs),
+                                       **tolerance)
 
         key = torch.randn(7, 2, 64, dtype=dtype, device="cuda")
         key_cache = torch.randn(6, 16, 2, 64, dtype=dtype, device="cuda")

@@ -44,6 +44,8 @@ PyObject* grid_tuple(const paged_attn::Grid& grid) {
 // ("error" is None when the launch is possible):
 //   "paged_attention": num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms
 //                      [, partition_tokens]
+//   "paged_attention_varlen": num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, element_bytes,
+//                             max_blocks_per_seq, block_size, sliding_window
 //   "reshape_and_cache": num_tokens, num_kv_heads, head_units
 //   "copy_blocks": num_pairs, launch_layers, block_units
 PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
@@ -71,6 +73,16 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
                          "partition_size", plan.partition_size, "grid", grid_tuple(plan.grid), "reduce_grid",
                          grid_tuple(plan.reduce_grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes,
                          "error", error(plan.error));
+  }
+  if (name == "paged_attention_varlen" && sizes.size() == 9) {
+    const auto plan = paged_attn::plan_varlen_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5],
+                                                        sizes[6], sizes[7], sizes[8]);
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:L,s:i,s:N,s:i,s:i,s:z}", "group_size", plan.group_size,
+                         "head_chunks", plan.head_chunks, "heads_per_tile", plan.heads_per_tile, "tokens_per_tile",
+                         plan.tokens_per_tile, "key_tile", plan.key_tile, "max_context",
+                         static_cast<long long>(plan.max_context), "sliding_window", plan.sliding_window, "grid",
+                         grid_tuple(plan.grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes, "error",
+                         error(plan.error));
   }
   if ((name == "reshape_and_cache" || name == "copy_blocks") && sizes.size() == 3) {
     const auto plan = name == "copy_blocks" ? paged_attn::plan_copy_blocks(sizes[0], sizes[1], sizes[2])

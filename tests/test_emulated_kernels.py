@@ -24,6 +24,7 @@ import torch
 from conftest import HAS_CUDA_OPS
 from test_attention import NAN, make_case, tolerance
 from test_emulator import CUDA_INCLUDE, CXX, SANITIZER_REPORT, build_programs
+from test_varlen_attention import MIXED, make_varlen_case
 
 import paged_attn
 from paged_attn import reference
@@ -125,10 +126,30 @@ def assert_same_bits(a, b, what):
 # ---------------------------------------------------------------------------------------------------------------
 # paged_attention
 
+def relayout(key_cache, value_cache, layout):
+    """The caches' contents (NaN where unset) in another memory layout: "packed", the K and V halves of vLLM's
+    [num_blocks, block_size, num_kv_heads, 2 * head_dim] cache (head stride 2 * head_dim); "transposed", token and
+    head dimensions swapped in memory ([num_blocks, num_kv_heads, block_size, head_dim] allocations)."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if layout == "packed":
+        alloc = torch.full((num_blocks, block_size, num_kv_heads, 2 * head_dim), NAN, dtype=key_cache.dtype)
+        keys, values = alloc[..., :head_dim], alloc[..., head_dim:]
+    else:
+        assert layout == "transposed", layout
+        keys, values = (torch.full((num_blocks, num_kv_heads, block_size, head_dim), NAN,
+                                   dtype=key_cache.dtype).transpose(1, 2) for _ in range(2))
+    keys.copy_(key_cache)
+    values.copy_(value_cache)
+    return keys, values
+
+
 def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, *, layout="contiguous",
                    alibi=False, sliding_window=None, soft_cap=None, split=False, partition_tokens=32):
     query, key_cache, value_cache, block_tables, seq_lens_t = make_case(
-        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu", layout=layout)
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu",
+        layout="contiguous" if layout in ("packed", "transposed") else layout)
+    if layout in ("packed", "transposed"):
+        key_cache, value_cache = relayout(key_cache, value_cache, layout)
     out = torch.full_like(query, NAN).contiguous()
     tensors = dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                    seq_lens=seq_lens_t)
@@ -235,6 +256,142 @@ def test_attention_huge_window_means_every_token(driver, tmp_path):
     check_attention(driver, case, tmp_path)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["single_pass", "split_kv"])
+@pytest.mark.parametrize("layout", ["packed", "transposed"])
+def test_attention_strided_cache_layouts(driver, tmp_path, layout, split):
+    """Caches with strided rows: the K and V halves of vLLM's packed cache, and token and head dimensions swapped."""
+    case = attention_case([3, 40, 77], 8, 2, 64, 16, torch.bfloat16, layout=layout, split=split)
+    check_attention(driver, case, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# paged_attention with query_start_loc: the tensor-core kernel (float16/bfloat16) next to the decode kernels for the
+# one-row sequences, and the decode kernels for every row (float32, head dims without a tensor-core kernel, or
+# every_row=True).
+
+def varlen_case(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, layout="contiguous", alibi=False,
+                sliding_window=None, soft_cap=None, every_row=False, split=False, partition_tokens=32):
+    """specs: (seq_len, query_len) per sequence (test_varlen_attention.make_varlen_case: NaN in unused slots and
+    blocks, garbage past each block-table row's blocks)."""
+    query, key_cache, value_cache, block_tables, seq_lens, starts = make_varlen_case(
+        specs, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu",
+        "contiguous" if layout == "transposed" else layout)
+    if layout == "transposed":
+        key_cache, value_cache = relayout(key_cache, value_cache, layout)
+    out = torch.full(query.shape, NAN, dtype=dtype)
+    tensors = dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                   seq_lens=seq_lens, query_start_loc=starts)
+    if alibi:
+        tensors["alibi_slopes"] = torch.rand(num_heads) * 0.5
+    scalars = dict(scale=head_dim**-0.5, soft_cap=float(soft_cap or 0.0), sliding_window=int(sliding_window or 0),
+                   num_sms=1000 if split else 1, partition_tokens=partition_tokens if split else 1 << 30,
+                   every_row=int(every_row))
+    return Case("attention", tensors, scalars, ("out",), dtype)
+
+
+def check_varlen(driver, case: Case, tmp_path):
+    t, scalars = case.tensors, case.scalars
+    out = run_everywhere(driver, case, tmp_path, ["out"])["out"]
+    kwargs = dict(scale=scalars["scale"], alibi_slopes=t.get("alibi_slopes"),
+                  sliding_window=scalars["sliding_window"] or None, logits_soft_cap=scalars["soft_cap"] or None)
+    expected = reference.paged_attention(t["query"], t["key_cache"], t["value_cache"], t["block_tables"],
+                                         t["seq_lens"], query_start_loc=t["query_start_loc"],
+                                         compute_dtype=torch.float64, **kwargs)
+    assert not out.isnan().any(), "a row was not written, or a NaN-poisoned slot leaked in"
+    torch.testing.assert_close(out.double(), expected.double(), **tolerance(case.dtype))
+    if HAS_CUDA_OPS:  # where a GPU is present, the same kernels for real, on the same inputs
+        cuda = {name: tensor.cuda() for name, tensor in t.items()}
+        cuda_kwargs = dict(kwargs, alibi_slopes=cuda.get("alibi_slopes"))
+        on_gpu = paged_attn.paged_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"],
+                                            cuda["block_tables"], cuda["seq_lens"],
+                                            query_start_loc=cuda["query_start_loc"], **cuda_kwargs)
+        torch.testing.assert_close(on_gpu.cpu().double(), out.double(), **tolerance(case.dtype))
+    return out
+
+
+# MIXED (test_varlen_attention): a whole prompt, a decode, an empty sequence, a chunk after a cached prefix, a prompt
+# of exactly two blocks, a sequence without query rows, a long chunk over several tiles and key steps, a decode.
+# The decode kernels take one thread block per query row (and kv head) on the every-row path, which the emulator
+# runs slowly: that path gets fewer rows (the same kinds of sequences).
+EVERY_ROW_MIXED = [(37, 20), (50, 1), (0, 0), (70, 13), (32, 2), (5, 0), (33, 1)]
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 80),
+                                             (torch.float16, 256), (torch.bfloat16, 96), (torch.float32, 64),
+                                             (torch.float16, 120)],
+                         ids=["bf16-128", "half-64", "bf16-80", "half-256", "bf16-96",
+                              "float-64 (decode kernel per row)", "half-120 (no tensor-core kernel)"])
+def test_varlen_mixed_batch(driver, tmp_path, dtype, head_dim):
+    every_row = dtype == torch.float32 or head_dim == 120
+    check_varlen(driver, varlen_case(EVERY_ROW_MIXED if every_row else MIXED, 8, 2, head_dim, 16, dtype), tmp_path)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GROUPS + [(80, 1)],
+                         ids=[f"group{h // k}" for h, k in GROUPS] + ["group80 (two head chunks)"])
+def test_varlen_every_group_size(driver, tmp_path, num_heads, num_kv_heads):
+    """Tiles of 64 (token, head) rows: 64 tokens of one head down to one token of 40 heads (group 80: two chunks);
+    groups that do not divide 64 leave rows unused."""
+    specs = [(45, 45), (9, 1), (70, 23)]
+    check_varlen(driver, varlen_case(specs, num_heads, num_kv_heads, 64, 8, torch.float16), tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "halves", "packed", "transposed"])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_varlen_block_sizes_and_cache_layouts(driver, tmp_path, block_size, layout):
+    specs = [(33, 33), (100, 17), (64, 1), (7, 0)]
+    check_varlen(driver, varlen_case(specs, 4, 2, 64, block_size, torch.bfloat16, layout=layout), tmp_path)
+
+
+@pytest.mark.parametrize("feature", ["alibi", "window7", "window64", "soft_cap", "all"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float"])
+def test_varlen_alibi_window_soft_cap(driver, tmp_path, feature, dtype):
+    """ALiBi, sliding windows (7: tiles whose rows see different first keys, key steps seen by no row of a warp;
+    64: one key step), soft cap; each query row's position is its own."""
+    window = {"window7": 7, "window64": 64, "all": 20}.get(feature)
+    specs = MIXED if dtype != torch.float32 else EVERY_ROW_MIXED
+    case = varlen_case(specs, 8, 2, 64, 16, dtype, layout="packed", alibi=feature in ("alibi", "all"),
+                       sliding_window=window, soft_cap={"soft_cap": 5.0, "all": 30.0}.get(feature))
+    check_varlen(driver, case, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=list(DTYPE_NAMES.values()))
+def test_varlen_every_row_split_kv(driver, tmp_path, dtype):
+    """The decode kernels for every query row (each row's sequence by binary search), split-KV and the reduce."""
+    case = varlen_case([(0, 0), (75, 40), (33, 1), (130, 3)], 8, 2, 64, 8, dtype, every_row=True, split=True,
+                       alibi=True, sliding_window=50)
+    check_varlen(driver, case, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float"])
+def test_varlen_one_row_per_sequence_is_exactly_decode(driver, tmp_path, dtype):
+    """query_start_loc = arange: the decode kernels serve every row, so the bits equal the call without it."""
+    case = varlen_case([(1, 1), (17, 1), (64, 1), (200, 1), (3, 1)], 8, 2, 128, 16, dtype, layout="halves")
+    out = check_varlen(driver, case, tmp_path)
+    decode = Case("attention", {k: v for k, v in case.tensors.items() if k != "query_start_loc"}, case.scalars,
+                  ("out",), dtype)
+    decode.tensors["out"] = torch.full_like(decode.tensors["out"], NAN)
+    decode_dir = tmp_path / "decode"
+    decode_dir.mkdir()
+    assert_same_bits(run_everywhere(driver, decode, decode_dir, ["out"])["out"], out, "decode vs query_start_loc")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float"])
+def test_varlen_invalid_query_start_loc_stays_in_bounds(driver, tmp_path, dtype):
+    """query_start_loc past num_tokens and decreasing, a sequence with more query rows than tokens (validation is
+    opt-in on CUDA): every buffer is allocated at its exact size, so a read or write past one is a sanitizer report.
+    Each row is written once (the same bits in every thread order), and the valid sequence's rows are right."""
+    case = varlen_case([(40, 10), (12, 12), (30, 6)], 4, 2, 64, 16, dtype)
+    t = case.tensors
+    assert t["query"].shape[0] == 28
+    # sequence 1: rows 10-27 (clamped), 3 tokens: most rows sit before position 0; sequence 2: decreasing, no rows
+    t["query_start_loc"] = torch.tensor([0, 10, 10**6, 5], dtype=torch.int32)
+    t["seq_lens"] = torch.tensor([40, 3, 10**6], dtype=torch.int32)
+    out = run_everywhere(driver, case, tmp_path, ["out"])["out"]
+    assert not out.isnan().any()
+    expected = reference.paged_attention(t["query"][:10], t["key_cache"], t["value_cache"], t["block_tables"][:1],
+                                         t["seq_lens"][:1], query_start_loc=torch.tensor([0, 10], dtype=torch.int32),
+                                         compute_dtype=torch.float64)
+    torch.testing.assert_close(out[:10].double(), expected.double(), **tolerance(dtype))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # reshape_and_cache and copy_blocks: moved bytes must be exactly the reference's
 
@@ -290,3 +447,68 @@ def test_copy_blocks(driver, tmp_path, num_layers):
     for i in range(num_layers):
         assert_same_bits(out[f"key_caches.{i}"], expected_keys[i], f"key_caches[{i}]")
         assert_same_bits(out[f"value_caches.{i}"], expected_values[i], f"value_caches[{i}]")
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.bfloat16, 3)],
+                         ids=["float-64", "bf16-3 (2-byte units)"])
+@pytest.mark.parametrize("layout", ["packed", "transposed"])
+def test_reshape_and_cache_into_strided_caches(driver, tmp_path, dtype, head_dim, layout):
+    """Caches with strided rows (vLLM's packed K|V halves, one allocation; token and head dimensions transposed):
+    each token's rows land in their slots and nothing else changes."""
+    num_tokens, num_kv_heads, num_blocks, block_size = 9, 2, 5, 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = relayout(torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype), layout)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[3] = -1
+    case = Case("reshape_and_cache", dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                                          slot_mapping=slots), dict(element_size=key.element_size()),
+                ("key_cache", "value_cache"), dtype)
+    out = run_everywhere(driver, case, tmp_path, ["key_cache", "value_cache"])
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
+    assert_same_bits(out["key_cache"], expected_key, "key_cache")
+    assert_same_bits(out["value_cache"], expected_value, "value_cache")
+
+
+def test_copy_blocks_strided_views_copy_only_their_rows(driver, tmp_path):
+    """Layer 0: the K and V halves of one packed allocation; layer 1: transposed caches. Each view's rows move (the
+    two packed halves together cover their allocation, so every byte of it is compared)."""
+    shape = (6, 4, 2, 16)
+    packed_key, packed_value = relayout(torch.randn(shape, dtype=torch.bfloat16),
+                                        torch.randn(shape, dtype=torch.bfloat16), "packed")
+    t_key, t_value = relayout(torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16),
+                              "transposed")
+    mapping = torch.tensor([[0, 3], [5, 1], [2, 4]])
+    tensors = {"key_caches.0": packed_key, "key_caches.1": t_key, "value_caches.0": packed_value,
+               "value_caches.1": t_value, "block_mapping": mapping}
+    case = Case("copy_blocks", tensors, dict(num_layers=2, element_size=2), tuple(tensors)[:-1], torch.bfloat16)
+    out = run_everywhere(driver, case, tmp_path, list(tensors)[:-1])
+    expected_keys, expected_values = [packed_key.clone(), t_key.clone()], [packed_value.clone(), t_value.clone()]
+    reference.copy_blocks(expected_keys, expected_values, mapping)
+    for i in range(2):
+        assert_same_bits(out[f"key_caches.{i}"], expected_keys[i], f"key_caches[{i}]")
+        assert_same_bits(out[f"value_caches.{i}"], expected_values[i], f"value_caches[{i}]")
+
+
+def test_copy_blocks_of_one_packed_half_leaves_the_other_alone(driver, tmp_path):
+    """Only the K half of a packed cache is copied (the V 'cache' is a separate allocation): the V rows between the
+    K rows of a destination block keep their NaN."""
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 16
+    alloc = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_dim, dtype=torch.bfloat16)
+    alloc[4:, ..., head_dim:] = NAN  # the destinations' V rows (a copy of the whole block span would fill them)
+    key = alloc[..., :head_dim]
+    other_value = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    mapping = torch.tensor([[1, 4], [2, 5]])
+    tensors = {"key_caches.0": key, "value_caches.0": other_value, "block_mapping": mapping}
+    case = Case("copy_blocks", tensors, dict(num_layers=1, element_size=2), ("key_caches.0", "value_caches.0"),
+                torch.bfloat16)
+    run_everywhere(driver, case, tmp_path, ["key_caches.0"])
+    buffer_id = case.buffer_ids[alloc.untyped_storage().data_ptr()]
+    data = bytearray((tmp_path / f"out{buffer_id}.bin").read_bytes())
+    after = torch.frombuffer(data, dtype=torch.bfloat16).view(alloc.shape)
+    expected = alloc.clone()
+    expected[4, ..., :head_dim] = alloc[1, ..., :head_dim]
+    expected[5, ..., :head_dim] = alloc[2, ..., :head_dim]
+    assert_same_bits(after, expected, "the packed allocation")

@@ -113,7 +113,8 @@ def assert_clean_pass(result):
 # ---------------------------------------------------------------------------------------------------------------
 # Cases that must pass, in every build and thread order.
 
-PASSING = ["votes", "block_reduce", "uneven_warps", "shared_poison", "atomics", "alignment", "syncwarp_exchange"]
+PASSING = ["votes", "block_reduce", "uneven_warps", "shared_poison", "atomics", "alignment", "syncwarp_exchange",
+           "wmma"]
 
 
 @pytest.mark.parametrize("order,seed", ORDERS)
@@ -307,9 +308,16 @@ EMULATOR_ERRORS = {
     "mask_without_self": ["leaves out its own lane 3"],
     "bad_width": ["__shfl_xor_sync", "width 12"],
     "partial_warp_full_mask": ["names lanes past the end of the block (warp 1 has 16 lanes)"],
+    "wmma_divergent": ["wmma::load_matrix_sync(mask 0xffffffff) at", "exit"],
+    "wmma_pointer_mismatch": ["wmma::load_matrix_sync(mask 0xffffffff) at", "every lane must pass the same"],
+    "wmma_misaligned": ["wmma::load_matrix_sync(mask 0xffffffff) at", "which is not 256-bit aligned"],
+    "wmma_bad_ldm": ["wmma::load_matrix_sync(mask 0xffffffff) at", "ldm 12, which is not a multiple of 16 bytes"],
+    "wmma_fill_nonuniform": ["wmma::fill_fragment(mask 0xffffffff) at", "with another value than"],
+    "wmma_mma_vs_shuffle": ["wmma::mma_sync(mask 0xffffffff) at", "__shfl_xor_sync(mask 0xffffffff) at"],
 }
 # Cases whose message must name two different call sites.
-TWO_SITES = {"barrier_skipped", "barrier_two_sites", "different_collectives", "collective_vs_barrier"}
+TWO_SITES = {"barrier_skipped", "barrier_two_sites", "different_collectives", "collective_vs_barrier",
+             "wmma_mma_vs_shuffle"}
 
 
 @pytest.mark.parametrize("build,order,seed", [("plain", *o) for o in ORDERS] + [("asan", "random", 2),

@@ -7,6 +7,7 @@ emulated kernel tests launch with the same functions, so what is checked here is
 import math
 
 import pytest
+import torch
 
 from paged_attn import _C
 
@@ -150,6 +151,100 @@ def test_max_context_is_the_table_capacity_at_most_int32_max():
 )
 def test_invalid_sizes_are_errors_not_divisions_by_zero(sizes):
     assert attention_plan(**sizes)["error"].startswith("invalid sizes")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tensor-core kernel of paged_attention with query_start_loc (plan_varlen_attention)
+
+VARLEN_HEAD_DIMS = [64, 80, 96, 128, 256]
+
+
+def varlen_plan(num_seqs=4, num_tokens=100, num_heads=32, num_kv_heads=8, head_dim=128, element_bytes=2,
+                max_blocks_per_seq=64, block_size=16, sliding_window=0):
+    return _C._launch_plan("paged_attention_varlen", num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
+                           element_bytes, max_blocks_per_seq, block_size, sliding_window)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,chunks,heads,tokens",
+    [
+        (32, 32, 1, 1, 64),  # MHA: 64 tokens of one head per tile
+        (32, 8, 1, 4, 16),  # GQA-4: 16 tokens x 4 heads
+        (6, 2, 1, 3, 21),  # 63 of the 64 rows used
+        (64, 8, 1, 8, 8),
+        (64, 1, 1, 64, 1),  # one token of 64 heads
+        (80, 1, 2, 40, 1),  # two chunks of 40 heads
+        (128, 1, 2, 64, 1),
+    ],
+)
+def test_varlen_tiles(num_heads, num_kv_heads, chunks, heads, tokens):
+    plan = varlen_plan(num_seqs=5, num_tokens=1000, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    assert plan["error"] is None
+    assert (plan["head_chunks"], plan["heads_per_tile"], plan["tokens_per_tile"]) == (chunks, heads, tokens)
+    group = num_heads // num_kv_heads
+    assert (chunks - 1) * heads < group <= chunks * heads and heads * tokens <= 64
+    assert plan["grid"] == (1000 // tokens + 5, num_kv_heads * chunks, 1) and plan["threads"] == 128
+
+
+def tiles_of_each_row(starts, tokens_per_tile):
+    """The kernel's mapping (varlen_tile in varlen_attention_kernels.cuh), run for every thread block of grid.x:
+    row -> the tiles that serve it."""
+    num_seqs, num_tokens = len(starts) - 1, starts[-1]
+    grid_x = num_tokens // tokens_per_tile + num_seqs
+    served = {}
+    for block in range(grid_x):
+        x = grid_x - 1 - block
+        seq = max(s for s in range(num_seqs) if starts[s] // tokens_per_tile + s <= x)  # the binary search
+        first_token = (x - (starts[seq] // tokens_per_tile + seq)) * tokens_per_tile
+        count = starts[seq + 1] - starts[seq]
+        for token in range(first_token, min(first_token + tokens_per_tile, count)):
+            served.setdefault(starts[seq] + token, []).append(block)
+    return served
+
+
+@pytest.mark.parametrize("tokens_per_tile", [1, 8, 21, 64])
+def test_varlen_grid_serves_every_row_once_without_reading_query_start_loc(tokens_per_tile):
+    """grid.x = num_tokens / tokens_per_tile + num_seqs is enough for any split of the tokens into sequences
+    (so the launcher never copies query_start_loc to the host), and every row is served by exactly one tile."""
+    generator = torch.Generator().manual_seed(tokens_per_tile)
+    for _ in range(50):
+        num_seqs = int(torch.randint(1, 9, (), generator=generator))
+        lengths = torch.randint(0, 150, (num_seqs,), generator=generator)
+        lengths[torch.rand(num_seqs, generator=generator) < 0.3] = 0
+        starts = [0] + torch.cumsum(lengths, 0).tolist()
+        served = tiles_of_each_row(starts, tokens_per_tile)
+        assert sorted(served) == list(range(starts[-1]))
+        assert all(len(blocks) == 1 for blocks in served.values())
+
+
+def test_varlen_shared_memory():
+    sizes = {head_dim: varlen_plan(head_dim=head_dim)["shared_bytes"] for head_dim in VARLEN_HEAD_DIMS}
+    # launch_plan.h's varlen_smem plus 128 bytes of alignment slack: Q, K, V, S, P and the per-row records
+    assert sizes[128] == 83456 + 128 and sizes[256] == 86528 + 128
+    assert all(size <= 99 * 1024 for size in sizes.values())  # what sm_86 and sm_89 allow a block to opt in to
+    assert varlen_plan(head_dim=128)["key_tile"] == 64 and varlen_plan(head_dim=256)["key_tile"] == 32
+
+
+@pytest.mark.parametrize(
+    "sizes,message",
+    [
+        (dict(head_dim=120), "head_dim 120 has no tensor-core kernel (instantiated: 64, 80, 96, 128, 256)"),
+        (dict(head_dim=32), "head_dim 32 has no tensor-core kernel"),
+        (dict(element_bytes=4), "takes float16 and bfloat16"),
+        (dict(block_size=64), "block_size 64 is not supported (supported: 8, 16, 32)"),
+        (dict(num_heads=70000, num_kv_heads=70000), "grid.y = num_kv_heads * head_chunks = 70000 is outside"),
+        (dict(num_seqs=0), "invalid sizes"),
+        (dict(num_heads=6, num_kv_heads=4), "invalid sizes"),
+    ],
+)
+def test_varlen_errors(sizes, message):
+    assert message in varlen_plan(**sizes)["error"]
+
+
+def test_varlen_window_and_context_as_decode():
+    assert varlen_plan(sliding_window=100)["sliding_window"] == 100
+    assert varlen_plan(sliding_window=1024)["sliding_window"] == 0  # covers the table: no window
+    assert varlen_plan(max_blocks_per_seq=2**40)["max_context"] == INT32_MAX
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,16 +1,28 @@
-// Paged decode attention on CUDA: the kernels and their parameters. One query token per sequence attends to that
-// sequence's keys/values, which lie in scattered blocks of the paged cache, reached through its block table.
+// Paged decode attention on CUDA: the kernels and their parameters. One query row attends to the keys/values of
+// its sequence, which lie in scattered blocks of the paged cache, reached through its block table.
 // No torch here: csrc/cuda/attention.cu checks the tensors and launches these kernels with the plan of
-// plan_attention (launch_plan.h); the emulated tests launch them with the same plan.
+// plan_attention (launch_plan.h); the emulated tests launch them with the same plan. (Query rows of sequences with
+// several query tokens have a tensor-core kernel of their own: varlen_attention_kernels.cuh.)
 //
-// Math, per sequence s of length L, query head h (reading kv head h / group_size) and token t in [start, L),
-// start = max(0, L - sliding_window) (0 without a window), as in csrc/cpu/attention.cpp:
+// Math, per query row at position P of a sequence (P = L - 1 for the last token of a sequence of length L), query
+// head h (reading kv head h / group_size) and token t in [start, P], start = max(0, P + 1 - sliding_window) (0
+// without a window), as in csrc/cpu/attention.cpp:
 //   x_t = scale * (q . k_t);  x_t = cap * tanh(x_t / cap) if soft_cap = cap > 0;
-//   x_t += slope[h] * (t - (L - 1)) with ALiBi;  out = sum_t softmax(x)_t * v_t, accumulated in float32.
+//   x_t += slope[h] * (t - P) with ALiBi;  out = sum_t softmax(x)_t * v_t, accumulated in float32.
+// A row attends to the first P + 1 tokens: its "length" (seq_len below) is P + 1.
 //
-// Grid (plan.grid): (num_seqs, num_kv_heads * head_chunks, num_partitions), kAttentionThreads threads. A thread
-// block serves one sequence (x), one kv head and up to heads_per_block <= GROUP query heads of its group (y; groups
-// larger than kMaxGroup are split into head_chunks chunks), and one partition of the sequence's tokens (z).
+// Which query rows a launch serves (params.rows, a QueryRows), and so what grid.x counts ("items"):
+//   kLastOfEachSeq    decode without query_start_loc: item = sequence = query row, P = seq_lens[s] - 1.
+//   kSingleTokenSeqs  query_start_loc given: item = sequence; only sequences with exactly one query row take part
+//                     (their row query_start_loc[s], P = seq_lens[s] - 1, so the same bits as decode); the others'
+//                     thread blocks return at once (the tensor-core kernel serves them).
+//   kEveryRow         query_start_loc given: item = query row, for every row (the float32 path, and head dims
+//                     without a tensor-core instantiation); the row's sequence is found by binary search in
+//                     query_start_loc, P = seq_lens[s] - q_s + i for its i-th of q_s rows.
+//
+// Grid (plan.grid): (num_items, num_kv_heads * head_chunks, num_partitions), kAttentionThreads threads. A thread
+// block serves one item (x), one kv head and up to heads_per_block <= GROUP query heads of its group (y; groups
+// larger than kMaxGroup are split into head_chunks chunks), and one partition of the row's tokens (z).
 // K/V bytes are read once per thread block, so once in total for groups up to kMaxGroup.
 //   - single pass (num_partitions = 1): the thread block covers the whole sequence and writes `out`.
 //   - split-KV (flash-decoding, vLLM's v2): it covers partition_size tokens and writes the partition's
@@ -48,34 +60,48 @@ constexpr int kUnroll = 4;         // rows loaded before they are used, per row 
 constexpr int kReduceChunk = 256;  // partitions whose weights the reduce kernel holds in shared memory at a time
 
 // ---------------------------------------------------------------------------------------------------------------
-// Parameters: one struct, passed by value to both kernels.
+// Parameters: one struct, passed by value to every attention kernel (also the tensor-core one).
+
+enum class QueryRows : int { kLastOfEachSeq, kSingleTokenSeqs, kEveryRow };  // see the top of this file
+
 template <typename T>
 struct AttentionParams {
-  T* out;               // [num_seqs, num_heads, head_dim], contiguous
-  float* partial_out;   // [num_seqs, num_heads, num_partitions, head_dim]  split-KV scratch (else unused)
-  float* partial_max;   // [num_seqs, num_heads, num_partitions]            split-KV: each partition's max logit
-  float* partial_sum;   // [num_seqs, num_heads, num_partitions]            split-KV: its sum of exp(logit - max)
-  const T* query;       // [num_seqs, num_heads, head_dim], last dim contiguous:
-  int64_t query_seq_stride, query_head_stride;  // (s, h, d) at s * query_seq_stride + h * query_head_stride + d
+  T* out;               // [num_tokens, num_heads, head_dim], contiguous
+  float* partial_out;   // [num_items, num_heads, num_partitions, head_dim]  split-KV scratch (else unused)
+  float* partial_max;   // [num_items, num_heads, num_partitions]            split-KV: each partition's max logit
+  float* partial_sum;   // [num_items, num_heads, num_partitions]            split-KV: its sum of exp(logit - max)
+  const T* query;       // [num_tokens, num_heads, head_dim], last dim contiguous:
+  int64_t query_token_stride, query_head_stride;  // (t, h, d) at t * query_token_stride + h * query_head_stride + d
   PagedCache<const T> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
   PagedCache<const T> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
   const int32_t* block_tables;      // [num_seqs, max_blocks_per_seq], contiguous
   const int32_t* seq_lens;          // [num_seqs]; the kernels clamp them to [0, max_context]
+  const int32_t* query_start_loc;   // [num_seqs + 1], or nullptr (kLastOfEachSeq); clamped to [0, num_tokens]
   const float* alibi_slopes;        // [num_heads], or nullptr
+  QueryRows rows;                   // which query rows the decode kernels serve
+  int num_seqs, num_tokens;
   int num_heads;
   int64_t max_blocks_per_seq;  // the block table's width (row stride)
   float scale;     // logits are scale * (q . k)
   float soft_cap;  // > 0: logits become soft_cap * tanh(logit / soft_cap), before ALiBi; 0: none
-  // From the plan (set_plan).
+  // From the plan (set_plan, or set_varlen_plan for the tensor-core kernel).
   int group_size, head_chunks, heads_per_block;
   int max_context;     // max_blocks_per_seq * block_size, at most INT32_MAX
   int sliding_window;  // 0: every token; else the last sliding_window tokens
   int num_partitions, partition_size;
+  int tokens_per_tile;  // the tensor-core kernel's query tokens per thread block
 
   void set_plan(const AttentionPlan& plan) {
     group_size = plan.group_size, head_chunks = plan.head_chunks, heads_per_block = plan.heads_per_block;
     max_context = static_cast<int>(plan.max_context), sliding_window = plan.sliding_window;
     num_partitions = plan.num_partitions, partition_size = plan.partition_size;
+    tokens_per_tile = 0;
+  }
+  void set_varlen_plan(const VarlenPlan& plan) {
+    group_size = plan.group_size, head_chunks = plan.head_chunks, heads_per_block = plan.heads_per_tile;
+    max_context = static_cast<int>(plan.max_context), sliding_window = plan.sliding_window;
+    num_partitions = 1, partition_size = 0;
+    tokens_per_tile = plan.tokens_per_tile;
   }
 };
 
@@ -160,25 +186,78 @@ using HeadSlices = float[GROUP][RowSplit<T, HEAD_DIM>::VPL][RowSplit<T, HEAD_DIM
 
 // ---------------------------------------------------------------------------------------------------------------
 // What one thread block of paged_attention_kernel works on (from blockIdx), and the sequence extent both kernels
-// derive from seq_lens.
+// derive from seq_lens and query_start_loc. Invalid values (validation is opt-in on CUDA) are clamped, so that no
+// kernel reads past a sequence's row of the block table, or past the query and output tensors.
 
-// seq_lens[seq], clamped to [0, max_context]: an invalid length (validation is opt-in on CUDA) never reads past the
-// sequence's row of the block table.
+// seq_lens[seq], clamped to [0, max_context].
 template <typename T>
 __device__ __forceinline__ int clamped_seq_len(const AttentionParams<T>& p, int seq) {
   const int len = p.seq_lens[seq];
   return len < 0 ? 0 : len > p.max_context ? p.max_context : len;
 }
 
+// Sequence seq's query rows [first, last), from query_start_loc clamped to [0, num_tokens].
+struct QueryRange {
+  int first, last;
+  __device__ __forceinline__ int count() const { return last - first; }
+};
+template <typename T>
+__device__ __forceinline__ QueryRange query_range(const AttentionParams<T>& p, int seq) {
+  const int first = min(max(p.query_start_loc[seq], 0), p.num_tokens);
+  return {first, min(max(p.query_start_loc[seq + 1], first), p.num_tokens)};
+}
+
+// The sequence a query row belongs to: the last s with query_start_loc[s] <= row (binary search).
+template <typename T>
+__device__ __forceinline__ int seq_of_row(const AttentionParams<T>& p, int row) {
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.query_start_loc[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// A decode kernel's item (blockIdx.x): the query row it serves, the row's sequence, and the row's length (its
+// position + 1: the tokens it attends to, before the window). active = false: not this launch's row.
+struct QueryItem {
+  int seq;
+  int64_t row;
+  int seq_len;
+  bool active;
+};
+
+template <typename T>
+__device__ __forceinline__ QueryItem query_item(const AttentionParams<T>& p, int item) {
+  if (p.rows == QueryRows::kLastOfEachSeq) return {item, item, clamped_seq_len(p, item), true};
+  if (p.rows == QueryRows::kSingleTokenSeqs) {
+    const QueryRange range = query_range(p, item);
+    return {item, range.first, clamped_seq_len(p, item), range.count() == 1};
+  }
+  const int seq = seq_of_row(p, item);
+  const QueryRange range = query_range(p, seq);
+  const int i = item - range.first;  // the row's place among its sequence's rows
+  // position L - q_s + i; a row outside its range (only with an invalid query_start_loc) attends to nothing
+  const int len = i >= 0 && i < range.count() ? clamped_seq_len(p, seq) - range.count() + i + 1 : 0;
+  return {seq, item, max(len, 0), true};
+}
+
 __device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
   return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
 }
 
+// NOTE: the query row is not kept here: it is live only at the start and the end, and ptxas spilled registers when
+// it was held through the token loop. query_row(p) finds it again.
 struct AttentionTask {
   int seq, kv_head;
+  bool active;                // false: not this launch's row (kSingleTokenSeqs), nothing to do
   int first_head, num_heads;  // query heads [first_head, first_head + num_heads), 1 <= num_heads <= heads_per_block
   int partition;
-  int seq_len;                // clamped
+  int seq_len;                // the row's length (position + 1), clamped
   int begin, end;             // the partition's tokens in the window: [begin, end), empty when begin >= end
 
   // Whether the block's g-th head slot holds a head. Known at compile time for g = 0 (fewer predicates to keep
@@ -186,16 +265,23 @@ struct AttentionTask {
   __device__ __forceinline__ bool has_head(int g) const { return g == 0 || g < num_heads; }
 };
 
+// The query (and output) row of this thread block's item.
+template <typename T>
+__device__ __forceinline__ int64_t query_row(const AttentionParams<T>& p) {
+  return query_item(p, blockIdx.x).row;
+}
+
 template <typename T>
 __device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T>& p) {
   AttentionTask task;
-  task.seq = blockIdx.x;
+  const QueryItem item = query_item(p, blockIdx.x);
+  task.seq = item.seq, task.active = item.active;
   task.kv_head = blockIdx.y / p.head_chunks;
   const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
   task.first_head = task.kv_head * p.group_size + first_in_group;
   task.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
   task.partition = blockIdx.z;
-  task.seq_len = clamped_seq_len(p, task.seq);
+  task.seq_len = item.seq_len;
   const int64_t partition_begin = static_cast<int64_t>(task.partition) * p.partition_size;
   const int64_t partition_end = partition_begin + p.partition_size;
   const int start = window_start(task.seq_len, p.sliding_window);
@@ -213,7 +299,7 @@ template <typename T, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void load_query(HeadSlices<T, HEAD_DIM, GROUP>& q, const AttentionParams<T>& p,
                                            const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs) {
   using R = RowSplit<T, HEAD_DIM>;
-  const T* query = p.query + task.seq * p.query_seq_stride + task.first_head * p.query_head_stride;
+  const T* query = p.query + query_row(p) * p.query_token_stride + task.first_head * p.query_head_stride;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g)
 #pragma unroll
@@ -377,17 +463,19 @@ __device__ __forceinline__ void combine_and_write(
       }
   }
   __syncthreads();
+  const int64_t row = p.num_partitions == 1 ? query_row(p) : 0;
   for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
     const int g = k / HEAD_DIM, d = k % HEAD_DIM;
     float o = 0.0f;
 #pragma unroll
     for (int r = 0; r < R::ROW_GROUPS; ++r) o += partial_s[r][g][d];
-    const int64_t head_row = static_cast<int64_t>(task.seq) * p.num_heads + task.first_head + g;
     if (p.num_partitions == 1) {
       const float sum = sum_s[g];
-      from_float(p.out[head_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);
+      const int64_t out_row = row * p.num_heads + task.first_head + g;
+      from_float(p.out[out_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);
     } else {
-      const int64_t slot = head_row * p.num_partitions + task.partition;
+      const int64_t slot = (static_cast<int64_t>(blockIdx.x) * p.num_heads + task.first_head + g) * p.num_partitions +
+                           task.partition;
       p.partial_out[slot * HEAD_DIM + d] = o;
       if (d == 0) p.partial_max[slot] = max_s[g], p.partial_sum[slot] = sum_s[g];
     }
@@ -397,13 +485,14 @@ __device__ __forceinline__ void combine_and_write(
 // A task without tokens: a zero output row (single pass: seq_len 0), or the empty partition's (-inf, 0) record.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void write_empty(const AttentionParams<T>& p, const AttentionTask& task) {
-  const int64_t first_row = static_cast<int64_t>(task.seq) * p.num_heads + task.first_head;
   if (p.num_partitions == 1) {
+    const int64_t first_row = query_row(p) * p.num_heads + task.first_head;
     for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
       from_float(p.out[first_row * HEAD_DIM + k], 0.0f);
     }
   } else if (static_cast<int>(threadIdx.x) < task.num_heads) {
-    const int64_t slot = (first_row + threadIdx.x) * p.num_partitions + task.partition;
+    const int64_t first_record = static_cast<int64_t>(blockIdx.x) * p.num_heads + task.first_head;
+    const int64_t slot = (first_record + threadIdx.x) * p.num_partitions + task.partition;
     p.partial_max[slot] = -INFINITY, p.partial_sum[slot] = 0.0f;
   }
 }
@@ -421,6 +510,7 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   PA_SHARED(float, partial_s, [R::ROW_GROUPS][GROUP][HEAD_DIM]);  // each row group's accumulator, at the end
 
   const AttentionTask task = attention_task(p);
+  if (!task.active) return;      // uniform across the thread block
   if (task.begin >= task.end) {  // uniform across the thread block
     write_empty<T, HEAD_DIM>(p, task);
     return;
@@ -457,22 +547,24 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
 // out = sum_p w_p * partial_out_p / sum_p w_p * partial_sum_p, w_p = exp(partial_max_p - M), over the partitions
 // that hold tokens (the others' outputs are never read), kReduceChunk partitions at a time. Every thread adds in
 // partition order, so the result does not depend on thread timing.
-// Grid (plan.reduce_grid): (num_seqs, num_heads), kAttentionThreads threads.
+// Grid (plan.reduce_grid): (num_items, num_heads), kAttentionThreads threads.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kernel(const AttentionParams<T> p) {
   PA_SHARED(float, weights_s, [kReduceChunk]);
   PA_SHARED(float, warp_max_s, [kAttentionWarps]);
   constexpr int DIMS_PER_THREAD = (HEAD_DIM + kAttentionThreads - 1) / kAttentionThreads;
-  const int seq = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
+  const int head = blockIdx.y, tid = threadIdx.x;
+  const QueryItem item = query_item(p, blockIdx.x);
+  if (!item.active) return;  // uniform across the thread block
 
   // The partitions [first, last) that hold tokens of the window.
-  const int seq_len = clamped_seq_len(p, seq);
+  const int seq_len = item.seq_len;
   const int first = window_start(seq_len, p.sliding_window) / p.partition_size;
   const int last = static_cast<int>((static_cast<int64_t>(seq_len) + p.partition_size - 1) / p.partition_size);
-  const int64_t head_row = static_cast<int64_t>(seq) * p.num_heads + head;
-  const float* maxes = p.partial_max + head_row * p.num_partitions;
-  const float* sums = p.partial_sum + head_row * p.num_partitions;
-  const float* outs = p.partial_out + head_row * p.num_partitions * HEAD_DIM;
+  const int64_t record = static_cast<int64_t>(blockIdx.x) * p.num_heads + head;
+  const float* maxes = p.partial_max + record * p.num_partitions;
+  const float* sums = p.partial_sum + record * p.num_partitions;
+  const float* outs = p.partial_out + record * p.num_partitions * HEAD_DIM;
 
   float max_all = -INFINITY;
   for (int q = first + tid; q < last; q += kAttentionThreads) max_all = fmaxf(max_all, maxes[q]);
@@ -507,7 +599,9 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
 #pragma unroll
   for (int k = 0; k < DIMS_PER_THREAD; ++k) {
     const int d = tid + k * kAttentionThreads;
-    if (d < HEAD_DIM) from_float(p.out[head_row * HEAD_DIM + d], total > 0.0f ? o[k] / total : 0.0f);
+    if (d < HEAD_DIM) {
+      from_float(p.out[(item.row * p.num_heads + head) * HEAD_DIM + d], total > 0.0f ? o[k] / total : 0.0f);
+    }
   }
 }
 

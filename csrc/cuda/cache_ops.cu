@@ -36,8 +36,6 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
                             at::Tensor& value_cache,        // [num_blocks, block_size, num_kv_heads, head_dim]
                             const at::Tensor& slot_mapping) {  // [num_tokens], int64, < 0 = padding
   check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);  // sizes > 0 (check_cache)
-  TORCH_CHECK(has_packed_rows(key_cache) && has_packed_rows(value_cache),
-              "reshape_and_cache: caches with strided rows are not supported on CUDA yet");
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
@@ -47,7 +45,9 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
   const uint64_t elem = key.element_size();
   const int64_t width = access_width({head_dim * elem, key.stride(0) * elem, key.stride(1) * elem,
                                       value.stride(0) * elem, value.stride(1) * elem, key_cache.stride(0) * elem,
-                                      value_cache.stride(0) * elem, address_of(key), address_of(value),
+                                      key_cache.stride(1) * elem, key_cache.stride(2) * elem,
+                                      value_cache.stride(0) * elem, value_cache.stride(1) * elem,
+                                      value_cache.stride(2) * elem, address_of(key), address_of(value),
                                       address_of(key_cache), address_of(value_cache)});
   // Every value above is a multiple of the element size, so a Unit holds a whole number of elements.
   const int64_t per_unit = width / static_cast<int64_t>(elem);
@@ -60,9 +60,10 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
 
   dispatch_width(width, [&](auto unit) {
     using Unit = decltype(unit);
-    const auto cache = [&](at::Tensor& t) {  // check_cache: the last three dims are contiguous
-      return PagedCache<Unit>{static_cast<Unit*>(t.data_ptr()), to_units(t.stride(0)), static_cast<int>(block_size),
-                              static_cast<int>(num_kv_heads), static_cast<int>(head_units)};
+    const auto cache = [&](at::Tensor& t) {
+      return PagedCache<Unit>{static_cast<Unit*>(t.data_ptr()), to_units(t.stride(0)), to_units(t.stride(1)),
+                              to_units(t.stride(2)), static_cast<int>(block_size), static_cast<int>(num_kv_heads),
+                              static_cast<int>(head_units)};
     };
     const ReshapeAndCacheParams<Unit> params{static_cast<const Unit*>(key.data_ptr()),
                                              static_cast<const Unit*>(value.data_ptr()),
@@ -83,10 +84,6 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
                       at::TensorList value_caches,   // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
                       const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64
   check_copy_blocks_args(key_caches, value_caches, block_mapping);  // sizes > 0 (check_cache)
-  for (size_t layer = 0; layer < key_caches.size(); ++layer) {
-    TORCH_CHECK(has_packed_rows(key_caches[layer]) && has_packed_rows(value_caches[layer]),
-                "copy_blocks: caches with strided rows are not supported on CUDA yet");
-  }
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   if (num_layers == 0 || block_mapping.size(0) == 0) return;
   const at::Tensor& first = key_caches[0];
@@ -108,31 +105,33 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
   const int64_t num_pairs = block_mapping.size(0);
   const uint64_t elem = first.element_size();
   const int64_t block_size = first.size(1), num_kv_heads = first.size(2), head_dim = first.size(3);
-  const uint64_t block_bytes = block_size * num_kv_heads * head_dim * elem;
-  uint64_t alignment_bits = block_bytes;
+  // The access width divides every row's length, address and stride (a strided view is copied row by row).
+  uint64_t alignment_bits = head_dim * elem;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
-    alignment_bits |= address_of(key_caches[layer]) | address_of(value_caches[layer]) |
-                      key_caches[layer].stride(0) * elem | value_caches[layer].stride(0) * elem;
+    for (const at::Tensor* cache : {&key_caches[layer], &value_caches[layer]}) {
+      alignment_bits |= address_of(*cache) | cache->stride(0) * elem | cache->stride(1) * elem |
+                        cache->stride(2) * elem;
+    }
   }
   const int64_t width = access_width({alignment_bits});
+  const int64_t block_units = block_size * num_kv_heads * head_dim * static_cast<int64_t>(elem) / width;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto byte_cache = [&](const at::Tensor& t) {  // PagedCache<char>: counts in bytes
+    return PagedCache<char>{static_cast<char*>(t.data_ptr()), t.stride(0) * static_cast<int64_t>(elem),
+                            t.stride(1) * static_cast<int64_t>(elem), t.stride(2) * static_cast<int64_t>(elem),
+                            static_cast<int>(block_size), static_cast<int>(num_kv_heads),
+                            static_cast<int>(head_dim * elem)};
+  };
 
   for (int64_t first_layer = 0; first_layer < num_layers; first_layer += kMaxLayersPerLaunch) {
     const int64_t launch_layers = std::min<int64_t>(kMaxLayersPerLaunch, num_layers - first_layer);
     CopyBlocksParams params{};
     for (int64_t i = 0; i < launch_layers; ++i) {
-      const at::Tensor& key_cache = key_caches[first_layer + i];
-      const at::Tensor& value_cache = value_caches[first_layer + i];
-      params.key[i] = static_cast<char*>(key_cache.data_ptr());
-      params.value[i] = static_cast<char*>(value_cache.data_ptr());
-      params.key_block_stride[i] = key_cache.stride(0) * elem;
-      params.value_block_stride[i] = value_cache.stride(0) * elem;
+      params.key[i] = byte_cache(key_caches[first_layer + i]);
+      params.value[i] = byte_cache(value_caches[first_layer + i]);
     }
-    params.block_size = static_cast<int>(block_size), params.num_kv_heads = static_cast<int>(num_kv_heads);
-    params.head_bytes = static_cast<int>(head_dim * elem);
     params.block_mapping = mapping.data_ptr<int64_t>();
-    params.block_units = static_cast<int64_t>(block_bytes) / width;
-    const CopyPlan plan = plan_copy_blocks(num_pairs, launch_layers, params.block_units);
+    const CopyPlan plan = plan_copy_blocks(num_pairs, launch_layers, block_units);
     TORCH_CHECK(plan.error.empty(), "copy_blocks: this call cannot be launched on CUDA: ", plan.error);
     dispatch_width(width, [&](auto unit) {
       using Unit = decltype(unit);

@@ -3,7 +3,9 @@
 //
 // These ops only move data, so the kernels are dtype-agnostic: they copy `Unit`s, the widest access (16, 8, 4, 2 or
 // 1 bytes) that divides every address, stride and row length involved (access_width in launch_plan.h). With the
-// usual head dims that is a 16-byte vector access per thread. Cache addresses come from PagedCache.
+// usual head dims that is a 16-byte vector access per thread. Cache addresses come from PagedCache, so caches with
+// any strides but the last (packed K|V halves, transposed token and head dimensions) are read and written row by
+// row.
 //
 //   reshape_and_cache  grid (num_tokens): one thread block writes one token's [num_kv_heads, head_dim] rows.
 //   copy_blocks        grid (num_pairs, num_layers, 2): one thread block copies one block of one layer's key
@@ -50,43 +52,46 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams<Unit> p) {
   const int64_t token = blockIdx.x;
   const int64_t slot = p.slot_mapping[token];
   if (slot < 0) return;  // NOTE: padding token, nothing to write
-  Unit* key_dst = p.key_cache.slot(slot);      // [num_kv_heads, head_dim], contiguous
-  Unit* value_dst = p.value_cache.slot(slot);  // [num_kv_heads, head_dim], contiguous
   const Unit* key_src = p.key + token * p.key_token_stride;
   const Unit* value_src = p.value + token * p.value_token_stride;
   const int head_units = p.key_cache.head_dim;
   for (int i = threadIdx.x; i < p.key_cache.num_kv_heads * head_units; i += blockDim.x) {
     const int head = i / head_units, u = i % head_units;
-    key_dst[i] = key_src[head * p.key_head_stride + u];
-    value_dst[i] = value_src[head * p.value_head_stride + u];
+    p.key_cache.slot_row(slot, head)[u] = key_src[head * p.key_head_stride + u];
+    p.value_cache.slot_row(slot, head)[u] = value_src[head * p.value_head_stride + u];
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// copy_blocks: the caches of up to kMaxLayersPerLaunch layers, passed by value as the kernel parameter. Every layer
-// has the same block shape (check_copy_blocks_args); block strides are in bytes.
+// copy_blocks: the caches of up to kMaxLayersPerLaunch layers, passed by value as the kernel parameter (about 12 KiB:
+// CUDA 12.1+ takes up to 32 KiB of parameters). Every layer has the same block shape (check_copy_blocks_args);
+// each cache its own strides. Counts are in bytes (PagedCache<char>: head_dim is the row's bytes).
 struct CopyBlocksParams {
-  char* key[kMaxLayersPerLaunch];    // layer l: [num_blocks, block_size, num_kv_heads, head_dim]
-  char* value[kMaxLayersPerLaunch];  // layer l: [num_blocks, block_size, num_kv_heads, head_dim]
-  int64_t key_block_stride[kMaxLayersPerLaunch];
-  int64_t value_block_stride[kMaxLayersPerLaunch];
-  int block_size, num_kv_heads, head_bytes;  // head_bytes = head_dim * element size
-  const int64_t* block_mapping;              // [num_pairs, 2] of (src_block, dst_block)
-  int64_t block_units;                       // Units per block: block_size * num_kv_heads * head_bytes / sizeof(Unit)
-
-  __host__ __device__ PagedCache<char> cache(int layer, bool is_value) const {
-    return {is_value ? value[layer] : key[layer], is_value ? value_block_stride[layer] : key_block_stride[layer],
-            block_size, num_kv_heads, head_bytes};
-  }
+  PagedCache<char> key[kMaxLayersPerLaunch];    // layer l: [num_blocks, block_size, num_kv_heads, head_dim]
+  PagedCache<char> value[kMaxLayersPerLaunch];  // layer l: [num_blocks, block_size, num_kv_heads, head_dim]
+  const int64_t* block_mapping;                 // [num_pairs, 2] of (src_block, dst_block)
 };
 
+// One block of one cache: only the view's (token, kv head) rows, each head_dim bytes (a strided view's block spans
+// other memory between its rows, e.g. the V rows of a packed K|V cache, which must stay untouched); a block of
+// packed rows is one run of bytes.
 template <typename Unit>
 __global__ void copy_blocks_kernel(const CopyBlocksParams p) {
   const int64_t pair = blockIdx.x;
-  const PagedCache<char> cache = p.cache(blockIdx.y, blockIdx.z == 1);
-  const Unit* src = reinterpret_cast<const Unit*>(cache.block(p.block_mapping[2 * pair]));
-  Unit* dst = reinterpret_cast<Unit*>(cache.block(p.block_mapping[2 * pair + 1]));
-  for (int64_t i = threadIdx.x; i < p.block_units; i += blockDim.x) dst[i] = src[i];
+  const PagedCache<char> cache = blockIdx.z == 0 ? p.key[blockIdx.y] : p.value[blockIdx.y];
+  const int64_t src = p.block_mapping[2 * pair], dst = p.block_mapping[2 * pair + 1];
+  const int row_units = cache.head_dim / static_cast<int>(sizeof(Unit));
+  const int rows = cache.block_size * cache.num_kv_heads;
+  if (cache.packed_rows()) {  // uniform across the launch's thread block
+    const Unit* from = reinterpret_cast<const Unit*>(cache.block(src));
+    Unit* to = reinterpret_cast<Unit*>(cache.block(dst));
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(rows) * row_units; i += blockDim.x) to[i] = from[i];
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(rows) * row_units; i += blockDim.x) {
+    const int r = static_cast<int>(i / row_units), u = static_cast<int>(i % row_units);
+    reinterpret_cast<Unit*>(cache.block_row(dst, r))[u] = reinterpret_cast<const Unit*>(cache.block_row(src, r))[u];
+  }
 }
 
 }  // namespace paged_attn

@@ -154,6 +154,133 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// paged_attention with query_start_loc: the tensor-core kernel (csrc/cuda/varlen_attention_kernels.cuh) for the
+// sequences with two or more query rows. (Sequences with one query row take the decode kernel, planned by
+// plan_attention; float32, and head dims without an instantiation here, take it for every row.)
+
+constexpr int kVarlenThreads = 128;        // 4 warps
+constexpr int kVarlenRows = 64;            // query rows of a thread block: 16 per warp, (token, query head) pairs
+constexpr int kVarlenAlignment = 128;      // bytes: the dynamic shared memory's regions start at multiples of it
+
+// The head dims with a tensor-core instantiation (multiples of 16, the wmma tile; 120 is not).
+using VarlenHeadDims = IntList<64, 80, 96, 128, 256>;
+
+// Keys per tile: their K and V rows are gathered into shared memory together.
+constexpr int varlen_key_tile(int head_dim) { return head_dim <= 128 ? 64 : 32; }
+
+constexpr int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// The dynamic shared memory of the tensor-core kernel, in bytes from a kVarlenAlignment-aligned base (the kernel
+// aligns the base itself; shared_bytes adds the slack). Leading dimensions (in elements) are padded to spread rows
+// over the banks, keeping wmma's 256-bit alignment of every 16-row / 16-column fragment.
+struct VarlenSmem {
+  int64_t qkv_ld, s_ld, p_ld, o_ld;  // leading dims: Q/K/V (elements), S (floats), P (elements), O (floats)
+  int64_t q, k, v;                   // Q [kVarlenRows][qkv_ld], K and V [key_tile][qkv_ld] (the input type)
+  int64_t o;                         // O [kVarlenRows][o_ld] floats, at the end: over Q, K and V
+  int64_t s, pr;                     // S [kVarlenRows][s_ld] floats; P [kVarlenRows][p_ld] (the input type)
+  int64_t rescale;                   // [kVarlenRows][16] floats: each row's rescale of the last tile, 16 times
+  int64_t row_pos, row_slope;        // [kVarlenRows] int32 / floats: each row's position and ALiBi slope
+  int64_t bytes;                     // the total
+};
+
+constexpr VarlenSmem varlen_smem(int64_t head_dim, int64_t element_bytes) {
+  const int64_t key_tile = varlen_key_tile(static_cast<int>(head_dim));
+  VarlenSmem m{};
+  m.qkv_ld = head_dim + 16 / element_bytes;
+  m.s_ld = key_tile + 4;
+  m.p_ld = key_tile + 16 / element_bytes;
+  m.o_ld = head_dim + 4;
+  const auto region = [](int64_t& at, int64_t bytes) {
+    const int64_t start = at;
+    at = round_up(at + bytes, kVarlenAlignment);
+    return start;
+  };
+  int64_t at = 0;
+  m.q = region(at, kVarlenRows * m.qkv_ld * element_bytes);
+  m.k = region(at, key_tile * m.qkv_ld * element_bytes);
+  m.v = region(at, key_tile * m.qkv_ld * element_bytes);
+  m.o = 0;
+  at = at > round_up(kVarlenRows * m.o_ld * 4, kVarlenAlignment) ? at : round_up(kVarlenRows * m.o_ld * 4,
+                                                                                  kVarlenAlignment);
+  m.s = region(at, kVarlenRows * m.s_ld * 4);
+  m.pr = region(at, kVarlenRows * m.p_ld * element_bytes);
+  m.rescale = region(at, kVarlenRows * 16 * 4);
+  m.row_pos = region(at, kVarlenRows * 4);
+  m.row_slope = region(at, kVarlenRows * 4);
+  m.bytes = at;
+  return m;
+}
+
+// Dynamic shared memory a thread block may opt in to on every GPU the build targets (compute capability 8.0 and
+// up; sm_86 and sm_89 allow the least).
+constexpr int64_t kMaxOptInSharedBytes = 99 * 1024;
+
+struct VarlenPlan {
+  int group_size = 0;       // num_heads / num_kv_heads
+  int head_chunks = 0;      // thread blocks per (tile, kv head): ceil(group_size / kVarlenRows)
+  int heads_per_tile = 0;   // query heads of a tile: ceil(group_size / head_chunks) (the last chunk may have fewer)
+  int tokens_per_tile = 0;  // query tokens of a tile: kVarlenRows / heads_per_tile (its rows: token-major pairs)
+  int key_tile = 0;         // keys per step (varlen_key_tile)
+  int64_t max_context = 0;  // as in AttentionPlan
+  int sliding_window = 0;   // as in AttentionPlan
+  Grid grid;                // (num_tokens / tokens_per_tile + num_seqs, num_kv_heads * head_chunks, 1)
+  int threads = kVarlenThreads;
+  int shared_bytes = 0;     // dynamic shared memory (varlen_smem + alignment slack)
+  std::string error;        // "" or why the call cannot be launched
+};
+
+// The launch of the tensor-core kernel. Its grid does not depend on query_start_loc's values, so no device-to-host
+// copy is needed: sequence s owns the tiles [qsl[s] / tokens_per_tile + s, qsl[s + 1] / tokens_per_tile + s + 1)
+// of grid.x, at least ceil(q_s / tokens_per_tile) of them (floor is superadditive) and at most one more; every
+// thread block finds its sequence by binary search, and tiles past a sequence's rows return at once.
+inline VarlenPlan plan_varlen_attention(int64_t num_seqs, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                                        int64_t head_dim, int64_t element_bytes, int64_t max_blocks_per_seq,
+                                        int64_t block_size, int64_t sliding_window) {
+  VarlenPlan plan;
+  if (num_seqs < 1 || num_tokens < 0 || num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 ||
+      max_blocks_per_seq < 0 || sliding_window < 0) {
+    plan.error = "invalid sizes: num_seqs " + std::to_string(num_seqs) + ", num_tokens " + std::to_string(num_tokens) +
+                 ", num_heads " + std::to_string(num_heads) + ", num_kv_heads " + std::to_string(num_kv_heads) +
+                 ", max_blocks_per_seq " + std::to_string(max_blocks_per_seq) + ", sliding_window " +
+                 std::to_string(sliding_window);
+    return plan;
+  }
+  if (!contains(VarlenHeadDims{}, head_dim)) {
+    plan.error = "head_dim " + std::to_string(head_dim) + " has no tensor-core kernel (instantiated: " +
+                 to_string(VarlenHeadDims{}) + ")";
+    return plan;
+  }
+  if (element_bytes != 2) {
+    plan.error = "the tensor-core kernel takes float16 and bfloat16 (element size 2), got element size " +
+                 std::to_string(element_bytes);
+    return plan;
+  }
+  if (block_size != 8 && block_size != 16 && block_size != 32) {
+    plan.error = "block_size " + std::to_string(block_size) + " is not supported (supported: 8, 16, 32)";
+    return plan;
+  }
+  const int64_t group_size = num_heads / num_kv_heads;
+  const int64_t head_chunks = (group_size + kVarlenRows - 1) / kVarlenRows;
+  const int64_t heads_per_tile = (group_size + head_chunks - 1) / head_chunks;
+  plan.group_size = static_cast<int>(group_size);
+  plan.head_chunks = static_cast<int>(head_chunks);
+  plan.heads_per_tile = static_cast<int>(heads_per_tile);
+  plan.tokens_per_tile = static_cast<int>(kVarlenRows / heads_per_tile);
+  plan.key_tile = varlen_key_tile(static_cast<int>(head_dim));
+  constexpr int64_t kMaxTokens = INT32_MAX;
+  plan.max_context = max_blocks_per_seq > kMaxTokens / block_size ? kMaxTokens : max_blocks_per_seq * block_size;
+  plan.sliding_window = sliding_window >= plan.max_context ? 0 : static_cast<int>(sliding_window);
+  plan.grid = {num_tokens / plan.tokens_per_tile + num_seqs, num_kv_heads * head_chunks, 1};
+  plan.error = grid_error(plan.grid, "num_tokens / tokens_per_tile + num_seqs", "num_kv_heads * head_chunks", "1");
+  plan.shared_bytes = static_cast<int>(varlen_smem(head_dim, element_bytes).bytes + kVarlenAlignment);
+  if (plan.error.empty() && plan.shared_bytes > kMaxOptInSharedBytes) {
+    plan.error = "needs " + std::to_string(plan.shared_bytes) + " bytes of shared memory (at most " +
+                 std::to_string(kMaxOptInSharedBytes) + ")";
+  }
+  return plan;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Cache ops (csrc/cuda/cache_ops_kernels.cuh). They copy Units: 16, 8, 4, 2 or 1 bytes.
 
 // Widest access in bytes (16, 8, 4, 2 or 1) that divides every byte count and address given: the kernels that only

@@ -17,6 +17,7 @@
 
 #include "../../csrc/cuda/attention_kernels.cuh"
 #include "../../csrc/cuda/cache_ops_kernels.cuh"
+#include "../../csrc/cuda/varlen_attention_kernels.cuh"
 
 #include <cstdio>
 #include <cstdlib>
@@ -152,40 +153,29 @@ float* nan_floats(int64_t count) {
 
 // ---------------------------------------------------------------------------------------------------------------
 template <typename T>
-void run_attention(const Case& c, const simt::Options& options) {
-  const View &out = c.tensor("out"), &query = c.tensor("query"), &key_cache = c.tensor("key_cache"),
-             &value_cache = c.tensor("value_cache"), &block_tables = c.tensor("block_tables"),
-             &seq_lens = c.tensor("seq_lens");
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+paged_attn::PagedCache<const T> cache_of(const View& cache) {
+  return {cache.as<const T>(), cache.stride(0), cache.stride(1), cache.stride(2), static_cast<int>(cache.size(1)),
+          static_cast<int>(cache.size(2)), static_cast<int>(cache.size(3))};
+}
+
+// The decode kernels (and split-KV's reduce) over `num_items` items (see attention_kernels.cuh's QueryRows).
+template <typename T>
+void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn::AttentionParams<T> p,
+                        int64_t num_items) {
+  const View& block_tables = c.tensor("block_tables");
+  const int64_t num_heads = p.num_heads, head_dim = p.key_cache.head_dim;
   const paged_attn::AttentionPlan plan = paged_attn::plan_attention(
-      num_seqs, num_heads, num_kv_heads, block_tables.size(1), block_size,
+      num_items, num_heads, p.key_cache.num_kv_heads, block_tables.size(1), p.key_cache.block_size,
       static_cast<int64_t>(c.scalar("sliding_window")), static_cast<int64_t>(c.scalar("num_sms")),
       static_cast<int64_t>(c.scalar("partition_tokens")));
   if (!plan.error.empty()) throw CaseError("plan_attention: " + plan.error);
-
-  paged_attn::AttentionParams<T> p{};
-  p.out = out.as<T>();
   if (plan.split()) {
-    const int64_t records = num_seqs * num_heads * plan.num_partitions;
+    const int64_t records = num_items * num_heads * plan.num_partitions;
     p.partial_out = nan_floats(records * head_dim);
     p.partial_max = nan_floats(records);
     p.partial_sum = nan_floats(records);
   }
-  p.query = query.as<const T>();
-  p.query_seq_stride = query.stride(0), p.query_head_stride = query.stride(1);
-  p.key_cache = {key_cache.as<const T>(), key_cache.stride(0), static_cast<int>(block_size),
-                 static_cast<int>(num_kv_heads), static_cast<int>(head_dim)};
-  p.value_cache = {value_cache.as<const T>(), value_cache.stride(0), static_cast<int>(block_size),
-                   static_cast<int>(num_kv_heads), static_cast<int>(head_dim)};
-  p.block_tables = block_tables.as<const int32_t>();
-  p.seq_lens = seq_lens.as<const int32_t>();
-  p.alibi_slopes = c.has("alibi_slopes") ? c.tensor("alibi_slopes").as<const float>() : nullptr;
-  p.num_heads = static_cast<int>(num_heads), p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
-  p.scale = static_cast<float>(c.scalar("scale"));
-  p.soft_cap = static_cast<float>(c.scalar("soft_cap"));
   p.set_plan(plan);
-
   const bool found = paged_attn::dispatch_attention(
       static_cast<int>(head_dim), plan.group_variant, [&](auto head_dim_constant, auto group_constant) {
         constexpr int HEAD_DIM = decltype(head_dim_constant)::value, GROUP = decltype(group_constant)::value;
@@ -197,8 +187,67 @@ void run_attention(const Case& c, const simt::Options& options) {
         }
       });
   if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " is not instantiated");
-  std::printf("plan: partitions %d of %d tokens, group variant %d, head chunks %d\n", plan.num_partitions,
-              plan.partition_size, plan.group_variant, plan.head_chunks);
+  std::printf("decode plan: %lld items, partitions %d of %d tokens, group variant %d, head chunks %d\n",
+              static_cast<long long>(num_items), plan.num_partitions, plan.partition_size, plan.group_variant,
+              plan.head_chunks);
+}
+
+// The launches of csrc/cuda/attention.cu: without query_start_loc the decode kernels; with it, for float16 and
+// bfloat16 at a head dim with a tensor-core instantiation, the decode kernels for the one-row sequences and the
+// tensor-core kernel for the others (or, with the scalar every_row = 1, the decode kernels for every row, as float32
+// and the other head dims take).
+template <typename T>
+void run_attention(const Case& c, const simt::Options& options) {
+  const View &out = c.tensor("out"), &query = c.tensor("query"), &key_cache = c.tensor("key_cache"),
+             &value_cache = c.tensor("value_cache"), &block_tables = c.tensor("block_tables"),
+             &seq_lens = c.tensor("seq_lens");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const bool varlen = c.has("query_start_loc");
+  const int64_t num_seqs = varlen ? c.tensor("query_start_loc").size(0) - 1 : num_tokens;
+
+  paged_attn::AttentionParams<T> p{};
+  p.out = out.as<T>();
+  p.query = query.as<const T>();
+  p.query_token_stride = query.stride(0), p.query_head_stride = query.stride(1);
+  p.key_cache = cache_of<T>(key_cache), p.value_cache = cache_of<T>(value_cache);
+  p.block_tables = block_tables.as<const int32_t>();
+  p.seq_lens = seq_lens.as<const int32_t>();
+  p.query_start_loc = varlen ? c.tensor("query_start_loc").as<const int32_t>() : nullptr;
+  p.alibi_slopes = c.has("alibi_slopes") ? c.tensor("alibi_slopes").as<const float>() : nullptr;
+  p.num_seqs = static_cast<int>(num_seqs), p.num_tokens = static_cast<int>(num_tokens);
+  p.num_heads = static_cast<int>(num_heads), p.max_blocks_per_seq = block_tables.size(1);
+  p.scale = static_cast<float>(c.scalar("scale"));
+  p.soft_cap = static_cast<float>(c.scalar("soft_cap"));
+  if (!varlen) {
+    p.rows = paged_attn::QueryRows::kLastOfEachSeq;
+    run_decode_kernels(c, options, p, num_seqs);
+    return;
+  }
+  if (num_tokens == 0) return;
+  const paged_attn::VarlenPlan plan = paged_attn::plan_varlen_attention(
+      num_seqs, num_tokens, num_heads, key_cache.size(2), head_dim, sizeof(T), block_tables.size(1),
+      key_cache.size(1), static_cast<int64_t>(c.scalar("sliding_window")));
+  if (!plan.error.empty() || c.scalar("every_row") != 0) {
+    std::printf("tensor-core kernel not taken: %s\n", plan.error.empty() ? "every_row" : plan.error.c_str());
+    p.rows = paged_attn::QueryRows::kEveryRow;
+    run_decode_kernels(c, options, p, num_tokens);
+    return;
+  }
+  p.rows = paged_attn::QueryRows::kSingleTokenSeqs;
+  run_decode_kernels(c, options, p, num_seqs);
+  if constexpr (sizeof(T) == 2) {
+    paged_attn::AttentionParams<T> vp = p;
+    vp.set_varlen_plan(plan);
+    const bool found = paged_attn::dispatch(static_cast<int>(head_dim), paged_attn::VarlenHeadDims{}, [&](auto hd) {
+      constexpr int HEAD_DIM = decltype(hd)::value;
+      simt::launch(options, paged_attn::varlen_attention_kernel<T, HEAD_DIM>, to_dim3(plan.grid), dim3(plan.threads),
+                   plan.shared_bytes, vp);
+    });
+    if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " has no tensor-core instantiation");
+    std::printf("tensor-core plan: grid (%lld, %lld), %d tokens x %d heads per tile, %d keys per step, %d bytes\n",
+                static_cast<long long>(plan.grid.x), static_cast<long long>(plan.grid.y), plan.tokens_per_tile,
+                plan.heads_per_tile, plan.key_tile, plan.shared_bytes);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -213,7 +262,9 @@ void run_reshape_and_cache(const Case& c, const simt::Options& options) {
       {static_cast<uint64_t>(head_dim * elem), static_cast<uint64_t>(key.stride(0) * elem),
        static_cast<uint64_t>(key.stride(1) * elem), static_cast<uint64_t>(value.stride(0) * elem),
        static_cast<uint64_t>(value.stride(1) * elem), static_cast<uint64_t>(key_cache.stride(0) * elem),
-       static_cast<uint64_t>(value_cache.stride(0) * elem), address(key), address(value), address(key_cache),
+       static_cast<uint64_t>(key_cache.stride(1) * elem), static_cast<uint64_t>(key_cache.stride(2) * elem),
+       static_cast<uint64_t>(value_cache.stride(0) * elem), static_cast<uint64_t>(value_cache.stride(1) * elem),
+       static_cast<uint64_t>(value_cache.stride(2) * elem), address(key), address(value), address(key_cache),
        address(value_cache)});
   const int64_t per_unit = width / elem;
   const auto plan = paged_attn::plan_reshape_and_cache(num_tokens, num_kv_heads, head_dim / per_unit);
@@ -224,10 +275,12 @@ void run_reshape_and_cache(const Case& c, const simt::Options& options) {
     p.key = key.as<const Unit>(), p.value = value.as<const Unit>();
     p.key_token_stride = key.stride(0) / per_unit, p.key_head_stride = key.stride(1) / per_unit;
     p.value_token_stride = value.stride(0) / per_unit, p.value_head_stride = value.stride(1) / per_unit;
-    p.key_cache = {key_cache.as<Unit>(), key_cache.stride(0) / per_unit, static_cast<int>(key_cache.size(1)),
-                   static_cast<int>(num_kv_heads), static_cast<int>(head_dim / per_unit)};
-    p.value_cache = {value_cache.as<Unit>(), value_cache.stride(0) / per_unit, static_cast<int>(key_cache.size(1)),
-                     static_cast<int>(num_kv_heads), static_cast<int>(head_dim / per_unit)};
+    const auto cache = [&](const View& v) {
+      return paged_attn::PagedCache<Unit>{v.as<Unit>(), v.stride(0) / per_unit, v.stride(1) / per_unit,
+                                          v.stride(2) / per_unit, static_cast<int>(v.size(1)),
+                                          static_cast<int>(num_kv_heads), static_cast<int>(head_dim / per_unit)};
+    };
+    p.key_cache = cache(key_cache), p.value_cache = cache(value_cache);
     p.slot_mapping = slot_mapping.as<const int64_t>();
     if (num_tokens > 0) {
       simt::launch(options, paged_attn::reshape_and_cache_kernel<Unit>, to_dim3(plan.grid), dim3(plan.threads),
@@ -243,31 +296,32 @@ void run_copy_blocks(const Case& c, const simt::Options& options) {
   const View& mapping = c.tensor("block_mapping");
   const View& first = c.tensor("key_caches.0");
   const int64_t num_pairs = mapping.size(0);
-  const int64_t block_bytes = first.size(1) * first.size(2) * first.size(3) * elem;
-  uint64_t bits = static_cast<uint64_t>(block_bytes);
+  uint64_t bits = static_cast<uint64_t>(first.size(3) * elem);
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     for (const char* kind : {"key_caches.", "value_caches."}) {
       const View& cache = c.tensor(kind + std::to_string(layer));
-      bits |= address(cache) | static_cast<uint64_t>(cache.stride(0) * elem);
+      bits |= address(cache) | static_cast<uint64_t>(cache.stride(0) * elem) |
+              static_cast<uint64_t>(cache.stride(1) * elem) | static_cast<uint64_t>(cache.stride(2) * elem);
     }
   }
   const int64_t width = access_width({bits});
+  const int64_t block_units = first.size(1) * first.size(2) * first.size(3) * elem / width;
+  const auto byte_cache = [&](const View& v) {
+    return paged_attn::PagedCache<char>{v.data, v.stride(0) * elem, v.stride(1) * elem, v.stride(2) * elem,
+                                        static_cast<int>(v.size(1)), static_cast<int>(v.size(2)),
+                                        static_cast<int>(v.size(3) * elem)};
+  };
   int launches = 0;
   for (int64_t first_layer = 0; first_layer < num_layers; first_layer += paged_attn::kMaxLayersPerLaunch) {
     const int64_t launch_layers = std::min<int64_t>(paged_attn::kMaxLayersPerLaunch, num_layers - first_layer);
-    const auto plan = paged_attn::plan_copy_blocks(num_pairs, launch_layers, block_bytes / width);
+    const auto plan = paged_attn::plan_copy_blocks(num_pairs, launch_layers, block_units);
     if (!plan.error.empty()) throw CaseError("plan_copy_blocks: " + plan.error);
     paged_attn::CopyBlocksParams p{};
     for (int64_t i = 0; i < launch_layers; ++i) {
-      const View& key = c.tensor("key_caches." + std::to_string(first_layer + i));
-      const View& value = c.tensor("value_caches." + std::to_string(first_layer + i));
-      p.key[i] = key.data, p.value[i] = value.data;
-      p.key_block_stride[i] = key.stride(0) * elem, p.value_block_stride[i] = value.stride(0) * elem;
+      p.key[i] = byte_cache(c.tensor("key_caches." + std::to_string(first_layer + i)));
+      p.value[i] = byte_cache(c.tensor("value_caches." + std::to_string(first_layer + i)));
     }
-    p.block_size = static_cast<int>(first.size(1)), p.num_kv_heads = static_cast<int>(first.size(2));
-    p.head_bytes = static_cast<int>(first.size(3) * elem);
     p.block_mapping = mapping.as<const int64_t>();
-    p.block_units = block_bytes / width;
     paged_attn::dispatch_unit(width, [&](auto unit) {
       using Unit = decltype(unit);
       if (num_pairs > 0) {

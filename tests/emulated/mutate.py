@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ATTENTION = "csrc/cuda/attention_kernels.cuh"
 CACHE = "csrc/cuda/paged_cache.cuh"
 CACHE_OPS = "csrc/cuda/cache_ops_kernels.cuh"
+VARLEN = "csrc/cuda/varlen_attention_kernels.cuh"
+VARLEN_TESTS = "varlen"  # pytest -k: the tensor-core kernel's mutants run only the variable-length tests
 
-# name -> (file, text, replacement)
+# name -> (file, text, replacement[, pytest -k expression])
 MUTANTS = {
     "missing __syncthreads between steps 1 and 2": (
         ATTENTION,
@@ -50,12 +52,32 @@ MUTANTS = {
         "if (d < HEAD_DIM) partial_s[rs.row_group + 1][g][d] = acc[g][i][e];"),
     "wrong stride: a token's rows as if one kv head": (
         CACHE,
-        "return block(block_id) + offset * num_kv_heads * head_dim;",
-        "return block(block_id) + offset * head_dim;"),
+        "return block(block_id) + offset * token_stride;",
+        "return block(block_id) + offset * head_stride;"),
     "wrong stride: reshape_and_cache reads keys with the row length as head stride": (
         CACHE_OPS,
-        "key_dst[i] = key_src[head * p.key_head_stride + u];",
-        "key_dst[i] = key_src[head * head_units + u];"),
+        "p.key_cache.slot_row(slot, head)[u] = key_src[head * p.key_head_stride + u];",
+        "p.key_cache.slot_row(slot, head)[u] = key_src[head * head_units + u];"),
+    "copy_blocks copies a strided view's block as one run (as if its rows were packed)": (
+        CACHE_OPS,
+        "  if (cache.packed_rows()) {  // uniform across the launch's thread block",
+        "  if (true) {", "copy_blocks"),
+    "tensor-core kernel: a causal bound off by one (a row sees the next token)": (
+        VARLEN,
+        "const bool visible = c < n && t <= pos &&",
+        "const bool visible = c < n && t <= pos + 1 &&", VARLEN_TESTS),
+    "tensor-core kernel: the last key step is skipped (key_end one short)": (
+        VARLEN,
+        "tile.key_end = max(tile.first_pos + tile.tokens, 0);",
+        "tile.key_end = max(tile.first_pos + tile.tokens - 1, 0);", VARLEN_TESTS),
+    "tensor-core kernel: O is not rescaled when a row's max grows": (
+        VARLEN,
+        "for (int e = 0; e < Accumulator::num_elements; ++e) o[f].x[e] *= row_rescale.x[e];",
+        "for (int e = 0; e < Accumulator::num_elements; ++e) (void)row_rescale.x[e];", VARLEN_TESTS),
+    "tensor-core kernel: no __syncwarp between the softmax's writes and the P V product": (
+        VARLEN,
+        "    for (int c = half; c < 16; c += 2) rescale_w[(lane / 2) * 16 + c] = rescale;\n    __syncwarp();",
+        "    for (int c = half; c < 16; c += 2) rescale_w[(lane / 2) * 16 + c] = rescale;", VARLEN_TESTS),
 }
 
 # What caught it, from the first failure's report.
@@ -70,7 +92,7 @@ CHECKS = [
 ]
 
 
-def run_mutant(name, file, text, replacement, python):
+def run_mutant(name, file, text, replacement, python, select=None):
     with tempfile.TemporaryDirectory(prefix="mutant-") as scratch:
         scratch = Path(scratch)
         for part in ("csrc", "tests"):
@@ -82,8 +104,9 @@ def run_mutant(name, file, text, replacement, python):
         path.write_text(source.replace(text, replacement))
         start = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": "0"}
-        result = subprocess.run([python, "-m", "pytest", "tests/test_emulated_kernels.py", "-x", "-q",
-                                 "-p", "no:cacheprovider"], cwd=scratch, env=env, capture_output=True, text=True)
+        command = [python, "-m", "pytest", "tests/test_emulated_kernels.py", "-x", "-q", "-p", "no:cacheprovider"]
+        result = subprocess.run(command + (["-k", select] if select else []), cwd=scratch, env=env,
+                                capture_output=True, text=True)
         elapsed = time.perf_counter() - start
         output = result.stdout + result.stderr
         if result.returncode == 0:
@@ -102,8 +125,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     chosen = {name: m for name, m in MUTANTS.items() if not args.only or any(o in name for o in args.only)}
     rows = []
-    for name, (file, text, replacement) in chosen.items():
-        check, test, elapsed = run_mutant(name, file, text, replacement, sys.executable)
+    for name, (file, text, replacement, *select) in chosen.items():
+        check, test, elapsed = run_mutant(name, file, text, replacement, sys.executable, *select)
         rows.append((name, check, test, elapsed))
         print(f"{name}: {check} ({test}, {elapsed:.0f} s)", flush=True)
     print("\n| planted bug | caught by | first failing test |\n| --- | --- | --- |")

@@ -639,6 +639,135 @@ int run_error_kernel(const simt::Options& options, void (*kernel)(Params...), in
   return 1;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// nvcuda::wmma: D = A * B + C for half and bfloat16 inputs, A and B in row- or column-major memory, through shared
+// memory, with leading dimensions wider than the matrix; fill_fragment; every element checked against the same sum
+// on the host. Two warps, each its own matrices.
+
+constexpr int kLd = 24;  // leading dimension of the inputs (a multiple of 8 elements, not 16)
+
+template <typename T>
+struct alignas(32) WmmaInputs {  // 256-bit aligned, as load_matrix_sync requires
+  T a[16 * kLd], b[16 * kLd];
+};
+
+template <typename T, typename LayoutA, typename LayoutB>
+__global__ void wmma_kernel(const WmmaInputs<T>* in, const float* c, float* d_row, float* d_col, float* filled) {
+  namespace wmma = nvcuda::wmma;
+  PA_SHARED(WmmaInputs<T>, in_s, [2]);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = lane; i < 16 * kLd; i += 32) in_s[warp].a[i] = in[warp].a[i], in_s[warp].b[i] = in[warp].b[i];
+  __syncwarp();
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, T, LayoutA> a;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LayoutB> b;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc, ones;
+  wmma::load_matrix_sync(a, in_s[warp].a, kLd);
+  wmma::load_matrix_sync(b, in_s[warp].b, kLd);
+  wmma::load_matrix_sync(acc, c + 256 * warp, 16, wmma::mem_row_major);
+  wmma::mma_sync(acc, a, b, acc);
+  wmma::store_matrix_sync(d_row + 256 * warp, acc, 16, wmma::mem_row_major);
+  wmma::store_matrix_sync(d_col + 256 * warp, acc, 16, wmma::mem_col_major);
+  wmma::fill_fragment(ones, 0.5f);
+  wmma::store_matrix_sync(filled + 256 * warp, ones, 16, wmma::mem_row_major);
+}
+
+template <typename T, typename LayoutA, typename LayoutB>
+int wmma_case(const simt::Options& options, const char* name) {
+  constexpr bool a_col = std::is_same_v<LayoutA, nvcuda::wmma::col_major>;
+  constexpr bool b_col = std::is_same_v<LayoutB, nvcuda::wmma::col_major>;
+  struct alignas(32) Matrices {  // two 16 x 16 float matrices, one per warp
+    float x[2 * 256];
+    float& operator[](int i) { return x[i]; }
+  };
+  std::vector<WmmaInputs<T>> in(2);
+  std::vector<float> a(2 * 256), b(2 * 256);
+  std::vector<Matrices> matrices(4);
+  Matrices &c = matrices[0], &d_row = matrices[1], &d_col = matrices[2], &filled = matrices[3];
+  for (int w = 0; w < 2; ++w) {
+    for (int i = 0; i < 16 * kLd; ++i) in[w].a[i] = in[w].b[i] = T(-1.0f);  // padding, never read
+    for (int r = 0; r < 16; ++r) {
+      for (int k = 0; k < 16; ++k) {
+        // small integers and halves: exact in half and bfloat16
+        const float x = static_cast<float>((r * 7 + k * 3 + w) % 11 - 5) * 0.5f;
+        const float y = static_cast<float>((r * 5 + k * 9 + 2 * w) % 13 - 6) * 0.25f;
+        a[256 * w + 16 * r + k] = x, b[256 * w + 16 * r + k] = y;  // A[r][k], B[r][k] (row r of B is its k)
+        in[w].a[a_col ? k * kLd + r : r * kLd + k] = T(x);
+        in[w].b[b_col ? k * kLd + r : r * kLd + k] = T(y);
+        c[256 * w + 16 * r + k] = static_cast<float>(r - k) * 0.125f;
+      }
+    }
+  }
+  simt::launch(options, wmma_kernel<T, LayoutA, LayoutB>, dim3(1), dim3(64), 0, in.data(), c.x, d_row.x, d_col.x,
+               filled.x);
+  for (int w = 0; w < 2; ++w) {
+    for (int m = 0; m < 16; ++m) {
+      for (int n = 0; n < 16; ++n) {
+        float sum = c[256 * w + 16 * m + n];
+        for (int k = 0; k < 16; ++k) sum = fmaf(a[256 * w + 16 * m + k], b[256 * w + 16 * k + n], sum);
+        CHECK(d_row[256 * w + 16 * m + n] == sum, "%s warp %d D[%d][%d] = %g, expected %g", name, w, m, n,
+              d_row[256 * w + 16 * m + n], sum);
+        CHECK(d_col[256 * w + 16 * n + m] == sum, "%s warp %d column-major D[%d][%d]", name, w, m, n);
+        CHECK(filled[256 * w + 16 * m + n] == 0.5f, "%s warp %d filled[%d][%d]", name, w, m, n);
+      }
+    }
+  }
+  return 0;
+}
+
+int wmma(const simt::Options& options) {
+  using nvcuda::wmma::col_major;
+  using nvcuda::wmma::row_major;
+  wmma_case<__half, row_major, row_major>(options, "half row/row");
+  wmma_case<__half, row_major, col_major>(options, "half row/col");
+  wmma_case<__half, col_major, row_major>(options, "half col/row");
+  wmma_case<__nv_bfloat16, row_major, col_major>(options, "bf16 row/col");
+  wmma_case<__nv_bfloat16, col_major, col_major>(options, "bf16 col/col");
+  return g_failures == 0 ? 0 : 1;
+}
+
+// Errors: every lane must take part, with the same arguments, and the pointer and ldm must suit the hardware.
+struct alignas(32) HalfTile {
+  __half x[16 * 32];
+};
+
+__global__ void wmma_divergent_kernel(int*) {  // only half the warp loads
+  PA_SHARED(HalfTile, tile_s, [1]);
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major> a;
+  if (threadIdx.x % 32 < 16) nvcuda::wmma::load_matrix_sync(a, tile_s[0].x, 16);
+}
+__global__ void wmma_pointer_mismatch_kernel(int*) {  // lane 5 loads another tile
+  PA_SHARED(HalfTile, tile_s, [1]);
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::col_major> b;
+  nvcuda::wmma::load_matrix_sync(b, tile_s[0].x + (threadIdx.x % 32 == 5 ? 16 : 0), 32);
+}
+__global__ void wmma_misaligned_kernel(int*) {  // 16 bytes past a 32-byte boundary
+  PA_SHARED(HalfTile, tile_s, [1]);
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major> a;
+  nvcuda::wmma::load_matrix_sync(a, tile_s[0].x + 8, 16);
+}
+__global__ void wmma_bad_ldm_kernel(int*) {  // ldm 12 halves: 24 bytes
+  PA_SHARED(HalfTile, tile_s, [1]);
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major> a;
+  nvcuda::wmma::load_matrix_sync(a, tile_s[0].x, 12);
+}
+__global__ void wmma_fill_nonuniform_kernel(int*) {  // a value per lane: the layout is unspecified
+  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc;
+  nvcuda::wmma::fill_fragment(acc, static_cast<float>(threadIdx.x % 32));
+}
+__global__ void wmma_mma_vs_shuffle_kernel(int* out) {  // lane 0 shuffles while the others multiply
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major> a;
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::row_major> b;
+  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc;
+  for (auto& x : a.x) x = __float2half(1.0f);
+  for (auto& x : b.x) x = __float2half(1.0f);
+  for (auto& x : acc.x) x = 0.0f;
+  if (threadIdx.x % 32 == 0) {
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
+  } else {
+    nvcuda::wmma::mma_sync(acc, a, b, acc);
+  }
+}
+
 // Sanitizer cases: the sanitizer, not the emulator, reports these.
 
 // Indexing the array itself: UBSan's bounds check reports it. Through a pointer: only ASan can, from the heap
@@ -751,6 +880,16 @@ const std::map<std::string, Case> kCases = {
     {"misaligned_load", misaligned_load},
     {"race", race},
     {"race_over_shuffle", race_over_shuffle},
+    {"wmma", wmma},
+    {"wmma_divergent", [](const simt::Options& o) { return run_error_kernel(o, wmma_divergent_kernel, 64); }},
+    {"wmma_pointer_mismatch",
+     [](const simt::Options& o) { return run_error_kernel(o, wmma_pointer_mismatch_kernel, 64); }},
+    {"wmma_misaligned", [](const simt::Options& o) { return run_error_kernel(o, wmma_misaligned_kernel, 64); }},
+    {"wmma_bad_ldm", [](const simt::Options& o) { return run_error_kernel(o, wmma_bad_ldm_kernel, 64); }},
+    {"wmma_fill_nonuniform",
+     [](const simt::Options& o) { return run_error_kernel(o, wmma_fill_nonuniform_kernel, 64); }},
+    {"wmma_mma_vs_shuffle",
+     [](const simt::Options& o) { return run_error_kernel(o, wmma_mma_vs_shuffle_kernel, 64); }},
 };
 
 }  // namespace

@@ -197,7 +197,10 @@ struct Untracked {
 #endif
 };
 
-enum class Op { kSyncthreads, kSyncwarp, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll };
+enum class Op {
+  kSyncthreads, kSyncwarp, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll,
+  kWmmaFill, kWmmaLoad, kWmmaStore, kWmmaMma,  // nvcuda::wmma (whole-warp collectives)
+};
 
 inline const char* op_name(Op op) {
   switch (op) {
@@ -210,12 +213,23 @@ inline const char* op_name(Op op) {
     case Op::kBallot: return "__ballot_sync";
     case Op::kAny: return "__any_sync";
     case Op::kAll: return "__all_sync";
+    case Op::kWmmaFill: return "wmma::fill_fragment";
+    case Op::kWmmaLoad: return "wmma::load_matrix_sync";
+    case Op::kWmmaStore: return "wmma::store_matrix_sync";
+    case Op::kWmmaMma: return "wmma::mma_sync";
   }
   return "?";
 }
 
 // Barriers and __syncwarp order memory between their attendees; shuffles and votes only exchange values.
 inline bool orders_memory(Op op) { return op == Op::kSyncthreads || op == Op::kSyncwarp; }
+inline bool is_wmma(Op op) { return op >= Op::kWmmaFill; }
+
+struct Thread;
+struct Meeting;
+// A wmma collective's completion: called by the last lane to arrive, with the attendees in lane order (each lane's
+// arguments in its Thread::payload); checks that the lanes agree and (mma_sync) computes every lane's result.
+using WmmaComplete = void (*)(const Meeting&, const std::vector<Thread*>& lanes);
 
 // Concatenates what an ostream prints: cat("lane ", 3, " of ", name).
 template <typename... Parts>
@@ -265,6 +279,8 @@ struct Thread {
   // A collective's operands and result; values travel as up to 8 raw bytes.
   uint64_t value = 0, result = 0;
   int operand = 0, width = 32;      // source lane, delta or lane mask; segment width
+  const void* payload = nullptr;    // a wmma collective's arguments, and its completion
+  WmmaComplete wmma_complete = nullptr;
   // The fiber.
 #if defined(SIMT_FAST_SWITCH)
   void* sp = nullptr;               // saved stack pointer while not running
@@ -709,6 +725,11 @@ class Run {
     for (Thread& t : threads_) {
       if (t.state == State::kWaiting && t.meeting == &meeting) attendees.push_back(&t);
     }
+    if (is_wmma(meeting.op)) {
+      attendees.front()->wmma_complete(meeting, attendees);  // the same for every lane: the same call site
+      for (Thread* t : attendees) t->state = State::kReady;
+      return;
+    }
     unsigned ballot = 0;
     for (Thread* t : attendees) ballot |= (t->value != 0 ? 1u : 0u) << t->lane;
     for (Thread* t : attendees) {
@@ -994,3 +1015,233 @@ inline float min(float a, float b) { return fminf(a, b); }
 inline float max(float a, float b) { return fmaxf(a, b); }
 inline double min(double a, double b) { return fmin(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// nvcuda::wmma: warp matrix operations, shape m16n16k16, half or bfloat16 inputs, float accumulators (what the
+// kernels use; other shapes and types do not compile here).
+//
+// Every operation is a collective of the whole warp: all 32 lanes call it at the same site, with the same pointer,
+// leading dimension and layout (load/store) or the same value (fill), or the emulator reports an error, as for
+// shuffles. load_matrix_sync / store_matrix_sync check CUDA's requirements: a 256-bit aligned pointer and ldm a
+// multiple of 16 bytes. After the meeting each lane reads or writes its own elements itself, so the sanitizers see
+// every lane's accesses (and, as on a GPU, lanes' shared-memory writes need a __syncwarp before another lane's
+// load_matrix_sync reads them). mma_sync is computed by the last lane to arrive: D = A * B + C, float products
+// summed in k order with fmaf.
+//
+// The element layout of a fragment is unspecified in CUDA, so a kernel may only use it through these operations,
+// or element-wise the same way for all elements. Here lane l holds (row, column) of the fragment's 16 x 16 matrix:
+//   matrix_a      row (8l + i) / 16, column (8l + i) % 16        (runs of rows)
+//   matrix_b      row (8l + i) % 16, column (8l + i) / 16        (runs of columns)
+//   accumulator   row l % 16,        column 8 (l / 16) + i       (a row over two lanes 16 apart)
+// three different layouts, none that of a GPU, so a kernel that assumes one (or that A, B and C agree) fails here.
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "simt emulates the wmma shape m16n16k16 only");
+  static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float>
+                                                 : std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>,
+                "simt emulates half/bfloat16 matrix_a/matrix_b and float accumulators");
+  static_assert(std::is_same_v<Use, accumulator> == std::is_same_v<Layout, void>,
+                "matrix_a and matrix_b take row_major or col_major; accumulators no layout");
+  using element_type = T;
+  using storage_element_type = T;
+  enum { num_elements = 8 };  // 256 elements over 32 lanes
+  T x[num_elements];
+};
+
+}  // namespace wmma
+}  // namespace nvcuda
+
+namespace simt {
+namespace detail {
+
+// (row, column) of element i of lane `lane` (the layouts above).
+template <typename Use>
+inline std::pair<int, int> wmma_element(int lane, int i) {
+  const int index = 8 * lane + i;
+  if constexpr (std::is_same_v<Use, nvcuda::wmma::matrix_a>) return {index / 16, index % 16};
+  if constexpr (std::is_same_v<Use, nvcuda::wmma::matrix_b>) return {index % 16, index / 16};
+  return {lane % 16, 8 * (lane / 16) + i};
+}
+
+template <typename T>
+float wmma_to_float(T x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else if constexpr (std::is_same_v<T, __half>) return __half2float(x);
+  else return __bfloat162float(x);
+}
+
+// load_matrix_sync / store_matrix_sync: the lanes' arguments.
+struct WmmaMemory {
+  const void* pointer;
+  unsigned ldm;
+  bool col_major;
+  size_t element_bytes;
+};
+
+inline void wmma_check_memory(const Meeting& meeting, const std::vector<Thread*>& lanes) {
+  const auto& first = *static_cast<const WmmaMemory*>(lanes.front()->payload);
+  const auto describe = [](const WmmaMemory& m) {
+    return cat("pointer ", m.pointer, ", ldm ", m.ldm, ", ", m.col_major ? "column" : "row", " major");
+  };
+  for (const Thread* t : lanes) {
+    const auto& mine = *static_cast<const WmmaMemory*>(t->payload);
+    if (mine.pointer != first.pointer || mine.ldm != first.ldm || mine.col_major != first.col_major) {
+      throw current_run().error(t->name(), " calls ", meeting.str(), " with ", describe(mine), ", but ",
+                                lanes.front()->name(), " with ", describe(first), " (every lane must pass the same)");
+    }
+  }
+  const std::string callers = cat("warp ", lanes.front()->warp, " (thread ", lanes.front()->id, " to thread ",
+                                  lanes.back()->id, ") calls ", meeting.str());
+  if (reinterpret_cast<uintptr_t>(first.pointer) % 32 != 0) {
+    throw current_run().error(callers, " with the pointer ", first.pointer, ", which is not 256-bit aligned");
+  }
+  if (first.ldm * first.element_bytes % 16 != 0) {
+    throw current_run().error(callers, " with ldm ", first.ldm, ", which is not a multiple of 16 bytes (",
+                              16 / first.element_bytes, " elements)");
+  }
+}
+
+inline void wmma_check_fill(const Meeting& meeting, const std::vector<Thread*>& lanes) {
+  const uint64_t first = *static_cast<const uint64_t*>(lanes.front()->payload);
+  for (const Thread* t : lanes) {
+    if (*static_cast<const uint64_t*>(t->payload) != first) {
+      throw current_run().error(t->name(), " calls ", meeting.str(), " with another value than ",
+                                lanes.front()->name(), " (the fragment's layout is unspecified: fill it uniformly)");
+    }
+  }
+}
+
+template <typename D, typename A, typename B, typename C>
+struct WmmaMma {
+  D* d;
+  const A* a;
+  const B* b;
+  const C* c;
+};
+
+template <typename D, typename A, typename B, typename C>
+void wmma_compute_mma(const Meeting&, const std::vector<Thread*>& lanes) {
+  float a[16][16], b[16][16], acc[16][16];
+  for (const Thread* t : lanes) {
+    const auto& args = *static_cast<const WmmaMma<D, A, B, C>*>(t->payload);
+    for (int i = 0; i < 8; ++i) {
+      const auto [ar, ac] = wmma_element<nvcuda::wmma::matrix_a>(t->lane, i);
+      const auto [br, bc] = wmma_element<nvcuda::wmma::matrix_b>(t->lane, i);
+      const auto [cr, cc] = wmma_element<nvcuda::wmma::accumulator>(t->lane, i);
+      a[ar][ac] = wmma_to_float(args.a->x[i]);
+      b[br][bc] = wmma_to_float(args.b->x[i]);
+      acc[cr][cc] = args.c->x[i];
+    }
+  }
+  float d[16][16];
+  for (int m = 0; m < 16; ++m) {
+    for (int n = 0; n < 16; ++n) {
+      float sum = acc[m][n];
+      for (int k = 0; k < 16; ++k) sum = fmaf(a[m][k], b[k][n], sum);
+      d[m][n] = sum;
+    }
+  }
+  for (const Thread* t : lanes) {  // after every input is read: d may be a or c
+    const auto& args = *static_cast<const WmmaMma<D, A, B, C>*>(t->payload);
+    for (int i = 0; i < 8; ++i) {
+      const auto [r, c] = wmma_element<nvcuda::wmma::accumulator>(t->lane, i);
+      args.d->x[i] = d[r][c];
+    }
+  }
+}
+
+inline void wmma_collective(Op op, const Site& site, const void* payload, WmmaComplete complete) {
+  Untracked untracked;
+  Run& run = current_run();
+  Thread& self = *t_thread;
+  self.payload = payload, self.wmma_complete = complete;
+  run.meet(self, op, site, 0xffffffffu);  // the whole warp
+}
+
+// (row, column) of a fragment's element -> its address in a matrix at `pointer` with leading dimension ldm.
+template <typename T>
+T* wmma_address(T* pointer, unsigned ldm, bool col_major, std::pair<int, int> element) {
+  const auto [row, column] = element;
+  return pointer + (col_major ? static_cast<size_t>(column) * ldm + row : static_cast<size_t>(row) * ldm + column);
+}
+
+template <typename Layout>
+constexpr bool is_col_major() {
+  return std::is_same_v<Layout, nvcuda::wmma::col_major>;
+}
+
+}  // namespace detail
+}  // namespace simt
+
+namespace nvcuda {
+namespace wmma {
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, const T& value, simt::Site site = simt::Site::here()) {
+  using namespace simt::detail;
+  const uint64_t bits = to_bits(value);
+  wmma_collective(Op::kWmmaFill, site, &bits, &wmma_check_fill);
+  for (auto& x : f.x) x = value;
+}
+
+// matrix_a / matrix_b: the layout is the fragment's.
+template <typename Use, typename T, typename Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* pointer, unsigned ldm,
+                      simt::Site site = simt::Site::here()) {
+  static_assert(!std::is_same_v<Use, accumulator>, "an accumulator's load_matrix_sync takes a layout_t");
+  using namespace simt::detail;
+  constexpr bool col = is_col_major<Layout>();
+  const WmmaMemory args{pointer, ldm, col, sizeof(T)};
+  wmma_collective(Op::kWmmaLoad, site, &args, &wmma_check_memory);
+  const int lane = t_thread->lane;
+  for (int i = 0; i < f.num_elements; ++i) f.x[i] = *wmma_address(pointer, ldm, col, wmma_element<Use>(lane, i));
+}
+
+// Accumulators: the layout is an argument.
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* pointer, unsigned ldm,
+                             layout_t layout, simt::Site site = simt::Site::here()) {
+  using namespace simt::detail;
+  const WmmaMemory args{pointer, ldm, layout == mem_col_major, sizeof(float)};
+  wmma_collective(Op::kWmmaLoad, site, &args, &wmma_check_memory);
+  const int lane = t_thread->lane;
+  for (int i = 0; i < f.num_elements; ++i) {
+    f.x[i] = *wmma_address(pointer, ldm, args.col_major, wmma_element<accumulator>(lane, i));
+  }
+}
+
+inline void store_matrix_sync(float* pointer, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
+                              layout_t layout, simt::Site site = simt::Site::here()) {
+  using namespace simt::detail;
+  const WmmaMemory args{pointer, ldm, layout == mem_col_major, sizeof(float)};
+  wmma_collective(Op::kWmmaStore, site, &args, &wmma_check_memory);
+  const int lane = t_thread->lane;
+  for (int i = 0; i < f.num_elements; ++i) {
+    *wmma_address(pointer, ldm, args.col_major, wmma_element<accumulator>(lane, i)) = f.x[i];
+  }
+}
+
+// d = a * b + c (d may be c).
+template <typename T, typename LayoutA, typename LayoutB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LayoutA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LayoutB>& b, const fragment<accumulator, 16, 16, 16, float>& c,
+              simt::Site site = simt::Site::here()) {
+  using namespace simt::detail;
+  using Acc = fragment<accumulator, 16, 16, 16, float>;
+  using A = fragment<matrix_a, 16, 16, 16, T, LayoutA>;
+  using B = fragment<matrix_b, 16, 16, 16, T, LayoutB>;
+  const WmmaMma<Acc, A, B, Acc> args{&d, &a, &b, &c};
+  wmma_collective(Op::kWmmaMma, site, &args, &wmma_compute_mma<Acc, A, B, Acc>);
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
