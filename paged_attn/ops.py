@@ -119,10 +119,11 @@ def paged_attention(
             seq_lens[s]``; 0 is allowed), at positions ``seq_lens[s] - q_s + i``; each attends causally to the
             sequence's tokens up to its own position. Without it, one token per sequence (``num_tokens =
             num_seqs``), the last one: a sequence of length 0 then gets a zero output row.
-        max_query_len: an upper bound of ``q_s`` (host int, like FlashAttention's ``max_seqlen_q``). On CUDA it
-            sizes the launch without reading ``query_start_loc``; without it the CUDA path copies
-            ``query_start_loc`` to the host once (a synchronization: not capturable in a CUDA graph). A bound
-            smaller than some ``q_s`` is an error (checked on the CPU and with validation on).
+        max_query_len: optional upper bound of ``q_s`` (host int, like FlashAttention's ``max_seqlen_q``). The
+            CUDA launch never reads ``query_start_loc`` on the host, with or without it (the call can be captured
+            in a CUDA graph); ``max_query_len <= 1`` (every sequence a decode) skips the launch of the multi-row
+            kernel. A bound smaller than some ``q_s`` is an error (checked on the CPU, and on CUDA with
+            validation on).
         scale: logit scale, default ``head_dim ** -0.5``.
         alibi_slopes: float32 ``[num_heads]``: adds ``slope[h] * (t - p)`` to the logit of token ``t`` for the
             query at position ``p``.
