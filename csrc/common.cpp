@@ -27,16 +27,33 @@ std::atomic<bool>& validation_flag() {
 bool validation_enabled() { return validation_flag().load(std::memory_order_relaxed); }
 void set_validation_enabled(bool enabled) { validation_flag().store(enabled, std::memory_order_relaxed); }
 
-void check_kv_dtype(const at::Tensor& t, const char* name) {
-  const auto dtype = t.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, name,
-              " must be float32, float16 or bfloat16, got ", dtype);
+bool is_fp8(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2; }
+
+float fp8_max_finite(at::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(is_fp8(dtype), "fp8_max_finite of ", dtype);
+  return dtype == at::kFloat8_e4m3fn ? 448.f : 57344.f;
+}
+
+void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale) {
+  for (const auto& [scale, name] : {std::pair{&k_scale, "k_scale"}, std::pair{&v_scale, "v_scale"}}) {
+    if (!scale->has_value()) continue;
+    const at::Tensor& t = **scale;
+    TORCH_CHECK(is_fp8(key_cache.scalar_type()), name, " is given but the cache is ", key_cache.scalar_type(),
+                ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)");
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, name,
+                " must be a float32 tensor of one element, got ", t.scalar_type(), " of shape ", t.sizes());
+    TORCH_CHECK(t.device() == key_cache.device(), name, " must be on the cache's device ", key_cache.device(),
+                ", got ", t.device());
+  }
 }
 
 void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
               cache.sizes());
-  check_kv_dtype(cache, name);
+  const auto dtype = cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || is_fp8(dtype), name,
+              " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", dtype);
   // NOTE: num_blocks = 0 is an empty pool and fine; a zero block_size would divide by zero in the index math.
   TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
               ": block_size, num_kv_heads and head_dim must be positive, got shape ", cache.sizes());
@@ -278,15 +295,29 @@ void check_block_mapping_range(const at::Tensor& block_mapping_cpu, int64_t num_
   }
 }
 
+namespace {
+// t (key or query) has the cache's dtype, or, for an fp8 cache, one of float32, float16, bfloat16.
+void check_dtype_for_cache(const at::Tensor& t, const char* name, const at::Tensor& key_cache) {
+  if (is_fp8(key_cache.scalar_type())) {
+    const auto dtype = t.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, name,
+                " must be float32, float16 or bfloat16 with an fp8 cache (", key_cache.scalar_type(), "), got ", dtype);
+    return;
+  }
+  TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), name, " and key_cache must have the same dtype, got ",
+              t.scalar_type(), " and ", key_cache.scalar_type());
+}
+}  // namespace
+
 void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                                  const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+                                  const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(key.dim() == 3, "key must have shape [num_tokens, num_kv_heads, head_dim], got ", key.sizes());
   check_same_layout(key, "key", value, "value");
   TORCH_CHECK(key.device() == key_cache.device(), "key and key_cache must be on the same device, got ", key.device(),
               " and ", key_cache.device());
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "key and key_cache must have the same dtype, got ",
-              key.scalar_type(), " and ", key_cache.scalar_type());
+  check_dtype_for_cache(key, "key", key_cache);
   TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
               "key is [num_tokens, num_kv_heads, head_dim] = ", key.sizes(),
               " but the cache holds [num_kv_heads, head_dim] = [", key_cache.size(2), ", ", key_cache.size(3), "]");
@@ -296,8 +327,11 @@ void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value
   check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, key_cache.device());
   TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping must have num_tokens = ", key.size(0),
               " entries, got ", slot_mapping.size(0));
+  check_kv_scales(key_cache, k_scale, v_scale);
+  const at::Tensor none;
   check_no_overlap({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
-                    {&slot_mapping, "slot_mapping"}});
+                    {&slot_mapping, "slot_mapping"}, {k_scale.has_value() ? &*k_scale : &none, "k_scale"},
+                    {v_scale.has_value() ? &*v_scale : &none, "v_scale"}});
 }
 
 void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
@@ -364,13 +398,13 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
                                 int64_t sliding_window, double logits_soft_cap,
-                                const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len) {
+                                const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
+                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", query.sizes());
   TORCH_CHECK(query.device() == key_cache.device(), "query and key_cache must be on the same device, got ",
               query.device(), " and ", key_cache.device());
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and key_cache must have the same dtype, got ",
-              query.scalar_type(), " and ", key_cache.scalar_type());
+  check_dtype_for_cache(query, "query", key_cache);
   TORCH_CHECK(query.stride(2) == 1, "query must be contiguous in its last dimension (head_dim), got strides ",
               query.strides());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -418,6 +452,7 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                     {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
                     {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes"},
                     {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc"}});
+  check_kv_scales(key_cache, k_scale, v_scale);
 }
 
 void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at::Tensor& seq_lens_cpu,

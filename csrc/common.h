@@ -16,10 +16,19 @@ namespace paged_attn {
 bool validation_enabled();
 void set_validation_enabled(bool enabled);
 
-// float32, float16 or bfloat16, with a message naming the argument.
-void check_kv_dtype(const at::Tensor& t, const char* name);
+// float8_e4m3fn or float8_e5m2: a cache of 8-bit floats, read as float(stored) * scale (see check_kv_scales).
+bool is_fp8(at::ScalarType dtype);
 
-// A paged cache: [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive (num_blocks may
+// The largest finite value of an fp8 dtype (448 for e4m3fn, 57344 for e5m2), where quantizing saturates.
+float fp8_max_finite(at::ScalarType dtype);
+
+// The per-cache scales of an fp8 cache: each absent (1.0) or a float32 tensor of one element on the cache's device
+// (read on the device, so a call stays capturable in a CUDA graph). With a cache of any other dtype, scales are an
+// error.
+void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale);
+
+// A paged cache: float32, float16, bfloat16 or fp8 (is_fp8), [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive (num_blocks may
 // be 0), the last dimension contiguous and the others with any strides under which no two elements overlap
 // (has_self_overlap): e.g. one half of a [num_blocks, 2, ...] allocation, or the K (or V) half of vLLM's packed
 // [num_blocks, block_size, num_kv_heads, 2 * head_dim] cache.
@@ -82,8 +91,10 @@ void check_block_mapping_range(const at::Tensor& block_mapping_cpu, int64_t num_
 
 // The shape, dtype and device checks of each op, shared by its CPU and CUDA entry points (index ranges are
 // checked separately, since on CUDA that needs the opt-in synchronization).
+// key/value (query) have the caches' dtype, or any of float32, float16, bfloat16 when the caches are fp8.
 void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                                  const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                                  const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
                             const at::Tensor& block_mapping);
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
@@ -91,7 +102,8 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
                                 int64_t sliding_window, double logits_soft_cap,
-                                const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len);
+                                const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
+                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
 // query_start_loc (int32 [num_seqs + 1]) starts at 0, never decreases and ends at num_tokens; each sequence's
 // query_len = qsl[s + 1] - qsl[s] is at most seq_lens[s] and, when max_query_len is given, at most max_query_len.

@@ -6,12 +6,16 @@
 // Cache layout (every op): key_cache, value_cache are [num_blocks, block_size, num_kv_heads, head_dim] with the
 // last dimension contiguous and any strides on the others (elements must not overlap), e.g. the K and V halves of
 // one [num_blocks, block_size, num_kv_heads, 2 * head_dim] allocation. Slot = block * block_size + offset.
+// Caches are float32, float16, bfloat16 (the keys, values and queries have the same dtype) or fp8 (float8_e4m3fn,
+// float8_e5m2; keys, values and queries float32, float16 or bfloat16), which stores x as the fp8 value nearest to
+// x / scale (round to nearest even, saturated to the largest finite value, NaN kept) and reads float(stored) * scale;
+// k_scale, v_scale: float32 [1] on the caches' device, default 1, only with fp8 caches.
 #include <torch/library.h>
 
 TORCH_LIBRARY(paged_attn, m) {
   // Write token i's key/value ([num_tokens, num_kv_heads, head_dim]) into cache slot slot_mapping[i]; slot < 0 skips.
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping) -> ()");
+        "Tensor slot_mapping, *, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   // Copy block src -> dst for every (src, dst) row of block_mapping [num_pairs, 2], in every layer (copy-on-write).
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   // Copy blocks between caches on any pair of devices (swap out / in); block_mapping [num_pairs, 2] lives on the CPU.
@@ -22,5 +26,5 @@ TORCH_LIBRARY(paged_attn, m) {
   // mixed batches); max_query_len bounds qsl[s + 1] - qsl[s]. sliding_window = 0, logits_soft_cap = 0: off.
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor? alibi_slopes, int sliding_window, float logits_soft_cap, "
-        "Tensor? query_start_loc=None, int? max_query_len=None) -> ()");
+        "Tensor? query_start_loc=None, int? max_query_len=None, *, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 }

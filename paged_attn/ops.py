@@ -1,11 +1,18 @@
 """Typed wrappers over ``torch.ops.paged_attn.*``, with the fake (meta) kernels that ``torch.compile`` needs.
 
 The paged KV cache, for every op: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` tensors (float32, float16 or bfloat16) whose last dimension is contiguous; the other dimensions may
+head_dim]`` tensors (float32, float16, bfloat16, or fp8: see below) whose last dimension is contiguous; the other dimensions may
 have any strides under which no two elements share memory (e.g. the two halves of one ``[num_blocks, 2,
 block_size, num_kv_heads, head_dim]`` allocation, or the K and V halves of vLLM's packed ``[num_blocks,
 block_size, num_kv_heads, 2 * head_dim]`` cache). Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
 ``t % block_size``; its *slot* is ``block * block_size + offset``.
+
+An fp8 cache (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) holds half the bytes of bfloat16; keys, values and
+queries stay float32, float16 or bfloat16. Each cache has a scale, ``k_scale`` / ``v_scale``: a float32 tensor of one
+element on the caches' device (default 1.0). :func:`reshape_and_cache` stores the fp8 value nearest to ``x / scale``
+(round to nearest even, saturated to the largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN stays NaN);
+:func:`paged_attention` reads ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy the
+bytes. ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
 """
 
 from __future__ import annotations
@@ -27,15 +34,21 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Write new keys and values into their cache slots, in place.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the caches; any strides as long as the
-            last dimension is contiguous (e.g. slices of a fused QKV projection).
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the caches (float32, float16 or
+            bfloat16 for an fp8 cache); any strides as long as the last dimension is contiguous (e.g. slices of a
+            fused QKV projection).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, modified in place.
         slot_mapping: int64 ``[num_tokens]`` on the caches' device; token ``i`` goes to slot ``slot_mapping[i]``;
             a negative slot marks a padding token, which is skipped.
+        k_scale, v_scale: fp8 caches only: float32 ``[1]`` on the caches' device (default 1.0); the key cache stores
+            the fp8 value nearest to ``key / k_scale`` (see the module docstring).
 
     Example::
 
@@ -43,7 +56,8 @@ def reshape_and_cache(
         value_cache = torch.empty_like(key_cache)
         paged_attn.reshape_and_cache(k, v, key_cache, value_cache, torch.tensor([0, 1, 17]))
     """
-    torch.ops.paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    torch.ops.paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale,
+                                           v_scale=v_scale)
 
 
 def copy_blocks(
@@ -100,12 +114,15 @@ def paged_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over a paged KV cache: decode (one query token per sequence), or any mix of prefills, prefill
     chunks and decodes with ``query_start_loc``.
 
     Args:
-        query: ``[num_tokens, num_heads, head_dim]`` (last dimension contiguous), same dtype as the caches.
+        query: ``[num_tokens, num_heads, head_dim]`` (last dimension contiguous), same dtype as the caches
+            (float32, float16 or bfloat16 for an fp8 cache).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, last dimension contiguous,
             any other strides (e.g. the K and V halves of vLLM's packed ``[..., 2 * head_dim]`` cache);
             ``num_heads`` must be a multiple of ``num_kv_heads`` (query head ``h`` reads kv head
@@ -130,6 +147,8 @@ def paged_attention(
         sliding_window: only the last ``sliding_window`` positions up to ``p`` take part (``t > p - window``).
         logits_soft_cap: ``c``: logits become ``c * tanh(logit / c)`` (before ALiBi).
         out: optional ``[num_tokens, num_heads, head_dim]`` contiguous output to write into.
+        k_scale, v_scale: fp8 caches only: float32 ``[1]`` on the caches' device (default 1.0); keys are read as
+            ``float(key_cache) * k_scale``, values as ``float(value_cache) * v_scale``.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given). Softmax and the weighted
@@ -162,7 +181,7 @@ def paged_attention(
     torch.ops.paged_attn.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
         int(sliding_window or 0), float(logits_soft_cap or 0.0), query_start_loc,
-        None if max_query_len is None else int(max_query_len),
+        None if max_query_len is None else int(max_query_len), k_scale=k_scale, v_scale=v_scale,
     )
     return out
 
@@ -213,8 +232,10 @@ def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:
 # Strides, memory overlap and index ranges need the real tensors; the kernels check those when they run.
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _DTYPE_NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double",
-                torch.int64: "Long", torch.int32: "Int"}  # as c10 prints them
+                torch.int64: "Long", torch.int32: "Int", torch.float8_e4m3fn: "Float8_e4m3fn",
+                torch.float8_e5m2: "Float8_e5m2"}  # as c10 prints them
 
 
 def _require(condition, *message) -> None:
@@ -230,7 +251,8 @@ def _shape(t: torch.Tensor) -> list:
 def _check_cache(cache, name) -> None:
     _require(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
              _shape(cache))
-    _require(cache.dtype in _KV_DTYPES, name, " must be float32, float16 or bfloat16, got ", cache.dtype)
+    _require(cache.dtype in _KV_DTYPES + _FP8_DTYPES, name,
+             " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.dtype)
     _require(all(n > 0 for n in cache.shape[1:]), name,
              ": block_size, num_kv_heads and head_dim must be positive, got shape ", _shape(cache))
 
@@ -262,15 +284,31 @@ def _check_block_mapping_shape(block_mapping, device) -> None:
 
 
 def _check_like_cache(t, name, key_cache) -> None:
-    """t (key or query) on key_cache's device, with its dtype."""
+    """t (key or query) on key_cache's device, with its dtype (any of float32, float16, bfloat16 for fp8 caches)."""
     _require(t.device == key_cache.device, name, " and key_cache must be on the same device, got ", t.device, " and ",
              key_cache.device)
+    if key_cache.dtype in _FP8_DTYPES:
+        _require(t.dtype in _KV_DTYPES, name, " must be float32, float16 or bfloat16 with an fp8 cache (",
+                 key_cache.dtype, "), got ", t.dtype)
+        return
     _require(t.dtype == key_cache.dtype, name, " and key_cache must have the same dtype, got ", t.dtype, " and ",
              key_cache.dtype)
 
 
+def _check_kv_scales(key_cache, k_scale, v_scale) -> None:
+    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if scale is None:
+            continue
+        _require(key_cache.dtype in _FP8_DTYPES, name, " is given but the cache is ", key_cache.dtype,
+                 ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)")
+        _require(scale.dtype == torch.float32 and scale.numel() == 1, name,
+                 " must be a float32 tensor of one element, got ", scale.dtype, " of shape ", _shape(scale))
+        _require(scale.device == key_cache.device, name, " must be on the cache's device ", key_cache.device,
+                 ", got ", scale.device)
+
+
 @torch.library.register_fake("paged_attn::reshape_and_cache")
-def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+def _(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
     _check_cache_pair(key_cache, value_cache)
     _require(key.dim() == 3, "key must have shape [num_tokens, num_kv_heads, head_dim], got ", _shape(key))
     _check_same_layout(key, "key", value, "value")
@@ -280,6 +318,7 @@ def _(key, value, key_cache, value_cache, slot_mapping) -> None:
     _check_index_tensor(slot_mapping, "slot_mapping", torch.int64, 1, key_cache.device)
     _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping must have num_tokens = ", key.shape[0],
              " entries, got ", slot_mapping.shape[0])
+    _check_kv_scales(key_cache, k_scale, v_scale)
 
 
 @torch.library.register_fake("paged_attn::copy_blocks")
@@ -313,7 +352,7 @@ def _(src, dst, block_mapping) -> None:
 
 @torch.library.register_fake("paged_attn::paged_attention")
 def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-      logits_soft_cap, query_start_loc=None, max_query_len=None) -> None:
+      logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None) -> None:
     _check_cache_pair(key_cache, value_cache)
     _require(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", _shape(query))
     _check_like_cache(query, "query", key_cache)
@@ -351,3 +390,4 @@ def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_s
     _require(_is_finite(scale), "scale must be finite, got ", scale)
     _require(_is_finite(logits_soft_cap) and logits_soft_cap >= 0,
              "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap)
+    _check_kv_scales(key_cache, k_scale, v_scale)

@@ -7,6 +7,31 @@ from typing import Optional, Sequence
 
 import torch
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_fp8(
+    x: torch.Tensor,  # float32, float16 or bfloat16
+    dtype: torch.dtype,  # torch.float8_e4m3fn or torch.float8_e5m2
+    scale: Optional[torch.Tensor] = None,  # float32 [1]; None: 1.0
+) -> torch.Tensor:  # x's shape, dtype
+    """What an fp8 cache stores for x: the fp8 value nearest to x / scale (the quotient in float32, then torch's
+    round-to-nearest-even conversion), saturated to the largest finite value (448 for e4m3fn, 57344 for e5m2; the
+    conversion alone would give NaN or inf past it); NaN stays NaN (clamp keeps it)."""
+    quotient = x.float() if scale is None else x.float() / scale.float()
+    max_finite = torch.finfo(dtype).max
+    return quotient.clamp(-max_finite, max_finite).to(dtype)
+
+
+def dequantize_fp8(
+    stored: torch.Tensor,  # fp8
+    scale: Optional[torch.Tensor] = None,  # float32 [1]; None: 1.0
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # stored's shape, dtype
+    """What paged_attention reads from an fp8 cache: float(stored) * scale (exact in float64)."""
+    values = stored.to(dtype)
+    return values if scale is None else values * scale.to(device=values.device, dtype=dtype)
+
 
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -14,11 +39,16 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens], int64, < 0 = padding
+    *,
+    k_scale: Optional[torch.Tensor] = None,  # float32 [1], fp8 caches only
+    v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
+    if key_cache.dtype in FP8_DTYPES:
+        key, value = quantize_fp8(key, key_cache.dtype, k_scale), quantize_fp8(value, value_cache.dtype, v_scale)
     key_cache[blocks, offsets] = key[keep]
     value_cache[blocks, offsets] = value[keep]
 
@@ -55,10 +85,12 @@ def paged_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     compute_dtype: torch.dtype = torch.float32,
+    k_scale: Optional[torch.Tensor] = None,  # float32 [1], fp8 caches only: keys read as float(stored) * k_scale
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query dtype
-    """Paged attention, one sequence at a time: gather the sequence's keys/values through its block table, then
-    causal softmax attention of its query tokens (the last q_s of its L_s tokens, at positions L_s - q_s + i) in
-    compute_dtype."""
+    """Paged attention, one sequence at a time: gather the sequence's keys/values through its block table (fp8:
+    dequantized), then causal softmax attention of its query tokens (the last q_s of its L_s tokens, at positions
+    L_s - q_s + i) in compute_dtype."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -73,8 +105,8 @@ def paged_attention(
             continue  # no query tokens; a decode row of an empty sequence stays zero
         tokens = torch.arange(seq_len, device=query.device)
         blocks = block_tables[seq].long().to(query.device)[tokens // block_size]
-        keys = key_cache[blocks, tokens % block_size].to(compute_dtype)  # [seq_len, num_kv_heads, head_dim]
-        values = value_cache[blocks, tokens % block_size].to(compute_dtype)
+        keys = dequantize_fp8(key_cache[blocks, tokens % block_size], k_scale, compute_dtype)  # [seq_len, kv, d]
+        values = dequantize_fp8(value_cache[blocks, tokens % block_size], v_scale, compute_dtype)
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)  # [q_s]
         q = query[first:last].to(compute_dtype)  # [q_s, num_heads, head_dim]

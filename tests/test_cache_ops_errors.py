@@ -55,7 +55,7 @@ RESHAPE_ERRORS = {
     "key dtype": (lambda k, v, kc, vc, s: (k.half(), v.half(), kc, vc, s), "key and key_cache must have the same dtype"),
     "cache dtype": (
         lambda k, v, kc, vc, s: (k.double(), v.double(), kc.double(), vc.double(), s),
-        "must be float32, float16 or bfloat16",
+        "must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2",
     ),
     "cache rank": (lambda k, v, kc, vc, s: (k, v, kc[0], vc[0], s), "key_cache must have shape"),
     "cache pair": (lambda k, v, kc, vc, s: (k, v, kc, vc[:2], s), "key_cache and value_cache must have the same shape"),

@@ -5,6 +5,7 @@ import re
 import pytest
 import test_attention as attention
 import test_cache_ops_errors as errors
+import test_fp8 as fp8
 import test_varlen_attention as varlen
 import torch
 import torch.utils._pytree as pytree
@@ -76,11 +77,13 @@ KERNEL_ONLY = re.compile(r"contiguous|must not overlap|out of range|more than on
 
 
 def error_cases():
-    """(op, case name) for every error case of tests/test_cache_ops_errors.py and tests/test_attention.py."""
+    """(op, case name) for every error case of tests/test_cache_ops_errors.py, tests/test_attention.py and
+    tests/test_fp8.py."""
     cases = [("reshape_and_cache", name) for name in errors.RESHAPE_ERRORS]
     cases += [("copy_blocks", name) for name in errors.COPY_ERRORS]
     cases += [("swap_blocks", name) for name in errors.SWAP_ERRORS]
     cases += [("paged_attention varlen", name) for name in varlen.ERRORS]
+    cases += [("fp8", name) for name in fp8.ERRORS]
     return cases + [("paged_attention", name) for name in attention.ERRORS]
 
 
@@ -95,6 +98,8 @@ def error_call(op, name):
     if op == "swap_blocks":
         src, (dst, _) = torch.randn(6, 8, 2, 32), errors.caches(num_blocks=3)
         return paged_attn.swap_blocks, errors.SWAP_ERRORS[name][0](src, dst, torch.tensor([[0, 1]])), {}
+    if op == "fp8":
+        return fp8.error_call(name)
     if op == "paged_attention varlen":
         case = varlen.make_varlen_case(varlen.MIXED, 4, 2, 64, 16, torch.float32, "cpu")
         kwargs = varlen._bad(case, **varlen.ERRORS[name][0])  # query_start_loc (and max_query_len) by keyword

@@ -37,6 +37,14 @@
 //    of p, where FlashAttention rounds P to half precision, 2^-9) and one vdpbf16ps for each; the running sum adds
 //    the same hi + lo, so the weights still sum to one. The output agrees with the float32 reference to float32
 //    rounding, not just to the half-type tolerance.
+//
+// fp8 caches (float8_e4m3fn, float8_e5m2; the query float32, float16 or bfloat16): every fp8 value is exactly a
+// bfloat16 and a float32. A bfloat16 query takes the AVX-512 path, which decodes 32 cache bytes at a time into
+// bfloat16 in registers (load_bf16x32: a 128-entry table of the magnitudes' bfloat16 bits looked up with two
+// vpermi2w, the sign bit put back) and then runs exactly as on a bfloat16 cache, reading half the bytes. The
+// portable path and the prefill packing decode through a 256-entry float32 table. The scales are applied outside
+// the loops: k_scale is folded into the logit scale (scale * (q . k_scale k) = (scale k_scale) (q . k)), v_scale
+// multiplies the output (sum_t p_t v_scale v_t / sum_t p_t).
 
 // NOTE: at::vec::Vectorized picks its implementation from the CPU_CAPABILITY_* macros, which torch's own build
 // sets per file. setup.py and CMakeLists.txt compile this extension with -march=x86-64-v3 (AVX2, FMA, F16C) on
@@ -51,6 +59,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -81,10 +91,40 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kTileTokens % kVecSize == 0, "a tile's logits must be whole vectors");
 static_assert(kPrefetchTiles >= 1, "the next unit's rows are prefetched from the next tile, which must be loaded");
 
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+// The values of an fp8 type, by its byte: value[b] as float32 (exact, NaN and inf included), and bf16_magnitude[m]
+// the bfloat16 bits of the magnitude m = b & 0x7F (exact too; the sign is bit 7 of b).
+template <typename fp8_t>
+struct Fp8Table {
+  float value[256];
+  alignas(64) uint16_t bf16_magnitude[128];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) value[b] = static_cast<float>(fp8_t(static_cast<uint8_t>(b), fp8_t::from_bits()));
+    for (int m = 0; m < 128; ++m) bf16_magnitude[m] = c10::BFloat16(value[m]).x;
+  }
+};
+template <typename fp8_t>
+const Fp8Table<fp8_t> fp8_table{};
+
+template <typename T>
+inline float to_float(T x) {
+  if constexpr (kIsFp8<T>) {
+    return fp8_table<T>.value[x.x];
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
 template <typename scalar_t>
 inline Vec load_float(const scalar_t* p) {  // kVecSize elements, widened to float
   if constexpr (std::is_same_v<scalar_t, float>) {
     return Vec::loadu(p);
+  } else if constexpr (kIsFp8<scalar_t>) {
+    float values[kVecSize];
+    for (int64_t i = 0; i < kVecSize; ++i) values[i] = fp8_table<scalar_t>.value[p[i].x];
+    return Vec::loadu(values);
   } else {
     Vec out;
     at::vec::load_to_float(p, out);
@@ -177,9 +217,9 @@ struct Prefetcher {
 
 // The work, as query rows: row r is a query token at position row_len(r) - 1 of sequence row_seq(r), attending
 // to that sequence's tokens [window_start(r), row_len(r)). Decode: row r is sequence r's last token.
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 struct Problem {
-  PagedKV<scalar_t> kv;
+  PagedKV<cache_t> kv;
   const scalar_t* query;  // [num_rows, num_heads, head_dim], strides query_row_stride, query_head_stride
   int64_t query_row_stride, query_head_stride;
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
@@ -188,7 +228,8 @@ struct Problem {
   const int32_t* row_tokens;    // [num_rows]: the row's index in query and out, or nullptr: r
   const float* alibi_slopes;    // [num_heads] or nullptr
   int64_t max_blocks_per_seq, block_size, num_heads, num_kv_heads, group_size, head_dim, sliding_window;
-  float scale, logits_soft_cap;
+  float scale, logits_soft_cap;  // scale includes k_scale (fp8 caches)
+  float v_scale;                 // multiplies the output (1 but for fp8 caches)
   bool avx512_bf16;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
 
   int64_t row_len(int64_t row) const { return row_lens[row]; }
@@ -239,8 +280,8 @@ inline void for_each_head_tile(int64_t group_size, F&& f) {
 }
 
 // Soft cap and ALiBi on one head's logits x[i] of tokens t0 + i, i < kTileTokens.
-template <typename scalar_t>
-void apply_logit_mods(const Problem<scalar_t>& pb, int64_t head, int64_t t0, int64_t last_token, float* x) {
+template <typename scalar_t, typename cache_t>
+void apply_logit_mods(const Problem<scalar_t, cache_t>& pb, int64_t head, int64_t t0, int64_t last_token, float* x) {
   for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
     Vec xi = Vec::loadu(x + i);
     if (pb.logits_soft_cap > 0) xi = (xi / Vec(pb.logits_soft_cap)).tanh() * Vec(pb.logits_soft_cap);
@@ -287,7 +328,7 @@ inline void dot_heads(const float* q, const scalar_t* k, int64_t head_dim, float
 #pragma GCC unroll 8
     for (int u = 1; u < U; ++u) acc[j][0] = acc[j][0] + acc[j][u];
     float sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[j][0]);
-    for (int64_t r = d; r < head_dim; ++r) sum += q[j * head_dim + r] * static_cast<float>(k[r]);
+    for (int64_t r = d; r < head_dim; ++r) sum += q[j * head_dim + r] * to_float(k[r]);
     logits[j * logits_stride] = sum;
   }
 }
@@ -343,13 +384,13 @@ inline void accumulate_values(const float* p, const scalar_t* const* rows, int64
   for (; d < head_dim; ++d)
     for (int64_t i = 0; i < num_tokens; ++i)
       for (int j = 0; j < kHeads; ++j)
-        acc[j * head_dim + d] += p[j * kTileTokens + i] * static_cast<float>(rows[i][offset + d]);
+        acc[j * head_dim + d] += p[j * kTileTokens + i] * to_float(rows[i][offset + d]);
 }
 
 // Steps 1-3 for the group of kv head `kv_head` over one tile (portable path).
-template <typename scalar_t>
-void attend_tile(const Problem<scalar_t>& pb, int64_t kv_head, const Tile<scalar_t>& tile, int64_t last_token,
-                 Scratch& sc, Prefetcher<scalar_t>& prefetcher) {
+template <typename scalar_t, typename cache_t>
+void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Tile<cache_t>& tile,
+                 int64_t last_token, Scratch& sc, Prefetcher<cache_t>& prefetcher) {
   const int64_t group_size = pb.group_size, head_dim = pb.head_dim, first_head = kv_head * group_size;
   const int64_t key_offset = kv_head * pb.kv.key_head_stride, value_offset = kv_head * pb.kv.value_head_stride;
   const int64_t num_tokens = tile.num_tokens;
@@ -422,6 +463,38 @@ inline int64_t acc_index(int64_t d, bool avx512_bf16) {
 
 #define PAGED_ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
+// Decodes cache elements to bfloat16, 32 at a time (load_bf16x32): for fp8 caches the 128 magnitudes' bfloat16 bits
+// (Fp8Table::bf16_magnitude) in four vectors, loaded once per call of the functions below.
+struct Bf16Decoder {
+  __m512i magnitudes[4];  // entries 0-31, 32-63, 64-95, 96-127
+};
+
+template <typename cache_t>
+PAGED_ATTN_AVX512 inline Bf16Decoder bf16_decoder() {
+  Bf16Decoder decoder;
+  if constexpr (kIsFp8<cache_t>) {
+    for (int i = 0; i < 4; ++i) decoder.magnitudes[i] = _mm512_load_si512(fp8_table<cache_t>.bf16_magnitude + 32 * i);
+  }
+  return decoder;
+}
+
+PAGED_ATTN_AVX512 inline __m512i load_bf16x32(const at::BFloat16* p, const Bf16Decoder&) {
+  return _mm512_loadu_si512(p);
+}
+
+// 32 fp8 bytes, widened to 16 bits: two 64-entry lookups (vpermi2w reads the index's low 6 bits), the one
+// selected by bit 6, then the sign bit moved from bit 7 to bit 15.
+template <typename fp8_t, typename = std::enable_if_t<kIsFp8<fp8_t>>>
+PAGED_ATTN_AVX512 inline __m512i load_bf16x32(const fp8_t* p, const Bf16Decoder& decoder) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i low = _mm512_permutex2var_epi16(decoder.magnitudes[0], bytes, decoder.magnitudes[1]);
+  const __m512i high = _mm512_permutex2var_epi16(decoder.magnitudes[2], bytes, decoder.magnitudes[3]);
+  const __m512i magnitude =
+      _mm512_mask_blend_epi16(_mm512_test_epi16_mask(bytes, _mm512_set1_epi16(0x40)), low, high);
+  // magnitude | ((bytes << 8) & 0x8000)
+  return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(bytes, 8), _mm512_set1_epi16(-0x8000), 0xF8);
+}
+
 // Per 128-bit lane L: [sum of a's 4 elements in L, same of b, c, d].
 PAGED_ATTN_AVX512 inline __m512 reduce_in_lanes(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
@@ -440,14 +513,15 @@ PAGED_ATTN_AVX512 inline __m512 add_lane_pairs(__m512 x, __m512 y) {
 // Step 1: logits[j] lane i = scale * (q_j . k_i) for kHeads bf16 query heads q_j = q + j * q_stride and the tile's
 // 16 key rows k_i = rows[i] + offset. Four tokens at a time: 4 * kHeads dot products in 16-lane partial sums,
 // reduced in a tree of shuffles (reduce_in_lanes, then add_lane_pairs twice) into one vector per head.
-template <int kHeads>
-PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_stride, const at::BFloat16* const* rows,
+template <int kHeads, typename cache_t>
+PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_stride, const cache_t* const* rows,
                                           int64_t offset, int64_t head_dim, float scale,
-                                          Prefetcher<at::BFloat16>* prefetcher, __m512 logits[kHeads]) {
+                                          Prefetcher<cache_t>* prefetcher, __m512 logits[kHeads]) {
+  const Bf16Decoder decoder = bf16_decoder<cache_t>();
   __m512 quarter[kHeads][4];  // [head][token quad g]: per 128-bit lane, the 4 tokens' partial sums
 #pragma GCC unroll 4
   for (int g = 0; g < 4; ++g) {
-    const at::BFloat16* k[4];
+    const cache_t* k[4];
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       k[r] = rows[4 * g + r] + offset;
@@ -461,7 +535,7 @@ PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_strid
     for (int64_t d = 0; d < head_dim; d += kChunk) {
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) {
-        const __m512bh key = (__m512bh)_mm512_loadu_si512(k[r] + d);
+        const __m512bh key = (__m512bh)load_bf16x32(k[r] + d, decoder);
 #pragma GCC unroll 4
         for (int j = 0; j < kHeads; ++j) {
           acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)_mm512_loadu_si512(q + j * q_stride + d), key);
@@ -523,10 +597,11 @@ PAGED_ATTN_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, fl
 // pairs p_pairs + j * 16) over the tile's 16 value rows v_i = rows[i] + offset, elements [d_begin, d_end), C
 // chunks of 32 at a time. Per token pair and chunk: the two rows interleaved into lo/hi (see acc_index), then per
 // head and half two vdpbf16ps, with the high and the low parts of the pair (p_2i, p_2i+1) broadcast.
-template <int kHeads, int C>
-PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const at::BFloat16* const* rows,
+template <int kHeads, int C, typename cache_t>
+PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const cache_t* const* rows,
                                                  int64_t offset, int64_t head_dim, int64_t d_begin, int64_t d_end,
-                                                 float* acc, Prefetcher<at::BFloat16>* prefetcher) {
+                                                 float* acc, Prefetcher<cache_t>* prefetcher) {
+  const Bf16Decoder decoder = bf16_decoder<cache_t>();
   for (int64_t d = d_begin; d + C * kChunk <= d_end; d += C * kChunk) {
     __m512 sum[kHeads][C][2];
 #pragma GCC unroll 4
@@ -544,8 +619,8 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
       __m512bh half[C][2];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const __m512i a = _mm512_loadu_si512(rows[i] + offset + d + c * kChunk);
-        const __m512i b = _mm512_loadu_si512(rows[i + 1] + offset + d + c * kChunk);
+        const __m512i a = load_bf16x32(rows[i] + offset + d + c * kChunk, decoder);
+        const __m512i b = load_bf16x32(rows[i + 1] + offset + d + c * kChunk, decoder);
         half[c][0] = (__m512bh)_mm512_unpacklo_epi16(a, b);
         half[c][1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
       }
@@ -572,9 +647,9 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
   }
 }
 
-template <int kHeads>
-PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const at::BFloat16* const* rows, int64_t offset,
-                                          int64_t head_dim, float* acc, Prefetcher<at::BFloat16>* prefetcher) {
+template <int kHeads, typename cache_t>
+PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t offset,
+                                          int64_t head_dim, float* acc, Prefetcher<cache_t>* prefetcher) {
   constexpr int C = kHeads >= 3 ? 1 : 4 / kHeads;  // at least 8 accumulators, at most 16
   const int64_t main = head_dim / (C * kChunk) * (C * kChunk);
   tile_values_avx512_chunks<kHeads, C>(p_pairs, rows, offset, head_dim, 0, main, acc, prefetcher);
@@ -583,10 +658,10 @@ PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const at::BFl
 }
 
 // Steps 1-3 for query heads [head0, head0 + kHeads) of kv head `kv_head`'s group over one tile (AVX-512 bf16 path).
-template <int kHeads>
-PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16>& pb, const at::BFloat16* query,
-                                           int64_t kv_head, int64_t head0, const Tile<at::BFloat16>& tile,
-                                           int64_t last_token, Scratch& sc, Prefetcher<at::BFloat16>* prefetcher) {
+template <int kHeads, typename cache_t>
+PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16, cache_t>& pb, const at::BFloat16* query,
+                                           int64_t kv_head, int64_t head0, const Tile<cache_t>& tile,
+                                           int64_t last_token, Scratch& sc, Prefetcher<cache_t>* prefetcher) {
   const int64_t head_dim = pb.head_dim;
   __m512 logits[kHeads];
   tile_logits_avx512<kHeads>(query + head0 * pb.query_head_stride, pb.query_head_stride, tile.keys,
@@ -609,9 +684,9 @@ PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16>& pb, cons
                              sc.acc + head0 * head_dim, prefetcher);
 }
 
-void attend_tile_avx512(const Problem<at::BFloat16>& pb, const at::BFloat16* query, int64_t kv_head,
-                        const Tile<at::BFloat16>& tile, int64_t last_token, Scratch& sc,
-                        Prefetcher<at::BFloat16>& prefetcher) {
+template <typename cache_t>
+void attend_tile_avx512(const Problem<at::BFloat16, cache_t>& pb, const at::BFloat16* query, int64_t kv_head,
+                        const Tile<cache_t>& tile, int64_t last_token, Scratch& sc, Prefetcher<cache_t>& prefetcher) {
   for_each_head_tile(pb.group_size, [&](auto heads, int64_t first) {
     attend_heads_avx512<decltype(heads)::value>(pb, query, kv_head, kv_head * pb.group_size + first, tile,
                                                 last_token, sc, first == 0 ? &prefetcher : nullptr);
@@ -627,13 +702,18 @@ inline bool use_avx512() {
   return use;
 }
 
-template <typename scalar_t>
+// A bfloat16 query over a bfloat16 or fp8 cache.
+template <typename scalar_t, typename cache_t>
+constexpr bool kHasAvx512Path =
+    std::is_same_v<scalar_t, at::BFloat16> && (std::is_same_v<cache_t, at::BFloat16> || kIsFp8<cache_t>);
+
+template <typename scalar_t, typename cache_t>
 inline bool avx512_bf16_path(int64_t head_dim) {
-  return std::is_same_v<scalar_t, at::BFloat16> && head_dim % kChunk == 0 && use_avx512();
+  return kHasAvx512Path<scalar_t, cache_t> && head_dim % kChunk == 0 && use_avx512();
 }
 #else
 inline int64_t acc_index(int64_t d, bool) { return d; }
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 inline bool avx512_bf16_path(int64_t) { return false; }
 #endif
 
@@ -642,8 +722,8 @@ inline bool avx512_bf16_path(int64_t) { return false; }
 
 // Attends every query head of query row `row` to its sequence's tokens [begin, end), leaving (max, lane sums, acc)
 // in sc.
-template <typename scalar_t>
-void attend(const Problem<scalar_t>& pb, int64_t row, int64_t begin, int64_t end, Scratch& sc) {
+template <typename scalar_t, typename cache_t>
+void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, int64_t end, Scratch& sc) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
   const scalar_t* query = pb.query + pb.token(row) * pb.query_row_stride;  // [num_heads, head_dim]
   if (!pb.avx512_bf16) {
@@ -662,26 +742,26 @@ void attend(const Problem<scalar_t>& pb, int64_t row, int64_t begin, int64_t end
 
   // tiles[k % kRing] is tile k; tile k + kPrefetchTiles is looked up while tile k is worked on.
   constexpr int64_t kRing = kPrefetchTiles + 1;
-  Tile<scalar_t> tiles[kRing];
+  Tile<cache_t> tiles[kRing];
   for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) {
     tiles[k].load(pb.kv, block_table, pb.block_size, begin + k * kTileTokens, end);
   }
   for (int64_t k = 0; k < num_tiles; ++k) {
-    const Tile<scalar_t>& tile = tiles[k % kRing];
-    Prefetcher<scalar_t> prefetcher;
+    const Tile<cache_t>& tile = tiles[k % kRing];
+    Prefetcher<cache_t> prefetcher;
     if (k + kPrefetchTiles < num_tiles) {
-      Tile<scalar_t>& ahead = tiles[(k + kPrefetchTiles) % kRing];
+      Tile<cache_t>& ahead = tiles[(k + kPrefetchTiles) % kRing];
       ahead.load(pb.kv, block_table, pb.block_size, begin + (k + kPrefetchTiles) * kTileTokens, end);
       // A token's rows of all kv heads: from its first row to the end of its last one (in the longer cache).
       const int64_t row_bytes =
           ((pb.num_kv_heads - 1) * std::max(pb.kv.key_head_stride, pb.kv.value_head_stride) + pb.head_dim) *
-          int64_t{sizeof(scalar_t)};
+          int64_t{sizeof(cache_t)};
       const int64_t steps = 2 * pb.num_kv_heads * kTileTokens;
       prefetcher.tile = &ahead;
       prefetcher.row_bytes = row_bytes;
       prefetcher.lines_per_step = ((row_bytes + 63) / 64 * ahead.num_tokens + steps - 1) / steps;
     }
-    prefetcher.head_bytes = pb.head_dim * int64_t{sizeof(scalar_t)};
+    prefetcher.head_bytes = pb.head_dim * int64_t{sizeof(cache_t)};
     for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
       // The next unit: the next kv head of this tile, or the first of the next tile (loaded: kPrefetchTiles >= 1).
       const bool last_head = kv_head + 1 == pb.num_kv_heads;
@@ -689,7 +769,7 @@ void attend(const Problem<scalar_t>& pb, int64_t row, int64_t begin, int64_t end
       prefetcher.key_offset = last_head ? 0 : (kv_head + 1) * pb.kv.key_head_stride;
       prefetcher.value_offset = last_head ? 0 : (kv_head + 1) * pb.kv.value_head_stride;
 #if defined(CPU_CAPABILITY_AVX2)
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
         if (pb.avx512_bf16) {
           attend_tile_avx512(pb, query, kv_head, tile, last_token, sc, prefetcher);
           continue;
@@ -701,8 +781,8 @@ void attend(const Problem<scalar_t>& pb, int64_t row, int64_t begin, int64_t end
   }
 }
 
-template <typename scalar_t>
-void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_rows,
+template <typename scalar_t, typename cache_t>
+void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_rows,
                             scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
 
@@ -741,7 +821,7 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_rows,
         const float* lane_sums = sc.exp_sums + h * kTileTokens;
         const float exp_sum = std::accumulate(lane_sums, lane_sums + kTileTokens, 0.f);
         if (num_partitions == 1) {
-          const float inv_sum = exp_sum > 0 ? 1.f / exp_sum : 0.f;  // 0 for an empty sequence
+          const float inv_sum = exp_sum > 0 ? pb.v_scale / exp_sum : 0.f;  // 0 for an empty sequence
           for (int64_t d = 0; d < head_dim; ++d) {
             out[out_row * head_dim + d] = static_cast<scalar_t>(acc[acc_index(d, pb.avx512_bf16)] * inv_sum);
           }
@@ -773,7 +853,7 @@ void paged_attention_kernel(const Problem<scalar_t>& pb, int64_t num_rows,
         const float* acc = partial_accs + (row * num_partitions + p) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * acc[d];
       }
-      const float inv_total = total > 0 ? 1.f / total : 0.f;
+      const float inv_total = total > 0 ? pb.v_scale / total : 0.f;
       scalar_t* dst = out + (pb.token(row / num_heads) * num_heads + row % num_heads) * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] * inv_total);
     }
@@ -971,8 +1051,8 @@ struct PackedKV {
   std::vector<float> values;        // [tiles, kPrefillKeys, head_dim]
 };
 
-template <typename scalar_t>
-PackedKV pack_kv(const Problem<scalar_t>& pb, const int32_t* seq_lens, const std::vector<int32_t>& seqs) {
+template <typename scalar_t, typename cache_t>
+PackedKV pack_kv(const Problem<scalar_t, cache_t>& pb, const int32_t* seq_lens, const std::vector<int32_t>& seqs) {
   const int64_t head_dim = pb.head_dim, num_kv_heads = pb.num_kv_heads, tile_size = kPrefillKeys * head_dim;
   PackedKV packed;
   packed.first_tile.push_back(0);
@@ -994,11 +1074,11 @@ PackedKV pack_kv(const Problem<scalar_t>& pb, const int32_t* seq_lens, const std
         for (int64_t n = 0; n < num_keys; ++n) {
           const int64_t t = tile * kPrefillKeys + n;
           const int32_t block = block_table[t / pb.block_size];
-          const scalar_t* k = pb.kv.keys(block, t % pb.block_size) + kv_head * pb.kv.key_head_stride;
-          const scalar_t* vr = pb.kv.values(block, t % pb.block_size) + kv_head * pb.kv.value_head_stride;
+          const cache_t* k = pb.kv.keys(block, t % pb.block_size) + kv_head * pb.kv.key_head_stride;
+          const cache_t* vr = pb.kv.values(block, t % pb.block_size) + kv_head * pb.kv.value_head_stride;
           for (int64_t d = 0; d < head_dim; ++d) {
-            kt[d * kPrefillKeys + n] = static_cast<float>(k[d]);
-            v[n * head_dim + d] = static_cast<float>(vr[d]);
+            kt[d * kPrefillKeys + n] = to_float(k[d]);
+            v[n * head_dim + d] = to_float(vr[d]);
           }
         }
         for (int64_t n = num_keys; n < kPrefillKeys; ++n) {  // zeros: never NaN from the slots that follow
@@ -1017,8 +1097,8 @@ struct PrefillTask {
   int32_t num_keys;  // keys the tile walks (its cost)
 };
 
-template <typename scalar_t>
-void prefill_task(const Problem<scalar_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
+template <typename scalar_t, typename cache_t>
+void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
                   const std::vector<int32_t>& seqs, const PackedKV& packed, const PrefillTask& task,
                   int64_t positions_per_tile, bool avx512, PrefillScratch& sc, scalar_t* out) {
   const int64_t group_size = pb.group_size, head_dim = pb.head_dim, seq = seqs[task.seq_index];
@@ -1115,14 +1195,14 @@ void prefill_task(const Problem<scalar_t>& pb, const int32_t* query_start_loc, c
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / group_size, head = first_head + r % group_size;
     scalar_t* dst = out + ((first_query_row + i) * pb.num_heads + head) * head_dim;
-    const float inv_sum = 1.f / sc.sum[r];  // > 0: every row sees at least its own token
+    const float inv_sum = pb.v_scale / sc.sum[r];  // sum > 0: every row sees at least its own token
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(sc.o[r * head_dim + d] * inv_sum);
   }
 }
 
 // Every query row of the sequences in `seqs` (each with more than one query token), in tiles.
-template <typename scalar_t>
-void prefill_kernel(const Problem<scalar_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
+template <typename scalar_t, typename cache_t>
+void prefill_kernel(const Problem<scalar_t, cache_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
                     const std::vector<int32_t>& seqs, scalar_t* out) {  // out: [num_tokens, num_heads, head_dim]
   const int64_t positions_per_tile = std::max<int64_t>(1, kPrefillRows / pb.group_size);
   std::vector<PrefillTask> tasks;
@@ -1168,9 +1248,11 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
                          const std::optional<at::Tensor>& alibi_slopes,  // [num_heads], float32
                          int64_t sliding_window, double logits_soft_cap,
                          const std::optional<at::Tensor>& query_start_loc,  // [num_seqs + 1], int32, or none
-                         std::optional<int64_t> max_query_len) {
+                         std::optional<int64_t> max_query_len,
+                         const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
+                         const std::optional<at::Tensor>& v_scale) {  // [1], float32 (fp8 caches only)
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                             sliding_window, logits_soft_cap, query_start_loc, max_query_len);
+                             sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale);
   const int64_t block_size = key_cache.size(1);
   check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size);
   if (query_start_loc.has_value()) check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
@@ -1198,17 +1280,22 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
       }
     }
   }
-  const auto run = [&](auto dtype_tag) {
+  const float k_scale_value = k_scale.has_value() ? k_scale->item<float>() : 1.f;
+  const float v_scale_value = v_scale.has_value() ? v_scale->item<float>() : 1.f;
+  const auto run = [&](auto dtype_tag, auto cache_tag) {
     using scalar_t = decltype(dtype_tag);
-    const PagedKV<scalar_t> kv{key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>(),
-                               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)};
-    Problem<scalar_t> pb{kv, query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1),
-                         tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(), nullptr, nullptr,
-                         slopes.defined() ? slopes.const_data_ptr<float>() : nullptr, tables.size(1),
-                         block_size, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
-                         sliding_window, static_cast<float>(scale), static_cast<float>(logits_soft_cap),
-                         avx512_bf16_path<scalar_t>(head_dim)};
+    using cache_t = decltype(cache_tag);
+    const PagedKV<cache_t> kv{static_cast<const cache_t*>(key_cache.const_data_ptr()),
+                              static_cast<const cache_t*>(value_cache.const_data_ptr()),
+                              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                              value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)};
+    Problem<scalar_t, cache_t> pb{kv, query.const_data_ptr<scalar_t>(), query.stride(0), query.stride(1),
+                                  tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(), nullptr, nullptr,
+                                  slopes.defined() ? slopes.const_data_ptr<float>() : nullptr, tables.size(1),
+                                  block_size, num_heads, num_kv_heads, num_heads / num_kv_heads, head_dim,
+                                  sliding_window, static_cast<float>(scale) * k_scale_value,
+                                  static_cast<float>(logits_soft_cap), v_scale_value,
+                                  avx512_bf16_path<scalar_t, cache_t>(head_dim)};
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     if (!starts.defined()) return paged_attention_kernel(pb, num_rows, out_ptr);
     if (!prefill_seqs.empty()) {
@@ -1219,10 +1306,18 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
       paged_attention_kernel(pb, static_cast<int64_t>(decode_seqs.size()), out_ptr);
     }
   };
-  switch (query.scalar_type()) {  // check_paged_attention_args allows exactly these
-    case at::kFloat: run(float{}); break;
-    case at::kHalf: run(at::Half{}); break;
-    case at::kBFloat16: run(at::BFloat16{}); break;
+  // The cache's dtype: the query's, or fp8 (check_paged_attention_args allows exactly these).
+  const auto by_cache = [&](auto dtype_tag) {
+    switch (key_cache.scalar_type()) {
+      case at::kFloat8_e4m3fn: return run(dtype_tag, c10::Float8_e4m3fn{});
+      case at::kFloat8_e5m2: return run(dtype_tag, c10::Float8_e5m2{});
+      default: return run(dtype_tag, dtype_tag);
+    }
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: by_cache(float{}); break;
+    case at::kHalf: by_cache(at::Half{}); break;
+    case at::kBFloat16: by_cache(at::BFloat16{}); break;
     default: TORCH_INTERNAL_ASSERT(false, "unreachable: dtype checked above");
   }
 }

@@ -1,11 +1,15 @@
 // CPU kernels of the cache ops. They only move bytes, so they are dtype-agnostic: a row of head_dim elements
-// (or a whole block, when its rows are packed) is one memcpy. Every index is range-checked before anything is written, so a bad slot or
+// (or a whole block, when its rows are packed) is one memcpy; fp8 caches are copied byte for byte too. The one
+// exception: reshape_and_cache into an fp8 cache quantizes each element (quantize_fp8). Every index is range-checked before anything is written, so a bad slot or
 // block id raises an error and leaves the caches untouched.
 //
 // Parallelism: at::parallel_for over tokens (reshape_and_cache) or over (layer, pair, key|value) copies
 // (copy_blocks) or pairs (swap_blocks).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <cstring>
 
@@ -21,16 +25,80 @@ int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, bytes_per_item));
 }
 
+// The fp8 value nearest to x / scale: IEEE division in float32 (as the reference, so the two round the same
+// quotient), saturated to +-max_finite (NaN compares false and stays NaN), then c10's round-to-nearest-even
+// conversion (which would turn values past the largest finite one into NaN or inf, hence the clamp first).
+template <typename fp8_t>
+inline fp8_t quantize_fp8(float x, float scale, float max_finite) {
+  float q = x / scale;
+  if (q > max_finite) q = max_finite;
+  if (q < -max_finite) q = -max_finite;
+  return fp8_t(q);
+}
+
+// reshape_and_cache into fp8 caches: each of a row's head_dim elements quantized with its cache's scale.
+template <typename scalar_t, typename fp8_t>
+void quantize_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                   const int64_t* slot_ptr, float k_scale, float v_scale) {
+  const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  const float max_finite = fp8_max_finite(key_cache.scalar_type());
+  const auto* key_ptr = key.const_data_ptr<scalar_t>();
+  const auto* value_ptr = value.const_data_ptr<scalar_t>();
+  auto* key_cache_ptr = static_cast<fp8_t*>(key_cache.data_ptr());
+  auto* value_cache_ptr = static_cast<fp8_t*>(value_cache.data_ptr());
+  at::parallel_for(0, num_tokens, grain_for(2 * num_kv_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t slot = slot_ptr[token];
+      if (slot < 0) continue;  // padding token
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int64_t head = 0; head < num_kv_heads; ++head) {
+        const scalar_t* k = key_ptr + token * key.stride(0) + head * key.stride(1);
+        const scalar_t* v = value_ptr + token * value.stride(0) + head * value.stride(1);
+        fp8_t* k_dst = key_cache_ptr + block * key_cache.stride(0) + offset * key_cache.stride(1) +
+                       head * key_cache.stride(2);
+        fp8_t* v_dst = value_cache_ptr + block * value_cache.stride(0) + offset * value_cache.stride(1) +
+                       head * value_cache.stride(2);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          k_dst[d] = quantize_fp8<fp8_t>(static_cast<float>(k[d]), k_scale, max_finite);
+          v_dst[d] = quantize_fp8<fp8_t>(static_cast<float>(v[d]), v_scale, max_finite);
+        }
+      }
+    }
+  });
+}
+
 void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_kv_heads, head_dim]
                            const at::Tensor& value,        // [num_tokens, num_kv_heads, head_dim]
                            at::Tensor& key_cache,          // [num_blocks, block_size, num_kv_heads, head_dim]
                            at::Tensor& value_cache,        // [num_blocks, block_size, num_kv_heads, head_dim]
-                           const at::Tensor& slot_mapping) {  // [num_tokens], int64, < 0 = padding
-  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
+                           const at::Tensor& slot_mapping,  // [num_tokens], int64, < 0 = padding
+                           const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
+                           const std::optional<at::Tensor>& v_scale) {  // [1], float32 (fp8 caches only)
+  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
   check_slot_range(slot_mapping, key_cache.size(0) * block_size);
   if (num_tokens == 0 || num_kv_heads * head_dim == 0) return;
+  if (is_fp8(key_cache.scalar_type())) {
+    const auto slots = slot_mapping.contiguous();
+    const float ks = k_scale.has_value() ? k_scale->item<float>() : 1.f;
+    const float vs = v_scale.has_value() ? v_scale->item<float>() : 1.f;
+    const auto run = [&](auto key_tag, auto cache_tag) {
+      quantize_rows<decltype(key_tag), decltype(cache_tag)>(key, value, key_cache, value_cache,
+                                                            slots.const_data_ptr<int64_t>(), ks, vs);
+    };
+    const auto by_cache = [&](auto key_tag) {
+      if (key_cache.scalar_type() == at::kFloat8_e4m3fn) return run(key_tag, c10::Float8_e4m3fn{});
+      run(key_tag, c10::Float8_e5m2{});
+    };
+    switch (key.scalar_type()) {  // check_reshape_and_cache_args allows exactly these
+      case at::kFloat: return by_cache(float{});
+      case at::kHalf: return by_cache(at::Half{});
+      case at::kBFloat16: return by_cache(at::BFloat16{});
+      default: TORCH_INTERNAL_ASSERT(false, "unreachable: dtype checked above");
+    }
+  }
 
   // All strides in bytes. NOTE: block offsets are computed in 64 bits: num_blocks * block_stride can exceed 2^31.
   const int64_t elem = key.element_size(), row_bytes = head_dim * elem;

@@ -107,9 +107,12 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
                           double scale, const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
                           double logits_soft_cap,
                           const std::optional<at::Tensor>& query_start_loc,  // [num_seqs + 1], int32, or none
-                          std::optional<int64_t> max_query_len) {
+                          std::optional<int64_t> max_query_len,
+                          const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
+                          const std::optional<at::Tensor>& v_scale) {  // [1], float32 (fp8 caches only)
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                             sliding_window, logits_soft_cap, query_start_loc, max_query_len);
+                             sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale);
+  TORCH_CHECK(!is_fp8(key_cache.scalar_type()), "paged_attention: fp8 caches are not supported on CUDA yet");
   TORCH_CHECK(query.is_cuda(), "paged_attention: expected CUDA tensors, got ", query.device());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_seqs = block_tables.size(0);

@@ -34,8 +34,12 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
                             const at::Tensor& value,        // [num_tokens, num_kv_heads, head_dim]
                             at::Tensor& key_cache,          // [num_blocks, block_size, num_kv_heads, head_dim]
                             at::Tensor& value_cache,        // [num_blocks, block_size, num_kv_heads, head_dim]
-                            const at::Tensor& slot_mapping) {  // [num_tokens], int64, < 0 = padding
-  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);  // sizes > 0 (check_cache)
+                            const at::Tensor& slot_mapping,  // [num_tokens], int64, < 0 = padding
+                            const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
+                            const std::optional<at::Tensor>& v_scale) {  // [1], float32 (fp8 caches only)
+  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                               v_scale);  // sizes > 0 (check_cache)
+  TORCH_CHECK(!is_fp8(key_cache.scalar_type()), "reshape_and_cache: fp8 caches are not supported on CUDA yet");
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);

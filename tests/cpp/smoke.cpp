@@ -20,7 +20,8 @@ int main() {
   auto& dispatcher = c10::Dispatcher::singleton();
   auto reshape_and_cache =
       dispatcher.findSchemaOrThrow("paged_attn::reshape_and_cache", "")
-          .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>();
+          .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
   auto copy_blocks = dispatcher.findSchemaOrThrow("paged_attn::copy_blocks", "")
                          .typed<void(at::TensorList, at::TensorList, const at::Tensor&)>();
   auto swap_blocks = dispatcher.findSchemaOrThrow("paged_attn::swap_blocks", "")
@@ -32,7 +33,7 @@ int main() {
   at::Tensor key = at::randn({3, 2, 64}), value = at::randn({3, 2, 64});
   at::Tensor slot_mapping = at::tensor({9, -1, 30}, at::kLong);  // block 1 offset 1, padding, block 3 offset 6
 
-  reshape_and_cache.call(key, value, key_cache, value_cache, slot_mapping);
+  reshape_and_cache.call(key, value, key_cache, value_cache, slot_mapping, std::nullopt, std::nullopt);
   expect(at::equal(key_cache[1][1], key[0]) && at::equal(value_cache[3][6], value[2]), "reshape_and_cache writes");
   expect(key_cache.isnan().sum().item<int64_t>() == (4 * 8 - 2) * 2 * 64, "reshape_and_cache leaves other slots");
 
@@ -47,7 +48,8 @@ int main() {
 
   bool raised = false;
   try {
-    reshape_and_cache.call(key, value, key_cache, value_cache, at::tensor({0, 1, 32}, at::kLong));
+    reshape_and_cache.call(key, value, key_cache, value_cache, at::tensor({0, 1, 32}, at::kLong), std::nullopt,
+                           std::nullopt);
   } catch (const c10::Error& e) {
     raised = std::string(e.what_without_backtrace()).find("out of range") != std::string::npos;
   }
