@@ -10,6 +10,9 @@ the same method; medians of the repeats):
   * (b) ``torch.nn.functional.scaled_dot_product_attention`` on the same keys/values laid out contiguously,
     ``[num_seqs, num_kv_heads, seq_len, head_dim]`` with ``enable_gqa=True`` (what a user would do without paging;
     the layout conversion is not timed);
+  * with ``--kv-dtype fp8_e4m3`` (or ``fp8_e5m2``), ``paged_attn.paged_attention`` again on the same keys/values
+    quantized into an fp8 cache (scales amax / max finite), timed in the same rounds: the fp8-vs-``--dtype`` ratio
+    (the fp8 cache is half the bytes of bfloat16);
   * (c) the machine's memory bandwidth: ``x.sum()`` over a 1 GiB float32 tensor (bytes read / time) and
     ``y.copy_(x)`` (bytes read / time; the bytes written are not counted).
 
@@ -21,6 +24,7 @@ Usage::
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py            # the default case (Llama-3-8B-like)
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --quick    # a small smoke run
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --dtype float32 --num-seqs 8
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --kv-dtype fp8_e4m3  # + fp8 cache vs bf16
 
 GOMP_SPINCOUNT=0 is recommended: by default OpenMP worker threads spin for a while after each parallel region,
 which steals cycles from whatever runs next on a machine with few cores and makes the timings noisy. Other
@@ -43,6 +47,7 @@ import paged_attn
 from paged_attn import reference
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 OURS = "paged_attn.paged_attention (ours)"
 REFERENCE = "(a) paged_attn.reference.paged_attention"
 SDPA = "(b) F.scaled_dot_product_attention, contiguous KV"
@@ -60,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (all sequences alike)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--kv-dtype", choices=["auto"] + sorted(FP8_DTYPES), default="auto",
+                        help="auto: the cache in --dtype only; fp8_*: also an fp8 cache of the same keys/values "
+                             "(queries in --dtype), timed in the same rounds")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats of each method (medians reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs of each method first")
     parser.add_argument("--reference-repeats", type=int, default=3,
@@ -153,11 +161,31 @@ def main() -> None:
     sdpa_out = F.scaled_dot_product_attention(query_4d, keys, values, enable_gqa=True).squeeze(2)
     err_sdpa = check_close("scaled_dot_product_attention", sdpa_out, ours, dtype)
 
+    fp8_name, fp8_bytes = None, 0
+    if args.kv_dtype != "auto":
+        fp8 = FP8_DTYPES[args.kv_dtype]
+        fp8_name = f"paged_attn.paged_attention, {args.kv_dtype} cache (ours)"
+        max_finite = torch.finfo(fp8).max
+        k_scale = (key_cache.float().nan_to_num().abs().amax() / max_finite).reshape(1)
+        v_scale = (value_cache.float().nan_to_num().abs().amax() / max_finite).reshape(1)
+        key_fp8 = reference.quantize_fp8(key_cache, fp8, k_scale)
+        value_fp8 = reference.quantize_fp8(value_cache, fp8, v_scale)
+        out_fp8 = torch.empty_like(query)
+        fp8_bytes = kv_bytes // key_cache.element_size()
+        ours_fp8 = paged_attn.paged_attention(query, key_fp8, value_fp8, block_tables, seq_lens, out=out_fp8,
+                                              k_scale=k_scale, v_scale=v_scale)
+        expected_fp8 = reference.paged_attention(query[check], key_fp8, value_fp8, block_tables[check],
+                                                 seq_lens[check], k_scale=k_scale, v_scale=v_scale)
+        err_fp8 = check_close(fp8_name, ours_fp8[check], expected_fp8, dtype)
+
     numel = int(args.bandwidth_gib * 2**30) // 4
     big = torch.randn(numel, generator=generator)
     big_copy = torch.empty_like(big)
     methods = {
         OURS: lambda: paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out),
+        **({fp8_name: lambda: paged_attn.paged_attention(query, key_fp8, value_fp8, block_tables, seq_lens,
+                                                         out=out_fp8, k_scale=k_scale, v_scale=v_scale)}
+           if fp8_name else {}),
         REFERENCE: lambda: reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens),
         SDPA: lambda: F.scaled_dot_product_attention(query_4d, keys, values, enable_gqa=True),
         READ: lambda: big.sum(),
@@ -171,6 +199,8 @@ def main() -> None:
 
     bytes_read = {name: kv_bytes for name in methods}
     bytes_read[READ] = bytes_read[COPY] = numel * 4
+    if fp8_name:
+        bytes_read[fp8_name] = fp8_bytes
     bandwidth = {name: bytes_read[name] / seconds[name] / 1e9 for name in seconds}
 
     print(f"## CPU paged decode attention: {args.num_seqs} seqs x {args.seq_len} tokens, {args.num_heads} query heads"
@@ -178,7 +208,8 @@ def main() -> None:
     print(f"\n{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, torch {torch.__version__}; "
           f"KV cache {kv_bytes / 2**20:.0f} MiB, bandwidth tensor {numel * 4 / 2**20:.0f} MiB; "
           f"medians of {args.repeats} repeats ({args.reference_repeats} for the reference); "
-          f"max abs error vs reference {err_ref:.2g}, vs SDPA {err_sdpa:.2g}\n")
+          f"max abs error vs reference {err_ref:.2g}, vs SDPA {err_sdpa:.2g}"
+          + (f", fp8 cache vs reference on its dequantized values {err_fp8:.2g}" if fp8_name else "") + "\n")
     print("| method | time (ms) | GB/s (KV bytes, or bytes read, / time) | % of read bandwidth (c, sum) "
           "| % of copy bandwidth (c, copy) | ours is ... x faster |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -187,6 +218,10 @@ def main() -> None:
         print(f"| {name} | {seconds[name] * 1e3:.2f} | {bandwidth[name]:.1f} "
               f"| {100 * bandwidth[name] / bandwidth[READ]:.0f}% | {100 * bandwidth[name] / bandwidth[COPY]:.0f}% "
               f"| {speedup} |")
+    if fp8_name:
+        print(f"\n{args.kv_dtype} cache vs {args.dtype} cache: {seconds[OURS] / seconds[fp8_name]:.2f}x faster "
+              f"({seconds[fp8_name] * 1e3:.2f} ms vs {seconds[OURS] * 1e3:.2f} ms; KV bytes "
+              f"{fp8_bytes / 2**20:.0f} MiB vs {kv_bytes / 2**20:.0f} MiB)")
 
 if __name__ == "__main__":
     main()
