@@ -10,6 +10,12 @@ Correctness is checked against paged_attn.reference on a few sequences of each c
     python bench/bench_cuda_attention.py                    # the full grid (H200: about a minute)
     python bench/bench_cuda_attention.py --quick            # a small smoke run
     python bench/bench_cuda_attention.py --device cpu --quick   # runs the same code on the CPU (no GPU needed)
+    python bench/bench_cuda_attention.py --kv-dtype fp8_e4m3 --batch-sizes 64,256 --contexts 2048,8192
+
+With --kv-dtype fp8_e4m3 (or fp8_e5m2) each case is also run on the same keys/values quantized into an fp8 cache
+(scales amax / max finite; queries stay --dtype), checked against the reference on its dequantized values, and timed
+in the same run: its time, its bandwidth counting fp8 bytes, that as a fraction of the copy bandwidth, and how many
+times faster it is than the --dtype cache.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ def parse_args():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                        help="auto: the cache in --dtype only; fp8_*: also an fp8 cache of the same keys/values")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--max-kv-gib", type=float, default=40.0, help="skip cases whose KV cache is larger")
     parser.add_argument("--device", default="cuda")
@@ -104,8 +112,11 @@ def main():
     print(f"# paged_attention on {name}: {args.num_heads} heads, {args.num_kv_heads} kv heads, head dim "
           f"{args.head_dim}, block {args.block_size}, {args.dtype}")
     print(f"# device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
-    print("| batch | context | KV MiB | paged_attention us | GB/s | % of copy | SDPA (contiguous) us | speed-up |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(args.kv_dtype)
+    fp8_header = f" {args.kv_dtype} us | GB/s (fp8 bytes) | % of copy | {args.kv_dtype} vs {args.dtype} |" if fp8 else ""
+    print("| batch | context | KV MiB | paged_attention us | GB/s | % of copy | SDPA (contiguous) us | speed-up |"
+          + fp8_header)
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if fp8 else ""))
     for batch in map(int, args.batch_sizes.split(",")):
         for context in map(int, args.contexts.split(",")):
             elem = torch.tensor([], dtype=dtype).element_size()
@@ -119,6 +130,21 @@ def main():
                                        rtol=2e-2, atol=2e-2)
             out = torch.empty_like(case[0])
             seconds = timer(lambda: paged_attn.paged_attention(*case, out=out), args.repeats)
+            fp8_columns = ""
+            if fp8:
+                scales = [(c.float().abs().amax() / torch.finfo(fp8).max).reshape(1) for c in case[1:3]]
+                caches = [reference.quantize_fp8(c, fp8, s) for c, s in zip(case[1:3], scales)]
+                fp8_case = (case[0], *caches, case[3], case[4])
+                fp8_kwargs = dict(k_scale=scales[0], v_scale=scales[1])
+                few8 = tuple(t[:2] if i in (0, 3, 4) else t for i, t in enumerate(fp8_case))
+                torch.testing.assert_close(paged_attn.paged_attention(*few8, **fp8_kwargs),
+                                           reference.paged_attention(*few8, **fp8_kwargs), rtol=2e-2, atol=2e-2)
+                fp8_seconds = timer(lambda: paged_attn.paged_attention(*fp8_case, out=out, **fp8_kwargs),
+                                    args.repeats)
+                fp8_bandwidth = kv_bytes // elem / fp8_seconds
+                fp8_columns = (f" {fp8_seconds * 1e6:.1f} | {fp8_bandwidth / 1e9:.0f} | "
+                               f"{100 * fp8_bandwidth / copy_bw:.0f}% | {seconds / fp8_seconds:.2f}x |")
+                del fp8_case, caches
 
             # The peer: SDPA over the same keys/values gathered into contiguous [batch, heads, context, dim].
             query, key_cache, value_cache, block_tables, _ = case
@@ -131,7 +157,8 @@ def main():
             del keys, values
             bandwidth = kv_bytes / seconds
             print(f"| {batch} | {context} | {kv_bytes / 2**20:.0f} | {seconds * 1e6:.1f} | {bandwidth / 1e9:.0f} | "
-                  f"{100 * bandwidth / copy_bw:.0f}% | {sdpa_seconds * 1e6:.1f} | {sdpa_seconds / seconds:.2f}x |")
+                  f"{100 * bandwidth / copy_bw:.0f}% | {sdpa_seconds * 1e6:.1f} | {sdpa_seconds / seconds:.2f}x |"
+                  + fp8_columns)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

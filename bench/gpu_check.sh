@@ -2,7 +2,8 @@
 # One-call GPU check: on a machine with an NVIDIA GPU, a CUDA build of torch and nvcc, and nothing of this
 # package pre-built, it builds the extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), runs
 # the test suite (the CUDA tests run there; the variable-length ones again on their own), compute-sanitizer on a
-# small case of every op, the kernel benchmarks (decode bandwidth; prefill TFLOP/s on tensor cores), ncu counters
+# small case of every op, the kernel benchmarks (decode bandwidth, also with an fp8 cache against bf16; prefill
+# TFLOP/s on tensor cores), ncu counters
 # of the attention kernels, and the engine on CUDA (SmolLM2-135M too when its packages are installed), and writes a
 # short summary plus the full logs into the folder given as its argument.
 #
@@ -48,11 +49,16 @@ step "tests: variable-length queries and packed caches on CUDA" tests_varlen.log
   "$PY" -m pytest tests/test_varlen_attention.py tests/test_packed_cache.py -q -ra -p no:cacheprovider -k cuda
 step "tests: emulated tensor-core kernel against the GPU" tests_emulated_varlen.log \
   "$PY" -m pytest tests/test_emulated_kernels.py -q -ra -p no:cacheprovider -k varlen
+step "tests: fp8 caches on CUDA, and the emulated fp8 kernels against the GPU" tests_fp8.log \
+  "$PY" -m pytest tests/test_fp8.py tests/test_emulated_kernels.py -q -ra -p no:cacheprovider -k fp8
 step "compute-sanitizer (memcheck) on small cases" sanitizer.log \
   compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
 step "compute-sanitizer (racecheck) on small cases" racecheck.log \
   compute-sanitizer --tool racecheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
 step "benchmark: paged_attention on CUDA" bench_cuda_attention.log "$PY" bench/bench_cuda_attention.py
+step "benchmark: fp8 e4m3 against bf16 cache, decode at batch 64/256 x context 2k/8k (target >= 1.6x)" \
+  bench_cuda_fp8.log "$PY" bench/bench_cuda_attention.py --kv-dtype fp8_e4m3 --batch-sizes 64,256 \
+  --contexts 2048,8192
 step "benchmark: prefill on tensor cores (TFLOP/s against torch.matmul)" bench_cuda_prefill.log \
   "$PY" bench/bench_cuda_prefill.py
 # Hardware counters of the attention kernels, for tuning (where the runtime lets ncu read counters): every
@@ -79,6 +85,9 @@ fi
   echo
   echo "## paged_attention benchmark"
   grep '^[|#]' "$OUT/bench_cuda_attention.log"
+  echo
+  echo "## fp8 e4m3 against bf16 cache (decode)"
+  grep '^[|#]' "$OUT/bench_cuda_fp8.log"
   echo
   echo "## prefill benchmark"
   grep '^[|#(]' "$OUT/bench_cuda_prefill.log"

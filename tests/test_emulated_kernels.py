@@ -511,3 +511,111 @@ def test_copy_blocks_of_one_packed_half_leaves_the_other_alone(driver, tmp_path)
     expected[4, ..., :head_dim] = alloc[1, ..., :head_dim]
     expected[5, ..., :head_dim] = alloc[2, ..., :head_dim]
     assert_same_bits(after, expected, "the packed allocation")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp8 caches (float8_e4m3fn, float8_e5m2; float16 / bfloat16 queries): attention against the reference on the
+# dequantized caches, reshape_and_cache's bytes against reference.quantize_fp8 (test_fp8.py's checks). Unused slots
+# hold the NaN byte. With query_start_loc the decode kernels serve every row (as csrc/cuda/attention.cu launches).
+
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the driver's fp8_format scalar
+
+
+def fp8_attention(case: Case, fp8, query_dtype) -> Case:
+    """The case with its caches quantized into fp8 (same layout, NaN bytes elsewhere) and its query in query_dtype."""
+    from test_fp8 import to_fp8
+
+    t = case.tensors
+    k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.2])
+    t["key_cache"], t["value_cache"] = to_fp8((t["key_cache"], t["value_cache"]), fp8, (k_scale, v_scale))
+    t["k_scale"], t["v_scale"] = k_scale, v_scale
+    t["query"] = t["query"].to(query_dtype)
+    t["out"] = torch.full(t["query"].shape, NAN, dtype=query_dtype)
+    case.scalars["fp8_format"] = FP8_FORMATS[fp8]
+    case.dtype = query_dtype
+    return case
+
+
+def check_fp8_attention(driver, case: Case, tmp_path):
+    t, scalars = case.tensors, case.scalars
+    out = run_everywhere(driver, case, tmp_path, ["out"])["out"]
+    kwargs = dict(scale=scalars["scale"], alibi_slopes=t.get("alibi_slopes"),
+                  sliding_window=scalars["sliding_window"] or None, logits_soft_cap=scalars["soft_cap"] or None,
+                  query_start_loc=t.get("query_start_loc"))
+    keys = reference.dequantize_fp8(t["key_cache"], t["k_scale"], torch.float64)
+    values = reference.dequantize_fp8(t["value_cache"], t["v_scale"], torch.float64)
+    expected = reference.paged_attention(t["query"], keys, values, t["block_tables"], t["seq_lens"],
+                                         compute_dtype=torch.float64, **kwargs)
+    assert not out.isnan().any(), "a row was not written, or a NaN-poisoned slot leaked in"
+    torch.testing.assert_close(out.double(), expected.double(), **tolerance(case.dtype))
+    if HAS_CUDA_OPS:  # where a GPU is present, the same kernels for real, on the same inputs
+        cuda = {name: tensor.cuda() for name, tensor in t.items()}
+        cuda_kwargs = dict(kwargs, alibi_slopes=cuda.get("alibi_slopes"), query_start_loc=cuda.get("query_start_loc"))
+        on_gpu = paged_attn.paged_attention(cuda["query"], cuda["key_cache"], cuda["value_cache"],
+                                            cuda["block_tables"], cuda["seq_lens"], k_scale=cuda["k_scale"],
+                                            v_scale=cuda["v_scale"], **cuda_kwargs)
+        torch.testing.assert_close(on_gpu.cpu().double(), out.double(), **tolerance(case.dtype))
+
+
+@pytest.mark.parametrize("fp8", list(FP8_FORMATS), ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype, heads, head_dim, split", [
+    (torch.bfloat16, (8, 2), 128, False),   # group 4: 16-byte vectors of 16 values
+    (torch.float16, (8, 1), 64, True),      # group 8: 8-byte vectors; split-KV and the reduce
+    (torch.bfloat16, (4, 4), 80, True),     # group 1
+    (torch.float16, (16, 1), 256, False),   # two head chunks of 8
+], ids=["bf16-group4-128", "half-group8-64-split", "bf16-group1-80-split", "half-group16-256"])
+def test_fp8_attention(driver, tmp_path, fp8, dtype, heads, head_dim, split):
+    case = attention_case([1, 31, 33, 70], *heads, head_dim, 16, torch.float32, split=split)
+    check_fp8_attention(driver, fp8_attention(case, fp8, dtype), tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["packed", "transposed"])
+def test_fp8_attention_features_and_strided_caches(driver, tmp_path, layout):
+    """ALiBi, a window and soft cap together, split-KV, on strided caches."""
+    case = attention_case([5, 20, 21, 100], 8, 2, 64, 8, torch.float32, layout=layout, alibi=True, sliding_window=20,
+                          soft_cap=30.0, split=True)
+    check_fp8_attention(driver, fp8_attention(case, torch.float8_e4m3fn, torch.bfloat16), tmp_path)
+
+
+@pytest.mark.parametrize("fp8", list(FP8_FORMATS), ids=["e4m3", "e5m2"])
+def test_fp8_varlen(driver, tmp_path, fp8):
+    """query_start_loc: every row through the decode kernels (prompts, chunks, decodes, empty sequences)."""
+    case = varlen_case(EVERY_ROW_MIXED, 8, 2, 64, 16, torch.float32, layout="packed", alibi=True, sliding_window=30)
+    check_fp8_attention(driver, fp8_attention(case, fp8, torch.float16), tmp_path)
+
+
+@pytest.mark.parametrize("fp8", list(FP8_FORMATS), ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=list(DTYPE_NAMES.values()))
+@pytest.mark.parametrize("layout", ["contiguous", "packed"])
+def test_fp8_reshape_and_cache(driver, tmp_path, fp8, dtype, layout):
+    """Quantized bytes against reference.quantize_fp8 (ties counted), values over many binades with +-0, NaN, +-inf
+    and exact ties planted; keys and values slices of a fused QKV tensor; unwritten slots keep their NaN byte."""
+    from test_fp8 import NAN_BYTE, assert_quantized, poisoned, spread_values
+
+    num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 9, 2, 32, 5, 4
+    qkv = spread_values((num_tokens, 3 * num_kv_heads, head_dim), dtype, "cpu")
+    key, value = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if layout == "packed":
+        alloc = poisoned(shape[:3] + (2 * head_dim,), fp8)
+        key_cache, value_cache = alloc[..., :head_dim], alloc[..., head_dim:]
+    else:
+        key_cache, value_cache = poisoned(shape, fp8), poisoned(shape, fp8)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[3] = -1
+    k_scale, v_scale = torch.tensor([0.37]), torch.tensor([2.5])
+    case = Case("reshape_and_cache", dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                                          slot_mapping=slots, k_scale=k_scale, v_scale=v_scale),
+                dict(element_size=key.element_size(), fp8_format=FP8_FORMATS[fp8]), ("key_cache", "value_cache"),
+                dtype)
+    out = run_everywhere(driver, case, tmp_path, ["key_cache", "value_cache"])
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    ties = assert_quantized(out["key_cache"][blocks, offsets], key[keep], k_scale, fp8)
+    ties += assert_quantized(out["value_cache"][blocks, offsets], value[keep], v_scale, fp8)
+    assert ties <= 2, f"{ties} ties rounded the other way"
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[keep]] = True
+    for name in ("key_cache", "value_cache"):
+        rest = out[name].reshape(num_blocks * block_size, -1)[~written]
+        assert (rest.view(torch.uint8) == NAN_BYTE).all(), f"{name}: a slot that was not written changed"

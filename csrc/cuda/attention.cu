@@ -6,7 +6,10 @@
 //   query_start_loc, float16/bfloat16, a head dim of VarlenHeadDims, compute capability 8.0+: the decode kernels
 //       for the sequences with one query row (rows = kSingleTokenSeqs) and the tensor-core kernel
 //       (varlen_attention_kernels.cuh) for those with more (not launched when max_query_len <= 1).
-//   query_start_loc otherwise (float32, other head dims): the decode kernels for every query row (kEveryRow).
+//   query_start_loc otherwise (float32, other head dims, fp8 caches): the decode kernels for every query row
+//       (kEveryRow).
+// fp8 caches (float8_e4m3fn, float8_e5m2): float16 and bfloat16 queries, head dims of Fp8AttentionHeadDims; the
+// scales stay on the device (read by the kernels), so the op stays capturable.
 //
 // Compile-time choices: the dtype, head_dim (AttentionHeadDims, VarlenHeadDims) and the group variant
 // (AttentionGroupVariants) select the kernel instantiations. No host-device synchronization (unless index
@@ -46,18 +49,19 @@ int multiprocessor_count(int device) { return device_attribute<cudaDevAttrMultiP
 bool has_tensor_cores(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 8; }
 
 // The arguments every launch shares (the plans set the rest).
-template <typename T>
-AttentionParams<T> attention_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                                    const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                    const at::Tensor& seq_lens, const std::optional<at::Tensor>& query_start_loc,
-                                    double scale, const std::optional<at::Tensor>& alibi_slopes,
-                                    double logits_soft_cap) {
+template <typename T, typename C>
+AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                       const at::Tensor& seq_lens, const std::optional<at::Tensor>& query_start_loc,
+                                       double scale, const std::optional<at::Tensor>& alibi_slopes,
+                                       double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
+                                       const std::optional<at::Tensor>& v_scale) {
   const auto cache = [](const at::Tensor& t) {  // 16-byte aligned rows (checked by the caller)
-    return PagedCache<const T>{static_cast<const T*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2),
+    return PagedCache<const C>{static_cast<const C*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2),
                                static_cast<int>(t.size(1)), static_cast<int>(t.size(2)),
                                static_cast<int>(t.size(3))};
   };
-  AttentionParams<T> params{};
+  AttentionParams<T, C> params{};
   params.out = static_cast<T*>(out.data_ptr());
   params.query = static_cast<const T*>(query.data_ptr());
   params.query_token_stride = query.stride(0), params.query_head_stride = query.stride(1);
@@ -71,12 +75,15 @@ AttentionParams<T> attention_params(at::Tensor& out, const at::Tensor& query, co
   params.max_blocks_per_seq = block_tables.size(1);
   params.scale = static_cast<float>(scale);
   params.soft_cap = static_cast<float>(logits_soft_cap);
+  params.k_scale = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
+  params.v_scale = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
+  params.fp8_format = key_cache.scalar_type() == at::kFloat8_e5m2 ? __NV_E5M2 : __NV_E4M3;
   return params;
 }
 
 // The decode kernels over num_items items (see QueryRows in attention_kernels.cuh).
-template <typename T>
-void launch_decode(AttentionParams<T> params, QueryRows rows, int64_t num_items, int64_t sliding_window,
+template <typename T, typename C>
+void launch_decode(AttentionParams<T, C> params, QueryRows rows, int64_t num_items, int64_t sliding_window,
                    const at::Tensor& query, int64_t block_size, int64_t num_kv_heads) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_sms = multiprocessor_count(query.get_device());
@@ -112,7 +119,7 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
                           const std::optional<at::Tensor>& v_scale) {  // [1], float32 (fp8 caches only)
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                              sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale);
-  TORCH_CHECK(!is_fp8(key_cache.scalar_type()), "paged_attention: fp8 caches are not supported on CUDA yet");
+  const bool fp8 = is_fp8(key_cache.scalar_type());
   TORCH_CHECK(query.is_cuda(), "paged_attention: expected CUDA tensors, got ", query.device());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_seqs = block_tables.size(0);
@@ -121,6 +128,12 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
               " is not supported on CUDA (supported: 8, 16, 32)");
   TORCH_CHECK(contains(AttentionHeadDims{}, head_dim), "paged_attention: head_dim ", head_dim,
               " is not supported on CUDA (supported: ", to_string(AttentionHeadDims{}), ")");
+  if (fp8) {
+    TORCH_CHECK(query.scalar_type() != at::kFloat, "paged_attention: on CUDA an fp8 cache takes float16 or bfloat16 ",
+                "queries, got float32");
+    TORCH_CHECK(contains(Fp8AttentionHeadDims{}, head_dim), "paged_attention: head_dim ", head_dim,
+                " is not supported on CUDA with an fp8 cache (supported: ", to_string(Fp8AttentionHeadDims{}), ")");
+  }
   TORCH_CHECK(num_tokens <= INT32_MAX, "paged_attention: at most 2^31 - 1 query rows on CUDA, got ", num_tokens);
   // The kernels read cache rows as 16-byte vectors.
   const uint64_t elem = key_cache.element_size();
@@ -146,10 +159,12 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
       alibi_slopes.has_value() ? std::optional<at::Tensor>(alibi_slopes->contiguous()) : std::nullopt;
   const std::optional<at::Tensor> starts_c =
       query_start_loc.has_value() ? std::optional<at::Tensor>(query_start_loc->contiguous()) : std::nullopt;
-  const auto run = [&](auto dtype_tag) {
+  const auto run = [&](auto dtype_tag, auto cache_tag) {
     using T = decltype(dtype_tag);
-    const AttentionParams<T> params = attention_params<T>(out, query, key_cache, value_cache, block_tables_c,
-                                                          seq_lens_c, starts_c, scale, alibi_c, logits_soft_cap);
+    using C = decltype(cache_tag);
+    const AttentionParams<T, C> params =
+        attention_params<T, C>(out, query, key_cache, value_cache, block_tables_c, seq_lens_c, starts_c, scale,
+                               alibi_c, logits_soft_cap, k_scale, v_scale);
     if (!query_start_loc.has_value()) {
       return launch_decode(params, QueryRows::kLastOfEachSeq, num_seqs, sliding_window, query, block_size,
                            num_kv_heads);
@@ -157,7 +172,7 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
     const VarlenPlan plan = plan_varlen_attention(num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
                                                   query.element_size(), block_tables.size(1), block_size,
                                                   sliding_window);
-    if constexpr (!std::is_same_v<T, float>) {
+    if constexpr (!std::is_same_v<T, float> && std::is_same_v<T, C>) {  // NOTE: fp8 caches take the decode kernels
       if (plan.error.empty() && has_tensor_cores(query.get_device())) {
         launch_decode(params, QueryRows::kSingleTokenSeqs, num_seqs, sliding_window, query, block_size,
                       num_kv_heads);
@@ -171,10 +186,10 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
     }
     launch_decode(params, QueryRows::kEveryRow, num_tokens, sliding_window, query, block_size, num_kv_heads);
   };
-  switch (query.scalar_type()) {  // check_paged_attention_args allows exactly these
-    case at::kFloat: return run(float{});
-    case at::kHalf: return run(__half{});
-    case at::kBFloat16: return run(__nv_bfloat16{});
+  switch (query.scalar_type()) {  // check_paged_attention_args allows exactly these (and fp8 caches checked above)
+    case at::kFloat: return run(float{}, float{});
+    case at::kHalf: return fp8 ? run(__half{}, Fp8{}) : run(__half{}, __half{});
+    case at::kBFloat16: return fp8 ? run(__nv_bfloat16{}, Fp8{}) : run(__nv_bfloat16{}, __nv_bfloat16{});
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }

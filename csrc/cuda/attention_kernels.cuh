@@ -42,6 +42,13 @@
 //
 // Lanes: a warp's lanes are split into row groups of LANES lanes; a row group reads one K or V row at a time, lane
 // l taking the row's 16-byte vectors l, l + LANES, ...; row j of a tile goes to row group j % ROW_GROUPS.
+//
+// fp8 caches (AttentionParams<T, Fp8>, T = half or bfloat16; the format, e4m3 or e5m2, is a run-time parameter):
+// a 16-byte load carries 16 cache values, converted to float in registers (cuda_fp8.h: two values per conversion);
+// keys are read as float(stored) * k_scale (k_scale folded into the query's pre-scaling) and values as
+// float(stored) * v_scale (applied to the accumulator when it is written). With more than 4 heads per thread block
+// a lane's 16 values per head would double the registers of q and acc (and spill): those variants load 8 bytes
+// (8 values) per vector instead, the same split of a row as for half/bfloat16 (DecodeSplit).
 #pragma once
 
 #include <cmath>
@@ -64,7 +71,10 @@ constexpr int kReduceChunk = 256;  // partitions whose weights the reduce kernel
 
 enum class QueryRows : int { kLastOfEachSeq, kSingleTokenSeqs, kEveryRow };  // see the top of this file
 
-template <typename T>
+// An fp8 cache element: one byte (float8_e4m3fn or float8_e5m2, AttentionParams::fp8_format says which).
+using Fp8 = __nv_fp8_storage_t;
+
+template <typename T, typename C = T>  // C: the cache's element type (T, or Fp8)
 struct AttentionParams {
   T* out;               // [num_tokens, num_heads, head_dim], contiguous
   float* partial_out;   // [num_items, num_heads, num_partitions, head_dim]  split-KV scratch (else unused)
@@ -72,8 +82,11 @@ struct AttentionParams {
   float* partial_sum;   // [num_items, num_heads, num_partitions]            split-KV: its sum of exp(logit - max)
   const T* query;       // [num_tokens, num_heads, head_dim], last dim contiguous:
   int64_t query_token_stride, query_head_stride;  // (t, h, d) at t * query_token_stride + h * query_head_stride + d
-  PagedCache<const T> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
-  PagedCache<const T> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  PagedCache<const C> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  PagedCache<const C> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const float* k_scale;             // [1] or nullptr (1.0): fp8 caches, keys read as float(stored) * k_scale
+  const float* v_scale;             // [1] or nullptr (1.0): fp8 caches, values read as float(stored) * v_scale
+  __nv_fp8_interpretation_t fp8_format;  // fp8 caches: __NV_E4M3 or __NV_E5M2
   const int32_t* block_tables;      // [num_seqs, max_blocks_per_seq], contiguous
   const int32_t* seq_lens;          // [num_seqs]; the kernels clamp them to [0, max_context]
   const int32_t* query_start_loc;   // [num_seqs + 1], or nullptr (kLastOfEachSeq); clamped to [0, num_tokens]
@@ -136,6 +149,28 @@ __device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[8], __n
   pairs_to_floats<__nv_bfloat162>(v, f);
 }
 
+// N fp8 values (a 16- or 8-byte vector) to float: two at a time through half2 (exact: every fp8 value is a half).
+template <typename V, int N>
+__device__ __forceinline__ void fp8_to_floats(const V& v, float (&f)[N], __nv_fp8_interpretation_t format) {
+  static_assert(sizeof(V) == N, "one byte per value");
+  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&v);
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+    const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[k], format)));
+    f[2 * k] = x.x, f[2 * k + 1] = x.y;
+  }
+}
+
+// A cache vector to floats: C's own conversion, or fp8 in the given format.
+template <typename C, typename V, int N>
+__device__ __forceinline__ void cache_vec_to_floats(const V& v, float (&f)[N], __nv_fp8_interpretation_t format) {
+  if constexpr (std::is_same_v<C, Fp8>) {
+    fp8_to_floats(v, f, format);
+  } else {
+    vec_to_floats(v, f, C{});
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Warp reductions (butterflies: every lane ends with the same result, in a fixed order of operations).
 template <int LANES>
@@ -155,14 +190,16 @@ __device__ __forceinline__ float warp_max(float x) {
 // How a thread block's lanes split a row of HEAD_DIM elements, and this thread's place in that split.
 constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
 
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, int VEC_BYTES = 16>
 struct RowSplit {
-  static constexpr int VEC = 16 / static_cast<int>(sizeof(T));                  // elements per vector
+  using Vector = std::conditional_t<VEC_BYTES == 16, uint4, uint2>;             // one load
+  static constexpr int VEC = VEC_BYTES / static_cast<int>(sizeof(T));           // elements per vector
   static constexpr int NVEC = HEAD_DIM / VEC;                                    // vectors per row
   static constexpr int LANES = pow2_ceil(NVEC) < 32 ? pow2_ceil(NVEC) : 32;     // lanes per row group
   static constexpr int VPL = (NVEC + LANES - 1) / LANES;                         // vectors per lane
   static constexpr int ROW_GROUPS = kAttentionWarps * (32 / LANES);              // per thread block
-  static_assert(HEAD_DIM % VEC == 0, "a row must be a whole number of 16-byte vectors");
+  static_assert(HEAD_DIM % VEC == 0, "a row must be a whole number of vectors");
+  static_assert(VEC_BYTES == 16 || VEC_BYTES == 8, "16- or 8-byte vectors");
 
   int row_lane;        // this lane's place in its row group: it holds elements dim(row_lane, i, e)
   int row_group;       // warp * (32 / LANES) + row_in_warp
@@ -180,9 +217,14 @@ struct RowSplit {
   __device__ __forceinline__ int dim(int i, int e) const { return (row_lane + i * LANES) * VEC + e; }
 };
 
+// The decode kernel's split of a row of cache elements C: 16-byte vectors, but 8-byte ones for an fp8 cache with
+// more than 4 heads per thread block (16 fp8 values per lane and head would spill q and acc).
+template <typename C, int HEAD_DIM, int GROUP>
+using DecodeSplit = RowSplit<C, HEAD_DIM, (sizeof(C) == 1 && GROUP > 4) ? 8 : 16>;
+
 // A thread's slice of one row for each query head of its block: [GROUP][VPL][VEC] floats, in registers.
-template <typename T, int HEAD_DIM, int GROUP>
-using HeadSlices = float[GROUP][RowSplit<T, HEAD_DIM>::VPL][RowSplit<T, HEAD_DIM>::VEC];
+template <typename C, int HEAD_DIM, int GROUP>
+using HeadSlices = float[GROUP][DecodeSplit<C, HEAD_DIM, GROUP>::VPL][DecodeSplit<C, HEAD_DIM, GROUP>::VEC];
 
 // ---------------------------------------------------------------------------------------------------------------
 // What one thread block of paged_attention_kernel works on (from blockIdx), and the sequence extent both kernels
@@ -190,8 +232,8 @@ using HeadSlices = float[GROUP][RowSplit<T, HEAD_DIM>::VPL][RowSplit<T, HEAD_DIM
 // kernel reads past a sequence's row of the block table, or past the query and output tensors.
 
 // seq_lens[seq], clamped to [0, max_context].
-template <typename T>
-__device__ __forceinline__ int clamped_seq_len(const AttentionParams<T>& p, int seq) {
+template <typename T, typename C>
+__device__ __forceinline__ int clamped_seq_len(const AttentionParams<T, C>& p, int seq) {
   const int len = p.seq_lens[seq];
   return len < 0 ? 0 : len > p.max_context ? p.max_context : len;
 }
@@ -201,15 +243,15 @@ struct QueryRange {
   int first, last;
   __device__ __forceinline__ int count() const { return last - first; }
 };
-template <typename T>
-__device__ __forceinline__ QueryRange query_range(const AttentionParams<T>& p, int seq) {
+template <typename T, typename C>
+__device__ __forceinline__ QueryRange query_range(const AttentionParams<T, C>& p, int seq) {
   const int first = min(max(p.query_start_loc[seq], 0), p.num_tokens);
   return {first, min(max(p.query_start_loc[seq + 1], first), p.num_tokens)};
 }
 
 // The sequence a query row belongs to: the last s with query_start_loc[s] <= row (binary search).
-template <typename T>
-__device__ __forceinline__ int seq_of_row(const AttentionParams<T>& p, int row) {
+template <typename T, typename C>
+__device__ __forceinline__ int seq_of_row(const AttentionParams<T, C>& p, int row) {
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -231,8 +273,8 @@ struct QueryItem {
   bool active;
 };
 
-template <typename T>
-__device__ __forceinline__ QueryItem query_item(const AttentionParams<T>& p, int item) {
+template <typename T, typename C>
+__device__ __forceinline__ QueryItem query_item(const AttentionParams<T, C>& p, int item) {
   if (p.rows == QueryRows::kLastOfEachSeq) return {item, item, clamped_seq_len(p, item), true};
   if (p.rows == QueryRows::kSingleTokenSeqs) {
     const QueryRange range = query_range(p, item);
@@ -266,13 +308,13 @@ struct AttentionTask {
 };
 
 // The query (and output) row of this thread block's item.
-template <typename T>
-__device__ __forceinline__ int64_t query_row(const AttentionParams<T>& p) {
+template <typename T, typename C>
+__device__ __forceinline__ int64_t query_row(const AttentionParams<T, C>& p) {
   return query_item(p, blockIdx.x).row;
 }
 
-template <typename T>
-__device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T>& p) {
+template <typename T, typename C>
+__device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T, C>& p) {
   AttentionTask task;
   const QueryItem item = query_item(p, blockIdx.x);
   task.seq = item.seq, task.active = item.active;
@@ -295,11 +337,12 @@ __device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T>
 
 // The query of each head of the task, pre-scaled, as this lane's slices (zeros past the row and past the task's
 // heads).
-template <typename T, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void load_query(HeadSlices<T, HEAD_DIM, GROUP>& q, const AttentionParams<T>& p,
-                                           const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs) {
-  using R = RowSplit<T, HEAD_DIM>;
+template <typename T, typename C, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void load_query(HeadSlices<C, HEAD_DIM, GROUP>& q, const AttentionParams<T, C>& p,
+                                           const AttentionTask& task, const DecodeSplit<C, HEAD_DIM, GROUP>& rs) {
+  using R = DecodeSplit<C, HEAD_DIM, GROUP>;
   const T* query = p.query + query_row(p) * p.query_token_stride + task.first_head * p.query_head_stride;
+  const float scale = p.k_scale != nullptr ? p.scale * *p.k_scale : p.scale;  // q . (k_scale k) = (k_scale q) . k
 #pragma unroll
   for (int g = 0; g < GROUP; ++g)
 #pragma unroll
@@ -307,7 +350,7 @@ __device__ __forceinline__ void load_query(HeadSlices<T, HEAD_DIM, GROUP>& q, co
 #pragma unroll
       for (int e = 0; e < R::VEC; ++e) {
         const int d = rs.dim(i, e);
-        q[g][i][e] = task.has_head(g) && d < HEAD_DIM ? p.scale * to_float(query[g * p.query_head_stride + d]) : 0.0f;
+        q[g][i][e] = task.has_head(g) && d < HEAD_DIM ? scale * to_float(query[g * p.query_head_stride + d]) : 0.0f;
       }
 }
 
@@ -315,20 +358,19 @@ __device__ __forceinline__ void load_query(HeadSlices<T, HEAD_DIM, GROUP>& q, co
 // cache. A row at or past n is not read (it may be a NaN-poisoned slot past the sequence's end): the tile's last
 // row (n - 1) is loaded in its place, which the callers never use (fewer predicates than zero-filling: ptxas
 // spilled them). Lanes past the row's end get zeros. All loads are issued before any is used.
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void load_rows(uint4 (&rows)[kUnroll][RowSplit<T, HEAD_DIM>::VPL],
-                                          const PagedCache<const T>& cache, const int32_t* block_table,
-                                          int kv_head, int tile_begin, int first_row, int n,
-                                          const RowSplit<T, HEAD_DIM>& rs) {
-  using R = RowSplit<T, HEAD_DIM>;
+template <typename R, typename C>
+__device__ __forceinline__ void load_rows(typename R::Vector (&rows)[kUnroll][R::VPL], const PagedCache<const C>& cache,
+                                          const int32_t* block_table, int kv_head, int tile_begin, int first_row,
+                                          int n, const R& rs) {
+  using Vector = typename R::Vector;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int j = min(first_row + u * R::ROW_GROUPS, n - 1);
-    const T* row = cache.row(block_table, tile_begin + j, kv_head);
+    const C* row = cache.row(block_table, tile_begin + j, kv_head);
 #pragma unroll
     for (int i = 0; i < R::VPL; ++i) {
       const int v = rs.row_lane + i * R::LANES;
-      rows[u][i] = v < R::NVEC ? *reinterpret_cast<const uint4*>(row + v * R::VEC) : uint4{0, 0, 0, 0};
+      rows[u][i] = v < R::NVEC ? *reinterpret_cast<const Vector*>(row + v * R::VEC) : Vector{};
     }
   }
 }
@@ -337,20 +379,18 @@ __device__ __forceinline__ void load_rows(uint4 (&rows)[kUnroll][RowSplit<T, HEA
 // loads of a batch issued first), calling f(j, row) with this lane's slice of the row as floats ([VPL][VEC]; for
 // j >= n, row n - 1 again: f must not use it). The loop steps over warp-uniform bases, so every lane of a warp makes
 // the same calls, also past the tile's end (step 1's lane shuffles need the whole warp).
-template <typename T, int HEAD_DIM, typename F>
-__device__ __forceinline__ void for_each_row(const PagedCache<const T>& cache, const AttentionParams<T>& p,
-                                             const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs,
-                                             int tile_begin, int n, F&& f) {
-  using R = RowSplit<T, HEAD_DIM>;
+template <typename R, typename T, typename C, typename F>
+__device__ __forceinline__ void for_each_row(const PagedCache<const C>& cache, const AttentionParams<T, C>& p,
+                                             const AttentionTask& task, const R& rs, int tile_begin, int n, F&& f) {
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
   for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * kUnroll) {
-    uint4 rows[kUnroll][R::VPL];
-    load_rows<T, HEAD_DIM>(rows, cache, block_table, task.kv_head, tile_begin, j0 + rs.row_in_warp, n, rs);
+    typename R::Vector rows[kUnroll][R::VPL];
+    load_rows<R>(rows, cache, block_table, task.kv_head, tile_begin, j0 + rs.row_in_warp, n, rs);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       float row[R::VPL][R::VEC];
 #pragma unroll
-      for (int i = 0; i < R::VPL; ++i) vec_to_floats(rows[u][i], row[i], T{});
+      for (int i = 0; i < R::VPL; ++i) cache_vec_to_floats<C>(rows[u][i], row[i], p.fp8_format);
       f(j0 + rs.row_in_warp + u * R::ROW_GROUPS, row);
     }
   }
@@ -358,13 +398,13 @@ __device__ __forceinline__ void for_each_row(const PagedCache<const T>& cache, c
 
 // 1. logits_s[g][j] for the tile's n tokens tile_begin + j. inv_soft_cap = 1 / soft_cap.
 // NOTE: a division in this loop would call the slow path of IEEE division and make ptxas spill registers.
-template <typename T, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], const HeadSlices<T, HEAD_DIM, GROUP>& q,
-                                            const AttentionParams<T>& p, const AttentionTask& task,
-                                            const RowSplit<T, HEAD_DIM>& rs, float inv_soft_cap, int tile_begin,
-                                            int n) {
-  using R = RowSplit<T, HEAD_DIM>;
-  for_each_row<T, HEAD_DIM>(p.key_cache, p, task, rs, tile_begin, n, [&](int j, const float (&kf)[R::VPL][R::VEC]) {
+template <typename T, typename C, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], const HeadSlices<C, HEAD_DIM, GROUP>& q,
+                                            const AttentionParams<T, C>& p, const AttentionTask& task,
+                                            const DecodeSplit<C, HEAD_DIM, GROUP>& rs, float inv_soft_cap,
+                                            int tile_begin, int n) {
+  using R = DecodeSplit<C, HEAD_DIM, GROUP>;
+  for_each_row(p.key_cache, p, task, rs, tile_begin, n, [&](int j, const float (&kf)[R::VPL][R::VEC]) {
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
       if (!task.has_head(g)) break;  // uniform across the thread block
@@ -414,12 +454,12 @@ __device__ __forceinline__ void tile_softmax(float (&logits_s)[GROUP][kTile], fl
 }
 
 // 3. acc = acc * rescale + sum_j p[g][j] * V_j over the tile's rows of this row group.
-template <typename T, int HEAD_DIM, int GROUP>
-__device__ __forceinline__ void tile_values(HeadSlices<T, HEAD_DIM, GROUP>& acc, const float (&logits_s)[GROUP][kTile],
-                                            const float (&rescale_s)[GROUP], const AttentionParams<T>& p,
-                                            const AttentionTask& task, const RowSplit<T, HEAD_DIM>& rs,
+template <typename T, typename C, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void tile_values(HeadSlices<C, HEAD_DIM, GROUP>& acc, const float (&logits_s)[GROUP][kTile],
+                                            const float (&rescale_s)[GROUP], const AttentionParams<T, C>& p,
+                                            const AttentionTask& task, const DecodeSplit<C, HEAD_DIM, GROUP>& rs,
                                             int tile_begin, int n) {
-  using R = RowSplit<T, HEAD_DIM>;
+  using R = DecodeSplit<C, HEAD_DIM, GROUP>;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
     const float rescale = task.has_head(g) ? rescale_s[g] : 0.0f;
@@ -428,7 +468,7 @@ __device__ __forceinline__ void tile_values(HeadSlices<T, HEAD_DIM, GROUP>& acc,
 #pragma unroll
       for (int e = 0; e < R::VEC; ++e) acc[g][i][e] *= rescale;
   }
-  for_each_row<T, HEAD_DIM>(p.value_cache, p, task, rs, tile_begin, n, [&](int j, const float (&vf)[R::VPL][R::VEC]) {
+  for_each_row(p.value_cache, p, task, rs, tile_begin, n, [&](int j, const float (&vf)[R::VPL][R::VEC]) {
     if (j >= n) return;  // past the tile: row n - 1 again, and logits_s holds no probability for it
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -443,14 +483,14 @@ __device__ __forceinline__ void tile_values(HeadSlices<T, HEAD_DIM, GROUP>& acc,
 }
 
 // 4. The row groups' accumulators are summed in row-group order (a fixed order: the same bits on every run) and
-// written: out = acc / sum in single pass, the partition's (acc, max, sum) in split-KV.
-template <typename T, int HEAD_DIM, int GROUP>
+// written: out = acc / sum in single pass, the partition's (acc, max, sum) in split-KV. An fp8 cache's v_scale
+// multiplies acc here (so the reduce needs no scale).
+template <typename T, typename C, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void combine_and_write(
-    float (&partial_s)[RowSplit<T, HEAD_DIM>::ROW_GROUPS][GROUP][HEAD_DIM], const HeadSlices<T, HEAD_DIM, GROUP>& acc,
-                                                  const float (&max_s)[GROUP], const float (&sum_s)[GROUP],
-                                                  const AttentionParams<T>& p, const AttentionTask& task,
-                                                  const RowSplit<T, HEAD_DIM>& rs) {
-  using R = RowSplit<T, HEAD_DIM>;
+    float (&partial_s)[DecodeSplit<C, HEAD_DIM, GROUP>::ROW_GROUPS][GROUP][HEAD_DIM],
+    const HeadSlices<C, HEAD_DIM, GROUP>& acc, const float (&max_s)[GROUP], const float (&sum_s)[GROUP],
+    const AttentionParams<T, C>& p, const AttentionTask& task, const DecodeSplit<C, HEAD_DIM, GROUP>& rs) {
+  using R = DecodeSplit<C, HEAD_DIM, GROUP>;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
     if (!task.has_head(g)) break;
@@ -464,11 +504,13 @@ __device__ __forceinline__ void combine_and_write(
   }
   __syncthreads();
   const int64_t row = p.num_partitions == 1 ? query_row(p) : 0;
+  const float v_scale = p.v_scale != nullptr ? *p.v_scale : 1.0f;
   for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
     const int g = k / HEAD_DIM, d = k % HEAD_DIM;
     float o = 0.0f;
 #pragma unroll
     for (int r = 0; r < R::ROW_GROUPS; ++r) o += partial_s[r][g][d];
+    if (p.v_scale != nullptr) o *= v_scale;
     if (p.num_partitions == 1) {
       const float sum = sum_s[g];
       const int64_t out_row = row * p.num_heads + task.first_head + g;
@@ -483,8 +525,8 @@ __device__ __forceinline__ void combine_and_write(
 }
 
 // A task without tokens: a zero output row (single pass: seq_len 0), or the empty partition's (-inf, 0) record.
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void write_empty(const AttentionParams<T>& p, const AttentionTask& task) {
+template <typename T, typename C, int HEAD_DIM>
+__device__ __forceinline__ void write_empty(const AttentionParams<T, C>& p, const AttentionTask& task) {
   if (p.num_partitions == 1) {
     const int64_t first_row = query_row(p) * p.num_heads + task.first_head;
     for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
@@ -500,9 +542,9 @@ __device__ __forceinline__ void write_empty(const AttentionParams<T>& p, const A
 // ---------------------------------------------------------------------------------------------------------------
 // The kernels.
 
-template <typename T, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const AttentionParams<T> p) {
-  using R = RowSplit<T, HEAD_DIM>;
+template <typename T, typename C, int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const AttentionParams<T, C> p) {
+  using R = DecodeSplit<C, HEAD_DIM, GROUP>;
   PA_SHARED(float, logits_s, [GROUP][kTile]);  // the tile's logits, then probabilities
   PA_SHARED(float, max_s, [GROUP]);            // running max of each head's logits
   PA_SHARED(float, sum_s, [GROUP]);            // running sum of exp(logit - max)
@@ -512,14 +554,14 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   const AttentionTask task = attention_task(p);
   if (!task.active) return;      // uniform across the thread block
   if (task.begin >= task.end) {  // uniform across the thread block
-    write_empty<T, HEAD_DIM>(p, task);
+    write_empty<T, C, HEAD_DIM>(p, task);
     return;
   }
   const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
   const R rs(threadIdx.x);
-  HeadSlices<T, HEAD_DIM, GROUP> q;    // this lane's slice of every query of the block (pre-scaled)
-  HeadSlices<T, HEAD_DIM, GROUP> acc;  // this row group's weighted sum of V rows, same slice
-  load_query<T, HEAD_DIM, GROUP>(q, p, task, rs);
+  HeadSlices<C, HEAD_DIM, GROUP> q;    // this lane's slice of every query of the block (pre-scaled)
+  HeadSlices<C, HEAD_DIM, GROUP> acc;  // this row group's weighted sum of V rows, same slice
+  load_query<T, C, HEAD_DIM, GROUP>(q, p, task, rs);
 #pragma unroll
   for (int g = 0; g < GROUP; ++g)
 #pragma unroll
@@ -533,14 +575,14 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
 
   for (int tile_begin = task.begin; tile_begin < task.end; tile_begin += kTile) {
     const int n = min(kTile, task.end - tile_begin);
-    tile_logits<T, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);
+    tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);
     __syncthreads();
     tile_softmax<GROUP>(logits_s, max_s, sum_s, rescale_s, task.num_heads, n);
     __syncthreads();
-    tile_values<T, HEAD_DIM, GROUP>(acc, logits_s, rescale_s, p, task, rs, tile_begin, n);
+    tile_values<T, C, HEAD_DIM, GROUP>(acc, logits_s, rescale_s, p, task, rs, tile_begin, n);
     __syncthreads();  // logits_s is rewritten by the next tile
   }
-  combine_and_write<T, HEAD_DIM, GROUP>(partial_s, acc, max_s, sum_s, p, task, rs);
+  combine_and_write<T, C, HEAD_DIM, GROUP>(partial_s, acc, max_s, sum_s, p, task, rs);
 }
 
 // Merges the partitions of split-KV for one (sequence, query head): with M the largest partition max,
@@ -548,8 +590,8 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
 // that hold tokens (the others' outputs are never read), kReduceChunk partitions at a time. Every thread adds in
 // partition order, so the result does not depend on thread timing.
 // Grid (plan.reduce_grid): (num_items, num_heads), kAttentionThreads threads.
-template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kernel(const AttentionParams<T> p) {
+template <typename T, typename C, int HEAD_DIM>
+__global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kernel(const AttentionParams<T, C> p) {
   PA_SHARED(float, weights_s, [kReduceChunk]);
   PA_SHARED(float, warp_max_s, [kAttentionWarps]);
   constexpr int DIMS_PER_THREAD = (HEAD_DIM + kAttentionThreads - 1) / kAttentionThreads;
@@ -606,11 +648,13 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
 }
 
 // Calls f(std::integral_constant<int, HEAD_DIM>{}, std::integral_constant<int, GROUP>{}) for the kernel
-// instantiation of a head_dim and plan.group_variant; false when head_dim is not instantiated.
-template <typename F>
+// instantiation of a head_dim and plan.group_variant for cache elements C; false when head_dim is not instantiated
+// (fp8 caches: Fp8AttentionHeadDims, the multiples of 16).
+template <typename C = void, typename F>
 bool dispatch_attention(int head_dim, int group_variant, F&& f) {
+  using HeadDims = std::conditional_t<std::is_same_v<C, Fp8>, Fp8AttentionHeadDims, AttentionHeadDims>;
   bool found = false;
-  dispatch(head_dim, AttentionHeadDims{}, [&](auto head_dim_constant) {
+  dispatch(head_dim, HeadDims{}, [&](auto head_dim_constant) {
     found = dispatch(group_variant, AttentionGroupVariants{},
                      [&](auto group_constant) { f(head_dim_constant, group_constant); });
   });

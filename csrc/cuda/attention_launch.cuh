@@ -19,16 +19,22 @@ cudaError_t launch_paged_attention(const AttentionParams<__half>& params, const 
                                    cudaStream_t stream);
 cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16>& params, const AttentionPlan& plan,
                                    cudaStream_t stream);
+// fp8 caches (attention_fp8_half.cu, attention_fp8_bf16.cu; float16 and bfloat16 queries only).
+cudaError_t launch_paged_attention(const AttentionParams<__half, Fp8>& params, const AttentionPlan& plan,
+                                   cudaStream_t stream);
+cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16, Fp8>& params, const AttentionPlan& plan,
+                                   cudaStream_t stream);
 
-template <typename T>
-cudaError_t launch_paged_attention_kernels(const AttentionParams<T>& params, const AttentionPlan& plan,
+template <typename T, typename C>
+cudaError_t launch_paged_attention_kernels(const AttentionParams<T, C>& params, const AttentionPlan& plan,
                                            cudaStream_t stream) {
-  const bool found = dispatch_attention(params.key_cache.head_dim, plan.group_variant, [&](auto head_dim, auto group) {
+  const bool found =
+      dispatch_attention<C>(params.key_cache.head_dim, plan.group_variant, [&](auto head_dim, auto group) {
     constexpr int HEAD_DIM = decltype(head_dim)::value, GROUP = decltype(group)::value;
-    paged_attention_kernel<T, HEAD_DIM, GROUP>
+    paged_attention_kernel<T, C, HEAD_DIM, GROUP>
         <<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
     if (plan.split() && cudaPeekAtLastError() == cudaSuccess) {
-      paged_attention_reduce_kernel<T, HEAD_DIM>
+      paged_attention_reduce_kernel<T, C, HEAD_DIM>
           <<<to_dim3(plan.reduce_grid), plan.threads, plan.shared_bytes, stream>>>(params);
     }
   });

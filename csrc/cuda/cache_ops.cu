@@ -30,6 +30,43 @@ void dispatch_width(int64_t width, F&& f) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// reshape_and_cache into fp8 caches (after the checks): one thread per element, quantizing.
+void reshape_and_cache_fp8(const at::Tensor& key,          // [num_tokens, num_kv_heads, head_dim]
+                           const at::Tensor& value,        // [num_tokens, num_kv_heads, head_dim]
+                           at::Tensor& key_cache,          // [num_blocks, block_size, num_kv_heads, head_dim], fp8
+                           at::Tensor& value_cache,        // [num_blocks, block_size, num_kv_heads, head_dim], fp8
+                           const at::Tensor& slot_mapping,  // [num_tokens], int64, < 0 = padding
+                           const std::optional<at::Tensor>& k_scale,    // [1], float32, or none
+                           const std::optional<at::Tensor>& v_scale) {  // [1], float32, or none
+  const int64_t num_tokens = key.size(0), num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  const CopyPlan plan = plan_reshape_and_cache(num_tokens, num_kv_heads, head_dim);
+  TORCH_CHECK(plan.error.empty(), "reshape_and_cache: this call cannot be launched on CUDA: ", plan.error);
+  const auto slots = slot_mapping.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto cache = [&](at::Tensor& t) {
+    return PagedCache<__nv_fp8_storage_t>{static_cast<__nv_fp8_storage_t*>(t.data_ptr()), t.stride(0), t.stride(1),
+                                          t.stride(2), static_cast<int>(t.size(1)), static_cast<int>(num_kv_heads),
+                                          static_cast<int>(head_dim)};
+  };
+  const auto run = [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    const ReshapeAndCacheFp8Params<T> params{
+        static_cast<const T*>(key.data_ptr()), static_cast<const T*>(value.data_ptr()), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), cache(key_cache), cache(value_cache), slots.data_ptr<int64_t>(),
+        k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr,
+        v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr,
+        key_cache.scalar_type() == at::kFloat8_e5m2 ? __NV_E5M2 : __NV_E4M3};
+    reshape_and_cache_fp8_kernel<T><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  switch (key.scalar_type()) {  // check_reshape_and_cache_args allows exactly these
+    case at::kFloat: return run(float{});
+    case at::kHalf: return run(__half{});
+    case at::kBFloat16: return run(__nv_bfloat16{});
+    default: TORCH_CHECK(false, "reshape_and_cache: unsupported dtype ", key.scalar_type());
+  }
+}
+
 void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_kv_heads, head_dim]
                             const at::Tensor& value,        // [num_tokens, num_kv_heads, head_dim]
                             at::Tensor& key_cache,          // [num_blocks, block_size, num_kv_heads, head_dim]
@@ -39,12 +76,14 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
                             const std::optional<at::Tensor>& v_scale) {  // [1], float32 (fp8 caches only)
   check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, k_scale,
                                v_scale);  // sizes > 0 (check_cache)
-  TORCH_CHECK(!is_fp8(key_cache.scalar_type()), "reshape_and_cache: fp8 caches are not supported on CUDA yet");
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
   if (validation_enabled()) check_slot_range(slot_mapping.cpu(), key_cache.size(0) * block_size);
   if (num_tokens == 0) return;
+  if (is_fp8(key_cache.scalar_type())) {
+    return reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  }
 
   const uint64_t elem = key.element_size();
   const int64_t width = access_width({head_dim * elem, key.stride(0) * elem, key.stride(1) * elem,

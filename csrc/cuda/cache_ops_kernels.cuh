@@ -7,7 +7,9 @@
 // any strides but the last (packed K|V halves, transposed token and head dimensions) are read and written row by
 // row.
 //
-//   reshape_and_cache  grid (num_tokens): one thread block writes one token's [num_kv_heads, head_dim] rows.
+//   reshape_and_cache  grid (num_tokens): one thread block writes one token's [num_kv_heads, head_dim] rows. Into
+//                      an fp8 cache (reshape_and_cache_fp8_kernel) each element is quantized, so it is not
+//                      dtype-agnostic: one thread per element.
 //   copy_blocks        grid (num_pairs, num_layers, 2): one thread block copies one block of one layer's key
 //                      (z = 0) or value (z = 1) cache. All layers (up to kMaxLayersPerLaunch) and pairs in one
 //                      launch: the layers' base pointers travel as a kernel parameter (no pointer table to upload,
@@ -59,6 +61,50 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams<Unit> p) {
     const int head = i / head_units, u = i % head_units;
     p.key_cache.slot_row(slot, head)[u] = key_src[head * p.key_head_stride + u];
     p.value_cache.slot_row(slot, head)[u] = value_src[head * p.value_head_stride + u];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// reshape_and_cache into fp8 caches: each element stored as the fp8 value nearest to x / scale (the quotient an
+// IEEE float division, then round to nearest even), saturated to the largest finite value; NaN stays NaN
+// (__nv_cvt_float_to_fp8 with __NV_SATFINITE). Counts and strides in elements.
+template <typename T>  // float, __half or __nv_bfloat16
+struct ReshapeAndCacheFp8Params {
+  const T* key;    // [num_tokens, num_kv_heads, head_dim], last dim contiguous
+  const T* value;  // [num_tokens, num_kv_heads, head_dim]
+  int64_t key_token_stride, key_head_stride, value_token_stride, value_head_stride;
+  PagedCache<__nv_fp8_storage_t> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  PagedCache<__nv_fp8_storage_t> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const int64_t* slot_mapping;                 // [num_tokens]; slot < 0: a padding token, not written
+  const float* k_scale;                        // [1], or nullptr: 1.0
+  const float* v_scale;                        // [1], or nullptr: 1.0
+  __nv_fp8_interpretation_t format;            // __NV_E4M3 or __NV_E5M2
+};
+
+__device__ __forceinline__ float as_float(float x) { return x; }
+__device__ __forceinline__ float as_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+__device__ __forceinline__ __nv_fp8_storage_t quantize_fp8(float x, float scale, __nv_fp8_interpretation_t format) {
+  return __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, format);
+}
+
+template <typename T>
+__global__ void reshape_and_cache_fp8_kernel(const ReshapeAndCacheFp8Params<T> p) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return;  // NOTE: padding token, nothing to write
+  const float k_scale = p.k_scale != nullptr ? *p.k_scale : 1.0f;
+  const float v_scale = p.v_scale != nullptr ? *p.v_scale : 1.0f;
+  const T* key_src = p.key + token * p.key_token_stride;
+  const T* value_src = p.value + token * p.value_token_stride;
+  const int head_dim = p.key_cache.head_dim;
+  for (int i = threadIdx.x; i < p.key_cache.num_kv_heads * head_dim; i += blockDim.x) {
+    const int head = i / head_dim, d = i % head_dim;
+    p.key_cache.slot_row(slot, head)[d] =
+        quantize_fp8(as_float(key_src[head * p.key_head_stride + d]), k_scale, p.format);
+    p.value_cache.slot_row(slot, head)[d] =
+        quantize_fp8(as_float(value_src[head * p.value_head_stride + d]), v_scale, p.format);
   }
 }
 

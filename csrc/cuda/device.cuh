@@ -1,6 +1,6 @@
 // What the CUDA kernel headers (attention_kernels.cuh, cache_ops_kernels.cuh) take from the device: the CUDA
-// toolkit's headers, the two macros through which every shared-memory array is declared, and (not emulated) the
-// conversion of a planned Grid to dim3.
+// toolkit's headers (half, bfloat16 and fp8 types and conversions), the two macros through which every
+// shared-memory array is declared, and (not emulated) the conversion of a planned Grid to dim3.
 //
 // The kernel headers include no torch header, so they also compile on the host under the CPU emulator of the CUDA
 // device API (tests/emulated/simt.h). The emulator's header is included first and defines PAGED_ATTN_EMULATED; it
@@ -14,6 +14,7 @@
 #endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 

@@ -69,6 +69,8 @@ constexpr int kPartitionSize = 512;     // tokens per partition in split-KV mode
 // The instantiations: head dims, and group variants (GROUP: the query heads a thread block's registers are sized
 // for; a block serving fewer heads takes the smallest variant that holds them).
 using AttentionHeadDims = IntList<32, 64, 80, 96, 112, 120, 128, 192, 256>;
+// fp8 caches (float16 / bfloat16 queries only): the head dims whose rows are whole 16-byte vectors.
+using Fp8AttentionHeadDims = IntList<32, 64, 80, 96, 112, 128, 192, 256>;
 using AttentionGroupVariants = IntList<1, 4, kMaxGroup>;
 
 template <int... Groups>

@@ -11,6 +11,8 @@
 //   tensor NAME ID BYTE_OFFSET NDIM SIZES... STRIDES...  a view of a buffer (strides in elements)
 //   scalar NAME VALUE
 //   output ID PATH                                    written back after the kernels ran
+// fp8 caches (attention, reshape_and_cache): the scalar fp8_format (1: e4m3, 2: e5m2; absent or 0: the caches have
+// the dtype), and optional one-element float32 tensors k_scale, v_scale.
 // Exit status: 0 done; 2 bad case file or a plan that refuses the launch (message on stderr); 3 an emulator error
 // (divergent barrier, collective mismatch, ...). Sanitizer reports abort the program on their own.
 #include "simt.h"  // first: the kernel headers then take its PA_SHARED / PA_EXTERN_SHARED
@@ -152,6 +154,15 @@ float* nan_floats(int64_t count) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The case's fp8 format: 0 (the caches have the query's dtype), __NV_E4M3 + 1 or __NV_E5M2 + 1.
+int fp8_format(const Case& c) {
+  return c.scalars.count("fp8_format") ? static_cast<int>(c.scalar("fp8_format")) : 0;
+}
+__nv_fp8_interpretation_t fp8_interpretation(const Case& c) { return fp8_format(c) == 2 ? __NV_E5M2 : __NV_E4M3; }
+const float* scale_of(const Case& c, const char* name) {
+  return c.has(name) ? c.tensor(name).as<const float>() : nullptr;
+}
+
 template <typename T>
 paged_attn::PagedCache<const T> cache_of(const View& cache) {
   return {cache.as<const T>(), cache.stride(0), cache.stride(1), cache.stride(2), static_cast<int>(cache.size(1)),
@@ -159,8 +170,8 @@ paged_attn::PagedCache<const T> cache_of(const View& cache) {
 }
 
 // The decode kernels (and split-KV's reduce) over `num_items` items (see attention_kernels.cuh's QueryRows).
-template <typename T>
-void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn::AttentionParams<T> p,
+template <typename T, typename C>
+void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn::AttentionParams<T, C> p,
                         int64_t num_items) {
   const View& block_tables = c.tensor("block_tables");
   const int64_t num_heads = p.num_heads, head_dim = p.key_cache.head_dim;
@@ -176,14 +187,14 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
     p.partial_sum = nan_floats(records);
   }
   p.set_plan(plan);
-  const bool found = paged_attn::dispatch_attention(
+  const bool found = paged_attn::dispatch_attention<C>(
       static_cast<int>(head_dim), plan.group_variant, [&](auto head_dim_constant, auto group_constant) {
         constexpr int HEAD_DIM = decltype(head_dim_constant)::value, GROUP = decltype(group_constant)::value;
-        simt::launch(options, paged_attn::paged_attention_kernel<T, HEAD_DIM, GROUP>, to_dim3(plan.grid),
+        simt::launch(options, paged_attn::paged_attention_kernel<T, C, HEAD_DIM, GROUP>, to_dim3(plan.grid),
                      dim3(plan.threads), plan.shared_bytes, p);
         if (plan.split()) {
-          simt::launch(options, paged_attn::paged_attention_reduce_kernel<T, HEAD_DIM>, to_dim3(plan.reduce_grid),
-                       dim3(plan.threads), plan.shared_bytes, p);
+          simt::launch(options, paged_attn::paged_attention_reduce_kernel<T, C, HEAD_DIM>,
+                       to_dim3(plan.reduce_grid), dim3(plan.threads), plan.shared_bytes, p);
         }
       });
   if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " is not instantiated");
@@ -194,9 +205,9 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
 
 // The launches of csrc/cuda/attention.cu: without query_start_loc the decode kernels; with it, for float16 and
 // bfloat16 at a head dim with a tensor-core instantiation, the decode kernels for the one-row sequences and the
-// tensor-core kernel for the others (or, with the scalar every_row = 1, the decode kernels for every row, as float32
-// and the other head dims take).
-template <typename T>
+// tensor-core kernel for the others (or, with the scalar every_row = 1, the decode kernels for every row, as float32,
+// the other head dims and fp8 caches take). C: the cache element type (T, or Fp8 with fp8_format).
+template <typename T, typename C = T>
 void run_attention(const Case& c, const simt::Options& options) {
   const View &out = c.tensor("out"), &query = c.tensor("query"), &key_cache = c.tensor("key_cache"),
              &value_cache = c.tensor("value_cache"), &block_tables = c.tensor("block_tables"),
@@ -205,11 +216,13 @@ void run_attention(const Case& c, const simt::Options& options) {
   const bool varlen = c.has("query_start_loc");
   const int64_t num_seqs = varlen ? c.tensor("query_start_loc").size(0) - 1 : num_tokens;
 
-  paged_attn::AttentionParams<T> p{};
+  paged_attn::AttentionParams<T, C> p{};
   p.out = out.as<T>();
   p.query = query.as<const T>();
   p.query_token_stride = query.stride(0), p.query_head_stride = query.stride(1);
-  p.key_cache = cache_of<T>(key_cache), p.value_cache = cache_of<T>(value_cache);
+  p.key_cache = cache_of<C>(key_cache), p.value_cache = cache_of<C>(value_cache);
+  p.k_scale = scale_of(c, "k_scale"), p.v_scale = scale_of(c, "v_scale");
+  p.fp8_format = fp8_interpretation(c);
   p.block_tables = block_tables.as<const int32_t>();
   p.seq_lens = seq_lens.as<const int32_t>();
   p.query_start_loc = varlen ? c.tensor("query_start_loc").as<const int32_t>() : nullptr;
@@ -227,15 +240,16 @@ void run_attention(const Case& c, const simt::Options& options) {
   const paged_attn::VarlenPlan plan = paged_attn::plan_varlen_attention(
       num_seqs, num_tokens, num_heads, key_cache.size(2), head_dim, sizeof(T), block_tables.size(1),
       key_cache.size(1), static_cast<int64_t>(c.scalar("sliding_window")));
-  if (!plan.error.empty() || c.scalar("every_row") != 0) {
-    std::printf("tensor-core kernel not taken: %s\n", plan.error.empty() ? "every_row" : plan.error.c_str());
+  if (!plan.error.empty() || c.scalar("every_row") != 0 || !std::is_same_v<T, C>) {
+    std::printf("tensor-core kernel not taken: %s\n",
+                !plan.error.empty() ? plan.error.c_str() : std::is_same_v<T, C> ? "every_row" : "fp8 cache");
     p.rows = paged_attn::QueryRows::kEveryRow;
     run_decode_kernels(c, options, p, num_tokens);
     return;
   }
   p.rows = paged_attn::QueryRows::kSingleTokenSeqs;
   run_decode_kernels(c, options, p, num_seqs);
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 2 && std::is_same_v<T, C>) {
     paged_attn::AttentionParams<T> vp = p;
     vp.set_varlen_plan(plan);
     const bool found = paged_attn::dispatch(static_cast<int>(head_dim), paged_attn::VarlenHeadDims{}, [&](auto hd) {
@@ -253,7 +267,37 @@ void run_attention(const Case& c, const simt::Options& options) {
 // ---------------------------------------------------------------------------------------------------------------
 uint64_t address(const View& v) { return reinterpret_cast<uint64_t>(v.data); }
 
+// reshape_and_cache into fp8 caches (reshape_and_cache_fp8_kernel), keys and values of dtype T.
+template <typename T>
+void run_reshape_and_cache_fp8(const Case& c, const simt::Options& options) {
+  const View &key = c.tensor("key"), &value = c.tensor("value"), &key_cache = c.tensor("key_cache"),
+             &value_cache = c.tensor("value_cache"), &slot_mapping = c.tensor("slot_mapping");
+  const int64_t num_tokens = key.size(0), num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  const auto plan = paged_attn::plan_reshape_and_cache(num_tokens, num_kv_heads, head_dim);
+  if (!plan.error.empty()) throw CaseError("plan_reshape_and_cache: " + plan.error);
+  const auto cache = [&](const View& v) {
+    return paged_attn::PagedCache<__nv_fp8_storage_t>{v.as<__nv_fp8_storage_t>(), v.stride(0), v.stride(1),
+                                                      v.stride(2), static_cast<int>(v.size(1)),
+                                                      static_cast<int>(num_kv_heads), static_cast<int>(head_dim)};
+  };
+  const paged_attn::ReshapeAndCacheFp8Params<T> p{
+      key.as<const T>(), value.as<const T>(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+      cache(key_cache), cache(value_cache), slot_mapping.as<const int64_t>(), scale_of(c, "k_scale"),
+      scale_of(c, "v_scale"), fp8_interpretation(c)};
+  if (num_tokens > 0) {
+    simt::launch(options, paged_attn::reshape_and_cache_fp8_kernel<T>, to_dim3(plan.grid), dim3(plan.threads),
+                 plan.shared_bytes, p);
+  }
+  std::printf("plan: fp8, %d threads\n", plan.threads);
+}
+
 void run_reshape_and_cache(const Case& c, const simt::Options& options) {
+  if (fp8_format(c) != 0) {
+    if (c.dtype == "float") return run_reshape_and_cache_fp8<float>(c, options);
+    if (c.dtype == "half") return run_reshape_and_cache_fp8<__half>(c, options);
+    if (c.dtype == "bfloat16") return run_reshape_and_cache_fp8<__nv_bfloat16>(c, options);
+    throw CaseError("unknown dtype " + c.dtype);
+  }
   const View &key = c.tensor("key"), &value = c.tensor("value"), &key_cache = c.tensor("key_cache"),
              &value_cache = c.tensor("value_cache"), &slot_mapping = c.tensor("slot_mapping");
   const int64_t elem = static_cast<int64_t>(c.scalar("element_size"));
@@ -349,7 +393,11 @@ int main(int argc, char** argv) {
   options.seed = std::strtoull(argv[3], nullptr, 10);
   try {
     const Case c = read_case(argv[1]);
-    if (c.op == "attention") {
+    if (c.op == "attention" && fp8_format(c) != 0) {  // as on CUDA: float16 and bfloat16 queries
+      if (c.dtype == "half") run_attention<__half, paged_attn::Fp8>(c, options);
+      else if (c.dtype == "bfloat16") run_attention<__nv_bfloat16, paged_attn::Fp8>(c, options);
+      else throw CaseError("fp8 caches take half or bfloat16 queries, got " + c.dtype);
+    } else if (c.op == "attention") {
       if (c.dtype == "float") run_attention<float>(c, options);
       else if (c.dtype == "half") run_attention<__half>(c, options);
       else if (c.dtype == "bfloat16") run_attention<__nv_bfloat16>(c, options);
