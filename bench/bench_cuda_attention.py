@@ -113,7 +113,8 @@ def main():
           f"{args.head_dim}, block {args.block_size}, {args.dtype}")
     print(f"# device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
     fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(args.kv_dtype)
-    fp8_header = f" {args.kv_dtype} us | GB/s (fp8 bytes) | % of copy | {args.kv_dtype} vs {args.dtype} |" if fp8 else ""
+    fp8_header = (f" {args.kv_dtype} us | GB/s (fp8 bytes) | % of copy | {args.kv_dtype} vs {args.dtype} |"
+                  if fp8 else "")
     print("| batch | context | KV MiB | paged_attention us | GB/s | % of copy | SDPA (contiguous) us | speed-up |"
           + fp8_header)
     print("|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if fp8 else ""))

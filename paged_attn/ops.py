@@ -1,11 +1,11 @@
 """Typed wrappers over ``torch.ops.paged_attn.*``, with the fake (meta) kernels that ``torch.compile`` needs.
 
 The paged KV cache, for every op: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` tensors (float32, float16, bfloat16, or fp8: see below) whose last dimension is contiguous; the other dimensions may
-have any strides under which no two elements share memory (e.g. the two halves of one ``[num_blocks, 2,
-block_size, num_kv_heads, head_dim]`` allocation, or the K and V halves of vLLM's packed ``[num_blocks,
-block_size, num_kv_heads, 2 * head_dim]`` cache). Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
-``t % block_size``; its *slot* is ``block * block_size + offset``.
+head_dim]`` tensors (float32, float16, bfloat16, or fp8: see below) whose last dimension is contiguous; the other
+dimensions may have any strides under which no two elements share memory (e.g. the two halves of one ``[num_blocks, 2,
+block_size, num_kv_heads, head_dim]`` allocation, or the K and V halves of vLLM's packed ``[num_blocks, block_size,
+num_kv_heads, 2 * head_dim]`` cache). Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at
+offset ``t % block_size``; its *slot* is ``block * block_size + offset``.
 
 An fp8 cache (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) holds half the bytes of bfloat16; keys, values and
 queries stay float32, float16 or bfloat16. Each cache has a scale, ``k_scale`` / ``v_scale``: a float32 tensor of one

@@ -559,9 +559,9 @@ def check_fp8_attention(driver, case: Case, tmp_path):
 
 @pytest.mark.parametrize("fp8", list(FP8_FORMATS), ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype, heads, head_dim, split", [
-    (torch.bfloat16, (8, 2), 128, False),   # group 4: 16-byte vectors of 16 values
-    (torch.float16, (8, 1), 64, True),      # group 8: 8-byte vectors; split-KV and the reduce
-    (torch.bfloat16, (4, 4), 80, True),     # group 1
+    (torch.bfloat16, (8, 2), 128, False),   # group 4: 8-byte vectors of 8 values, 8 rows per batch
+    (torch.float16, (8, 1), 64, True),      # group 8; split-KV and the reduce
+    (torch.bfloat16, (4, 4), 80, True),     # group 1: 16-byte vectors of 16 values
     (torch.float16, (16, 1), 256, False),   # two head chunks of 8
 ], ids=["bf16-group4-128", "half-group8-64-split", "bf16-group1-80-split", "half-group16-256"])
 def test_fp8_attention(driver, tmp_path, fp8, dtype, heads, head_dim, split):

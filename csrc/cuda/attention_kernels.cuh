@@ -46,9 +46,11 @@
 // fp8 caches (AttentionParams<T, Fp8>, T = half or bfloat16; the format, e4m3 or e5m2, is a run-time parameter):
 // a 16-byte load carries 16 cache values, converted to float in registers (cuda_fp8.h: two values per conversion);
 // keys are read as float(stored) * k_scale (k_scale folded into the query's pre-scaling) and values as
-// float(stored) * v_scale (applied to the accumulator when it is written). With more than 4 heads per thread block
-// a lane's 16 values per head would double the registers of q and acc (and spill): those variants load 8 bytes
-// (8 values) per vector instead, the same split of a row as for half/bfloat16 (DecodeSplit).
+// float(stored) * v_scale (applied to the accumulator when it is written). With more than one head per thread block
+// a lane's 16 values per head would double the registers of q and acc (ptxas: 196 instead of 122 for 4 heads,
+// spills for 8), halving the thread blocks an SM holds: those variants load 8-byte vectors (8 values, the same
+// split of a row as half/bfloat16) and twice as many rows per batch, so the bytes in flight per lane stay those of
+// a 16-byte split (DecodeSplit, RowSplit::UNROLL).
 #pragma once
 
 #include <cmath>
@@ -63,7 +65,7 @@ namespace paged_attn {
 
 constexpr int kAttentionWarps = kAttentionThreads / 32;
 constexpr int kTile = 256;         // tokens per tile (their logits are held in shared memory)
-constexpr int kUnroll = 4;         // rows loaded before they are used, per row group
+constexpr int kUnroll = 4;         // rows of 16-byte vectors loaded before they are used, per row group
 constexpr int kReduceChunk = 256;  // partitions whose weights the reduce kernel holds in shared memory at a time
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -193,6 +195,7 @@ constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2);
 template <typename T, int HEAD_DIM, int VEC_BYTES = 16>
 struct RowSplit {
   using Vector = std::conditional_t<VEC_BYTES == 16, uint4, uint2>;             // one load
+  static constexpr int UNROLL = kUnroll * 16 / VEC_BYTES;                        // rows per batch of loads
   static constexpr int VEC = VEC_BYTES / static_cast<int>(sizeof(T));           // elements per vector
   static constexpr int NVEC = HEAD_DIM / VEC;                                    // vectors per row
   static constexpr int LANES = pow2_ceil(NVEC) < 32 ? pow2_ceil(NVEC) : 32;     // lanes per row group
@@ -218,9 +221,9 @@ struct RowSplit {
 };
 
 // The decode kernel's split of a row of cache elements C: 16-byte vectors, but 8-byte ones for an fp8 cache with
-// more than 4 heads per thread block (16 fp8 values per lane and head would spill q and acc).
+// more than one head per thread block (16 fp8 values per lane and head would double the registers of q and acc).
 template <typename C, int HEAD_DIM, int GROUP>
-using DecodeSplit = RowSplit<C, HEAD_DIM, (sizeof(C) == 1 && GROUP > 4) ? 8 : 16>;
+using DecodeSplit = RowSplit<C, HEAD_DIM, (sizeof(C) == 1 && GROUP > 1) ? 8 : 16>;
 
 // A thread's slice of one row for each query head of its block: [GROUP][VPL][VEC] floats, in registers.
 template <typename C, int HEAD_DIM, int GROUP>
@@ -354,17 +357,17 @@ __device__ __forceinline__ void load_query(HeadSlices<C, HEAD_DIM, GROUP>& q, co
       }
 }
 
-// Loads this lane's vectors of kUnroll rows of the tile, rows first_row + u * ROW_GROUPS (u < kUnroll), of one
+// Loads this lane's vectors of UNROLL rows of the tile, rows first_row + u * ROW_GROUPS (u < UNROLL), of one
 // cache. A row at or past n is not read (it may be a NaN-poisoned slot past the sequence's end): the tile's last
 // row (n - 1) is loaded in its place, which the callers never use (fewer predicates than zero-filling: ptxas
 // spilled them). Lanes past the row's end get zeros. All loads are issued before any is used.
 template <typename R, typename C>
-__device__ __forceinline__ void load_rows(typename R::Vector (&rows)[kUnroll][R::VPL], const PagedCache<const C>& cache,
-                                          const int32_t* block_table, int kv_head, int tile_begin, int first_row,
+__device__ __forceinline__ void load_rows(typename R::Vector (&rows)[R::UNROLL][R::VPL],
+                                          const PagedCache<const C>& cache, const int32_t* block_table, int kv_head, int tile_begin, int first_row,
                                           int n, const R& rs) {
   using Vector = typename R::Vector;
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < R::UNROLL; ++u) {
     const int j = min(first_row + u * R::ROW_GROUPS, n - 1);
     const C* row = cache.row(block_table, tile_begin + j, kv_head);
 #pragma unroll
@@ -375,7 +378,7 @@ __device__ __forceinline__ void load_rows(typename R::Vector (&rows)[kUnroll][R:
   }
 }
 
-// Walks this row group's rows of the tile in one cache: rows j = first + u * ROW_GROUPS, kUnroll at a time (all
+// Walks this row group's rows of the tile in one cache: rows j = first + u * ROW_GROUPS, UNROLL at a time (all
 // loads of a batch issued first), calling f(j, row) with this lane's slice of the row as floats ([VPL][VEC]; for
 // j >= n, row n - 1 again: f must not use it). The loop steps over warp-uniform bases, so every lane of a warp makes
 // the same calls, also past the tile's end (step 1's lane shuffles need the whole warp).
@@ -383,11 +386,11 @@ template <typename R, typename T, typename C, typename F>
 __device__ __forceinline__ void for_each_row(const PagedCache<const C>& cache, const AttentionParams<T, C>& p,
                                              const AttentionTask& task, const R& rs, int tile_begin, int n, F&& f) {
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
-  for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * kUnroll) {
-    typename R::Vector rows[kUnroll][R::VPL];
+  for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * R::UNROLL) {
+    typename R::Vector rows[R::UNROLL][R::VPL];
     load_rows<R>(rows, cache, block_table, task.kv_head, tile_begin, j0 + rs.row_in_warp, n, rs);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < R::UNROLL; ++u) {
       float row[R::VPL][R::VEC];
 #pragma unroll
       for (int i = 0; i < R::VPL; ++i) cache_vec_to_floats<C>(rows[u][i], row[i], p.fp8_format);
