@@ -590,11 +590,12 @@ def test_fp8_varlen(driver, tmp_path, fp8):
 def test_fp8_reshape_and_cache(driver, tmp_path, fp8, dtype, layout):
     """Quantized bytes against reference.quantize_fp8 (ties counted), values over many binades with +-0, NaN, +-inf
     and exact ties planted; keys and values slices of a fused QKV tensor; unwritten slots keep their NaN byte."""
-    from test_fp8 import NAN_BYTE, assert_quantized, poisoned, spread_values
+    from test_fp8 import NAN_BYTE, assert_quantized, plant_specials, poisoned, spread_values
 
     num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 9, 2, 32, 5, 4
     qkv = spread_values((num_tokens, 3 * num_kv_heads, head_dim), dtype, "cpu")
     key, value = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    plant_specials(key, value)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if layout == "packed":
         alloc = poisoned(shape[:3] + (2 * head_dim,), fp8)
@@ -602,7 +603,7 @@ def test_fp8_reshape_and_cache(driver, tmp_path, fp8, dtype, layout):
     else:
         key_cache, value_cache = poisoned(shape, fp8), poisoned(shape, fp8)
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
-    slots[3] = -1
+    slots[3] = -1  # (token 0, with the special values, is written)
     k_scale, v_scale = torch.tensor([0.37]), torch.tensor([2.5])
     case = Case("reshape_and_cache", dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                                           slot_mapping=slots, k_scale=k_scale, v_scale=v_scale),

@@ -86,14 +86,21 @@ def test_reference_quantize_by_hand(dtype, cases):
 # reshape_and_cache
 
 
+SPECIALS = [0.0, -0.0, math.nan, math.inf, -math.inf, 1 + 1 / 16, 1.125, 2**-10, 1.5 * 2**-9, 1e5, -1e5]
+
+
 def spread_values(shape, dtype, device):
-    """Random values over many binades (subnormals to saturation at the scales used), with planted special values:
-    +-0, NaN, +-inf, and exact ties of both formats."""
+    """Random values over many binades (subnormals to saturation at the scales used)."""
     x = torch.randn(shape) * torch.pow(10.0, torch.empty(shape).uniform_(-4, 3.5))
-    flat = x.view(-1)
-    specials = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1 + 1 / 16, 1.125, 2**-10, 1.5 * 2**-9, 1e5])
-    flat[:len(specials)] = specials
     return x.to(dtype).to(device)
+
+
+def plant_specials(key, value):
+    """Special values into the first rows of key and value ([num_tokens, num_kv_heads, head_dim] views), in place:
+    +-0, NaN, +-inf, exact ties of both formats (unscaled), values past saturation."""
+    specials = torch.tensor(SPECIALS)
+    key[0, 0, :len(specials)] = specials.to(key.dtype)
+    value[0, -1, :len(specials)] = (-specials).to(value.dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -112,8 +119,9 @@ def test_reshape_and_cache_stores_quantized_bytes(device, cache_dtype, dtype, la
         key_cache, value_cache = alloc[..., :head_dim], alloc[..., head_dim:]
         qkv = spread_values((40, 3 * num_kv_heads, head_dim), dtype, device)
         key, value = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    plant_specials(key, value)
     slots = torch.randperm(num_blocks * block_size)[:40]
-    slots[::7] = -1  # padding
+    slots[7::7] = -1  # padding (token 0, with the special values, is written)
     slots = slots.to(device)
     k_scale = torch.tensor([0.37], device=device)
     v_scale = torch.tensor([2.5], device=device)
