@@ -110,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                        help="auto: the model's dtype; fp8: twice the tokens of bfloat16 in the same memory")
+    parser.add_argument("--calibrate-kv-scales", action="store_true",
+                        help="fp8 cache: per-layer scales from the first step's keys and values (default 1.0)")
     parser.add_argument("--torch-compile", action="store_true",
                         help="compile the elementwise work of prefill steps (torch.compile; the first compiles)")
     return parser.parse_args(argv)
@@ -149,13 +153,16 @@ def run(args: argparse.Namespace) -> int:
               block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**20),
               num_cpu_blocks=args.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
-              max_num_seqs=args.max_num_seqs, seed=args.seed, torch_compile=args.torch_compile)
+              max_num_seqs=args.max_num_seqs, seed=args.seed, torch_compile=args.torch_compile,
+              kv_cache_dtype=args.kv_cache_dtype, calibrate_kv_scales=args.calibrate_kv_scales)
     cfg, stats = llm.config, llm.stats()
     print(f"model: {os.path.basename(model_path)} ({cfg.num_layers} layers, {cfg.num_heads} heads / "
           f"{cfg.num_kv_heads} kv heads, head dim {cfg.head_dim}) on {args.device}, "
           f"{str(llm.model.dtype).replace('torch.', '')}, loaded in {time.perf_counter() - start:.1f} s")
+    bytes_per_token = stats.bytes_per_block // stats.block_size
     print(f"KV cache: {stats.num_gpu_blocks} blocks x {stats.block_size} tokens "
-          f"({_mib(stats.num_gpu_blocks * stats.bytes_per_block)}), {stats.num_cpu_blocks} CPU blocks for swapping, "
+          f"({_mib(stats.num_gpu_blocks * stats.bytes_per_block)}) of {stats.kv_cache_dtype}, {bytes_per_token} bytes "
+          f"a token{_capacity_note(stats.kv_cache_dtype)}, {stats.num_cpu_blocks} CPU blocks for swapping, "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}")
     texts = prompts if args.raw else [llm.tokenizer.apply_chat_template(prompt) for prompt in prompts]
 
@@ -194,6 +201,14 @@ def run(args: argparse.Namespace) -> int:
           f"recomputed); prefix-cache hits: {stats.prefix_cache_hit_tokens} tokens; blocks in use now: "
           f"{stats.gpu_blocks_used}")
     return 0
+
+
+def _capacity_note(kv_cache_dtype: str) -> str:
+    """How many times the tokens of each wider cache dtype this cache holds in the same memory."""
+    size = getattr(torch, kv_cache_dtype).itemsize
+    wider = [f"{width // size}x the tokens of {name}" for name, width in (("bfloat16", 2), ("float32", 4))
+             if width > size]
+    return f" ({', '.join(wider)} in the same memory)" if wider else ""
 
 
 def _mib(num_bytes: int) -> str:

@@ -17,6 +17,7 @@ import math
 import operator
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence as SequenceType, Union
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from .model import LlamaModel, Tokenizer
-from .model_runner import ModelRunner, kv_bytes_per_block
+from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block
 from .sampling import SamplingParams, sample
 from .scheduler import EngineStats, Request, Scheduler, Sequence
 
@@ -75,6 +76,13 @@ class LLM:
             admission, as a contiguous KV allocator must (a baseline for comparisons; see ``scheduler``).
         seed: seeds the sampling of requests that give no seed of their own.
         tokenizer: for a transformers model, anything with ``encode``/``decode`` (e.g. its tokenizer).
+        kv_cache_dtype: ``"auto"`` (the model's dtype), ``"fp8_e4m3"`` or ``"fp8_e5m2"``: an 8-bit cache holds
+            twice the tokens of a bfloat16 one (four times float32) in the same memory, and decode reads half the
+            bytes; keys and values are stored as the fp8 value nearest to ``x / scale``, with one float32 scale
+            per layer for keys and one for values, 1.0 unless calibrated.
+        calibrate_kv_scales: with an fp8 cache, set each layer's scales once, on the first step, to
+            ``amax(|x|) * 2 / largest fp8 value`` of that step's keys and values (the first prompts'), so that
+            small values keep their precision and values up to twice those seen still fit.
         torch_compile: run the elementwise work of steps of 128 tokens or more (prefill) as ``torch.compile``'d
             fused kernels (see ``LlamaModel.compile_elementwise``; the first such step compiles, for seconds;
             outputs may then differ from eager ones in the last bits). Needs a C++ compiler on the CPU.
@@ -89,7 +97,8 @@ class LLM:
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, admission_headroom: int = 2,
-                 kv_reservation: str = "none", seed: int = 0, tokenizer=None, torch_compile: bool = False):
+                 kv_reservation: str = "none", seed: int = 0, tokenizer=None, torch_compile: bool = False,
+                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False):
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as error:
@@ -100,6 +109,9 @@ class LLM:
             raise ValueError("device is CUDA but no CUDA GPU is available")
         if dtype is not None:
             LlamaModel.check_dtype(device, dtype)
+        cache_dtype(kv_cache_dtype, torch.float32)  # raises for an unknown name, before the model loads
+        if calibrate_kv_scales and kv_cache_dtype == "auto":
+            raise ValueError("calibrate_kv_scales needs an fp8 KV cache (kv_cache_dtype 'fp8_e4m3' or 'fp8_e5m2')")
         if device.type == "cuda" and block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32 on CUDA (the paged_attention kernel), got {block_size}")
         if block_size < 1 or num_cpu_blocks < 0 or max_num_seqs < 1 or max_num_batched_tokens < 1 or \
@@ -133,7 +145,7 @@ class LLM:
             raise ValueError(f"max_model_len must be in [2, {cfg.max_model_len}] (the model's context), got "
                              f"{max_model_len}")
         self.max_model_len = max_model_len or cfg.max_model_len
-        bytes_per_block = kv_bytes_per_block(cfg, block_size, model.dtype)
+        bytes_per_block = kv_bytes_per_block(cfg, block_size, cache_dtype(kv_cache_dtype, model.dtype))
         if num_gpu_blocks is None:
             if kv_cache_memory is None:
                 kv_cache_memory = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else \
@@ -146,7 +158,8 @@ class LLM:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}): every running sequence decodes a token each step")
         # The cache tensors come first: an oversized pool fails there, at once, before the scheduler's bookkeeping.
-        self.runner = ModelRunner(model, block_size, num_gpu_blocks, num_cpu_blocks)
+        self.runner = ModelRunner(model, block_size, num_gpu_blocks, num_cpu_blocks, kv_cache_dtype,
+                                  calibrate_kv_scales)
         self.scheduler = Scheduler(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, max_num_seqs,
                                    max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom)
         self.num_generated_tokens = 0  # since the last generate began
@@ -180,7 +193,8 @@ class LLM:
     def stats(self) -> EngineStats:
         """KV-cache figures: blocks used now and at the peak of the last ``generate``, utilization, blocks saved
         by sharing, preemptions, prefix-cache hits, steps."""
-        return self.scheduler.stats(self.runner.bytes_per_block, self.num_generated_tokens)
+        stats = self.scheduler.stats(self.runner.bytes_per_block, self.num_generated_tokens)
+        return dataclasses.replace(stats, kv_cache_dtype=str(self.runner.cache_dtype).replace("torch.", ""))
 
     # ---- internals ----
 

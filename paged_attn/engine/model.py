@@ -330,8 +330,12 @@ class LlamaModel:
         self._compile_min_tokens = min_tokens
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Run one step; return float32 logits ``[len(logits_indices), vocab_size]`` of the rows named there."""
+    def forward(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_scales: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
+                calibrate_kv_scales: bool = False) -> torch.Tensor:
+        """Run one step; return float32 logits ``[len(logits_indices), vocab_size]`` of the rows named there.
+        ``kv_scales``: per layer (k_scale, v_scale) of fp8 caches (float32 ``[1]``); ``calibrate_kv_scales``
+        first sets them from this step's keys and values (see ``model_runner``)."""
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
@@ -344,17 +348,34 @@ class LlamaModel:
         rms_norm, rope_qkv, silu_mul = self._compiled if compiled else (_rms_norm, _rope_qkv, _silu_mul)
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = rms_norm(hidden, layer["input_layernorm"], eps)
             q, k, v = rope_qkv(self._linear(x, layer["qkv_proj"]), cos, sin, *heads)
-            ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+            k_scale, v_scale = kv_scales[i] if kv_scales is not None else (None, None)
+            if calibrate_kv_scales:
+                _calibrate_scale(k_scale, k, key_cache.dtype)
+                _calibrate_scale(v_scale, v, value_cache.dtype)
+            ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale,
+                                  v_scale=v_scale)
             attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                                       query_start_loc=query_start_loc, max_query_len=max_query_len)
+                                       query_start_loc=query_start_loc, max_query_len=max_query_len,
+                                       k_scale=k_scale, v_scale=v_scale)
             hidden = hidden + self._linear(attn.view(num_tokens, q_size), layer["o_proj"])
             x = rms_norm(hidden, layer["post_attention_layernorm"], eps)
             hidden = hidden + self._linear(silu_mul(self._linear(x, layer["gate_up_proj"])), layer["down_proj"])
         hidden = _rms_norm(hidden[batch.logits_indices], self.norm, eps)
         return self._linear(hidden, self.lm_head).float()
+
+
+KV_SCALE_MARGIN = 2.0  # calibrated fp8 scales leave the first step's largest |x| at half the largest fp8 value
+
+
+def _calibrate_scale(scale: torch.Tensor, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+    """scale = amax(|x|) * KV_SCALE_MARGIN / the format's largest finite value; left as it was (1.0) when x is
+    all zeros or not finite."""
+    amax = x.abs().amax().float()
+    if torch.isfinite(amax) and amax > 0:
+        scale.fill_(float(amax) * KV_SCALE_MARGIN / torch.finfo(fp8_dtype).max)
 
 
 # The elementwise work of a layer, as plain functions of tensors (so that torch.compile can take them whole).

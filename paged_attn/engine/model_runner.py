@@ -1,6 +1,11 @@
 """The model runner: owns the KV cache (the GPU pool and the CPU pool that preempted requests swap to), applies the
 cache operations the scheduler decided, builds each step's tensors and runs the model.
 
+The cache holds the model's dtype, or fp8 (``kv_cache_dtype``): e4m3 or e5m2 values with one float32 scale per
+layer for keys and one for values (stored = nearest fp8 of ``x / scale``), 1.0 by default (vLLM's default), or
+calibrated once on the first step: ``amax(|x|) * KV_SCALE_MARGIN / max_finite`` per layer, from that step's keys and
+values, before they are written (a margin for later tokens larger than the first prompts').
+
 The scheduler decides; the runner moves data. A step's cache operations run before its forward pass, in the order
 swap in, swap out, copy (copy-on-write), which is the order the scheduler decides them in: so a block a swap-out
 frees may be a copy's destination in the same step, and a swap-out may send back a request swapped in earlier in
@@ -20,15 +25,35 @@ from .model import Batch, LlamaModel, ModelConfig
 from .scheduler import ScheduledStep
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for an ``LLM(kv_cache_dtype=...)`` value: "auto" is the model's dtype."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
+                         f"{kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int):
+    def __init__(self, model: LlamaModel, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False):
         self.model, self.device, self.block_size = model, model.device, block_size
-        self.bytes_per_block = kv_bytes_per_block(model.config, block_size, model.dtype)
-        self.kv_caches = _allocate_caches(model.config, num_gpu_blocks, block_size, model.dtype, self.device, False,
-                                          self.bytes_per_block, "num_gpu_blocks")
-        self.cpu_kv_caches = _allocate_caches(model.config, num_cpu_blocks, block_size, model.dtype,
+        self.cache_dtype = cache_dtype(kv_cache_dtype, model.dtype)
+        self.bytes_per_block = kv_bytes_per_block(model.config, block_size, self.cache_dtype)
+        self.kv_caches = _allocate_caches(model.config, num_gpu_blocks, block_size, self.cache_dtype, self.device,
+                                          False, self.bytes_per_block, "num_gpu_blocks")
+        self.cpu_kv_caches = _allocate_caches(model.config, num_cpu_blocks, block_size, self.cache_dtype,
                                               torch.device("cpu"), self.device.type == "cuda", self.bytes_per_block,
                                               "num_cpu_blocks") if num_cpu_blocks else []
+        # (k_scale, v_scale) per layer, float32 [1] on the device: fp8 caches only.
+        fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
+        self.kv_scales = [(torch.ones(1, device=self.device), torch.ones(1, device=self.device))
+                          for _ in range(model.config.num_layers)] if fp8 else None
+        if calibrate_kv_scales and not fp8:
+            raise ValueError("calibrate_kv_scales needs an fp8 KV cache (kv_cache_dtype 'fp8_e4m3' or 'fp8_e5m2')")
+        self.calibrate_pending = calibrate_kv_scales  # until the first step has run
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Apply the step's cache operations, then run its forward pass (which writes the KV of its tokens).
@@ -39,7 +64,8 @@ class ModelRunner:
         if step.blocks_to_copy:
             ops.copy_blocks([key for key, _ in self.kv_caches], [value for _, value in self.kv_caches],
                             step.blocks_to_copy)
-        return self.model.forward(self.prepare(step), self.kv_caches)
+        calibrate, self.calibrate_pending = self.calibrate_pending, False
+        return self.model.forward(self.prepare(step), self.kv_caches, self.kv_scales, calibrate)
 
     def swap(self, mapping: list[tuple[int, int]], to_gpu: bool) -> None:
         """Copy blocks between the pools: ``(cpu_block, gpu_block)`` pairs in, ``(gpu_block, cpu_block)`` out."""

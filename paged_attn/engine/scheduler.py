@@ -115,6 +115,7 @@ class EngineStats:
     num_decode_steps: int  # steps that decoded at least one token
     num_mixed_steps: int  # steps that decoded and computed prefill tokens together
     peak_running_seqs: int  # sequences in one step, at most
+    kv_cache_dtype: str = ""  # the cache tensors' dtype, e.g. "bfloat16" or "float8_e4m3fn" (set by LLM.stats)
 
 
 class Scheduler:
