@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm")
+vllm = pytest.importorskip("vllm.v1.attention.backend")  # the v1 engine vLLM, not just any "vllm" on the path
 
 import paged_attn  # noqa: E402
 from paged_attn import reference  # noqa: E402
