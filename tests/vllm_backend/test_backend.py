@@ -136,8 +136,11 @@ def test_version_gate():
 
 
 @pytest.mark.skipif(os.environ.get("PAGED_ATTN_VLLM_E2E") != "1", reason="set PAGED_ATTN_VLLM_E2E=1 (slow)")
-@pytest.mark.parametrize("extra", [[], ["--max-num-batched-tokens", "16"], ["--tp", "2"]],
-                         ids=["plain", "chunked-prefill", "tp2"])
+TINY_LLAMA = os.path.expanduser("~/.cache/paged_attn/tiny-llama")
+
+
+@pytest.mark.parametrize("extra", [[], ["--max-num-batched-tokens", "16"], ["--tp", "2", "--tiny-llama", TINY_LLAMA]],
+                         ids=["smollm2", "smollm2-chunked-prefill", "tiny-llama-tp2"])
 def test_end_to_end_same_tokens_as_vllm_cpu_backend(extra):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_backend_check.py"), *extra],
                           capture_output=True, text=True, timeout=1500)
