@@ -23,6 +23,11 @@ PROMPTS = [
     "Here is a short story about a robot who learns to paint. Once upon a time,",
     "def fibonacci(n):",
     "List three colours:",
+    # ~90 tokens: several blocks of 32, and chunks under --max-num-batched-tokens 16.
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based ink and a wooden press adapted from those used for wine. Before that, books were copied "
+    "by hand in monasteries and workshops, a slow and costly process. Within fifty years presses had spread to more "
+    "than two hundred cities across Europe, and the price of books fell sharply. In short,",
 ]
 MARK = "paged_attn vLLM backend: first forward"
 
@@ -106,6 +111,7 @@ def main() -> None:
     same = sum(a == b for a, b in zip(ours, ref))
     print(f"tp={args.tp}: {same}/{len(ref)} requests with identical greedy tokens; our backend ran in "
           f"{len(marks)} process(es)")
+    print("first request, first 16 tokens:", ours[0][:16])
     for a, b in zip(ours, ref):
         if a != b:
             print("ours:", a, "\nvllm:", b)
