@@ -5,6 +5,8 @@ once with ``PAGED_ATTN_VLLM=1`` (ours), once with ``VLLM_PLUGINS=""`` (vLLM's CP
 Our run must print the backend's "first forward" line from each worker process::
 
     /work/vllm-venv/bin/python bench/vllm_backend_check.py [--model DIR] [--max-num-batched-tokens 16]
+    /work/vllm-venv/bin/python bench/vllm_backend_check.py --prefix-caching
+    /work/vllm-venv/bin/python bench/vllm_backend_check.py --compile
     /work/vllm-venv/bin/python bench/vllm_backend_check.py --tp 2 --tiny-llama ~/.cache/paged_attn/tiny-llama
 """
 
@@ -23,12 +25,13 @@ PROMPTS = [
     "Here is a short story about a robot who learns to paint. Once upon a time,",
     "def fibonacci(n):",
     "List three colours:",
-    # ~90 tokens: several blocks of 32, and chunks under --max-num-batched-tokens 16.
+    # 80 tokens: several blocks of 32, and chunks under --max-num-batched-tokens 16.
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
     "metal type, oil-based ink and a wooden press adapted from those used for wine. Before that, books were copied "
     "by hand in monasteries and workshops, a slow and costly process. Within fifty years presses had spread to more "
     "than two hundred cities across Europe, and the price of books fell sharply. In short,",
 ]
+SUFFIXES = [" the press", " books became", " it changed"]
 MARK = "paged_attn vLLM backend: first forward"
 
 
@@ -55,16 +58,21 @@ def make_tiny_llama(path: str, tokenizer_from: str = DEFAULT_MODEL) -> str:
 def worker(args) -> None:
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(model=args.model, dtype="float32", block_size=32, enforce_eager=True, seed=0,
+    kwargs = dict(model=args.model, dtype="float32", block_size=32, enforce_eager=not args.compile, seed=0,
                   max_model_len=512, tensor_parallel_size=args.tp)
     if args.tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    if args.prefix_caching:
+        kwargs["enable_prefix_caching"] = True
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
         kwargs["enable_chunked_prefill"] = True
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
+    if args.prefix_caching:  # the long prompt's full blocks are cached now: these start from them
+        outs += llm.generate([PROMPTS[-1] + suffix for suffix in SUFFIXES], params)
+    print("CACHED_TOKENS " + json.dumps([o.num_cached_tokens for o in outs]), flush=True)
     print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
 
 
@@ -78,6 +86,7 @@ def run(args, ours: bool) -> tuple[list, str]:
         env.pop("PAGED_ATTN_VLLM", None)
     cmd = [sys.executable, __file__, "--worker", "--tp", str(args.tp), "--model", args.model,
            "--max-tokens", str(args.max_tokens), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd += ["--prefix-caching"] * args.prefix_caching + ["--compile"] * args.compile
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -93,6 +102,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="small: chunked prefill")
+    parser.add_argument("--prefix-caching", action="store_true", help="then prompts sharing the long prompt")
+    parser.add_argument("--compile", action="store_true", help="vLLM's default torch.compile, not enforce_eager")
     parser.add_argument("--tiny-llama", metavar="DIR", help="use (and first make) a tiny random Llama in DIR "
                         "instead of --model: SmolLM2's 9 heads do not split over 2 processes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -104,6 +115,8 @@ def main() -> None:
         args.model = make_tiny_llama(args.tiny_llama)
     ours, ours_log = run(args, ours=True)
     marks = [l for l in ours_log.splitlines() if MARK in l]
+    print(next(l for l in ours_log.splitlines() if l.startswith("CACHED_TOKENS ")), "(prompt tokens read from the "
+          "prefix cache, per request)")
     print("\n".join(marks))
     ref, ref_log = run(args, ours=False)
     if any(MARK in l for l in ref_log.splitlines()):

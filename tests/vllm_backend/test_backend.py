@@ -139,8 +139,9 @@ def test_version_gate():
 TINY_LLAMA = os.path.expanduser("~/.cache/paged_attn/tiny-llama")
 
 
-@pytest.mark.parametrize("extra", [[], ["--max-num-batched-tokens", "16"], ["--tp", "2", "--tiny-llama", TINY_LLAMA]],
-                         ids=["smollm2", "smollm2-chunked-prefill", "tiny-llama-tp2"])
+@pytest.mark.parametrize("extra", [[], ["--max-num-batched-tokens", "16"], ["--prefix-caching"],
+                                   ["--tp", "2", "--tiny-llama", TINY_LLAMA]],
+                         ids=["smollm2", "smollm2-chunked-prefill", "smollm2-prefix-caching", "tiny-llama-tp2"])
 def test_end_to_end_same_tokens_as_vllm_cpu_backend(extra):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vllm_backend_check.py"), *extra],
                           capture_output=True, text=True, timeout=1500)
