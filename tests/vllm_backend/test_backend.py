@@ -135,10 +135,10 @@ def test_version_gate():
         check_vllm_version("0.33.0")
 
 
-@pytest.mark.skipif(os.environ.get("PAGED_ATTN_VLLM_E2E") != "1", reason="set PAGED_ATTN_VLLM_E2E=1 (slow)")
 TINY_LLAMA = os.path.expanduser("~/.cache/paged_attn/tiny-llama")
 
 
+@pytest.mark.skipif(os.environ.get("PAGED_ATTN_VLLM_E2E") != "1", reason="set PAGED_ATTN_VLLM_E2E=1 (slow)")
 @pytest.mark.parametrize("extra", [[], ["--max-num-batched-tokens", "16"], ["--prefix-caching"],
                                    ["--tp", "2", "--tiny-llama", TINY_LLAMA]],
                          ids=["smollm2", "smollm2-chunked-prefill", "smollm2-prefix-caching", "tiny-llama-tp2"])
