@@ -48,12 +48,13 @@ def parse_args():
 class Timer:
     """Median wall time of a callable, flushing the L2 cache (CUDA) before each repeat."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, warmup: int = 1):
+        self.device, self.warmup = device, warmup  # untimed calls first (a second one also after lazy initialization)
         self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
     def __call__(self, fn, repeats: int) -> float:
-        fn()  # warm-up
+        for _ in range(self.warmup):
+            fn()
         times = []
         for _ in range(repeats):
             if self.device.type == "cuda":

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import paged_attn
+from bench_cuda_attention import Timer  # the L2-flushing CUDA-event timer (bench/ is on sys.path when run as a script)
 
 
 def parse_args():
@@ -39,27 +39,6 @@ def parse_args():
     if args.quick:
         args.repeats = 5
     return args
-
-
-class Timer:
-    """Median time of a callable in seconds (CUDA events), the L2 cache flushed before each repeat."""
-
-    def __init__(self):
-        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-
-    def __call__(self, fn, repeats: int) -> float:
-        fn()
-        fn()  # warm-up (the second also after any lazy initialization)
-        times = []
-        for _ in range(repeats):
-            self.flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
 
 
 def matmul_tflops(timer: Timer, dtype, repeats: int) -> float:
@@ -117,7 +96,7 @@ def main():
     args = parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    timer = Timer()
+    timer = Timer(torch.device("cuda"), warmup=2)
     peak = matmul_tflops(timer, dtype, args.repeats)
     print(f"# paged_attention prefill on {torch.cuda.get_device_name()}: {args.num_heads} heads, {args.num_kv_heads} "
           f"kv heads, head dim {args.head_dim}, block {args.block_size}, {args.dtype}")

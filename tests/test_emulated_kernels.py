@@ -395,6 +395,19 @@ def test_varlen_invalid_query_start_loc_stays_in_bounds(driver, tmp_path, dtype)
 # ---------------------------------------------------------------------------------------------------------------
 # reshape_and_cache and copy_blocks: moved bytes must be exactly the reference's
 
+def check_reshape_and_cache(driver, tmp_path, key, value, key_cache, value_cache, slots):
+    """reshape_and_cache on the emulated kernel (every order, the sanitizers): the caches equal the reference's, bit
+    for bit."""
+    case = Case("reshape_and_cache", dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                                          slot_mapping=slots), dict(element_size=key.element_size()),
+                ("key_cache", "value_cache"), key.dtype)
+    out = run_everywhere(driver, case, tmp_path, ["key_cache", "value_cache"])
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
+    assert_same_bits(out["key_cache"], expected_key, "key_cache")
+    assert_same_bits(out["value_cache"], expected_value, "value_cache")
+
+
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.float16, 128), (torch.bfloat16, 80),
                                              (torch.float16, 6), (torch.bfloat16, 3)],
                          ids=["float-64", "half-128", "bf16-80", "half-6 (8-byte units)", "bf16-3 (2-byte units)"])
@@ -419,14 +432,7 @@ def test_reshape_and_cache(driver, tmp_path, dtype, head_dim, layout):
     value_cache = torch.full_like(key_cache, NAN)
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     slots[[2, 7]] = -1
-    case = Case("reshape_and_cache", dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                                          slot_mapping=slots), dict(element_size=key.element_size()),
-                ("key_cache", "value_cache"), dtype)
-    out = run_everywhere(driver, case, tmp_path, ["key_cache", "value_cache"])
-    expected_key, expected_value = key_cache.clone(), value_cache.clone()
-    reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
-    assert_same_bits(out["key_cache"], expected_key, "key_cache")
-    assert_same_bits(out["value_cache"], expected_value, "value_cache")
+    check_reshape_and_cache(driver, tmp_path, key, value, key_cache, value_cache, slots)
 
 
 @pytest.mark.parametrize("num_layers", [3, 130], ids=["3_layers", "130_layers (two launches)"])
@@ -462,14 +468,7 @@ def test_reshape_and_cache_into_strided_caches(driver, tmp_path, dtype, head_dim
     value = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
     slots[3] = -1
-    case = Case("reshape_and_cache", dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                                          slot_mapping=slots), dict(element_size=key.element_size()),
-                ("key_cache", "value_cache"), dtype)
-    out = run_everywhere(driver, case, tmp_path, ["key_cache", "value_cache"])
-    expected_key, expected_value = key_cache.clone(), value_cache.clone()
-    reference.reshape_and_cache(key, value, expected_key, expected_value, slots)
-    assert_same_bits(out["key_cache"], expected_key, "key_cache")
-    assert_same_bits(out["value_cache"], expected_value, "value_cache")
+    check_reshape_and_cache(driver, tmp_path, key, value, key_cache, value_cache, slots)
 
 
 def test_copy_blocks_strided_views_copy_only_their_rows(driver, tmp_path):

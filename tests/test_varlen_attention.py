@@ -127,6 +127,15 @@ def test_mixed_batch(device, dtype, heads, head_dim):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 72), ((64, 1), 32), ((3, 3), 40)],
+                         ids=["head_dim 72", "64 heads per kv head", "head_dim 40"])
+def test_odd_shapes(device, heads, head_dim):
+    """Head dims that are not a multiple of 16 (the CPU's portable micro-kernels) and a group larger than a query
+    tile's rows (a tile is then one position's whole group)."""
+    check(make_varlen_case(MIXED, *heads, head_dim, 16, torch.float32, device, "packed"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_block_sizes_and_cache_layouts(device, block_size, layout):

@@ -196,9 +196,11 @@ struct Problem {
   const int32_t* block_table(int64_t row) const {
     return block_tables + (row_seqs ? row_seqs[row] : row) * max_blocks_per_seq;
   }
-  int64_t window_start(int64_t row) const {
-    return sliding_window > 0 ? std::max<int64_t>(0, row_lens[row] - sliding_window) : 0;
+  // The first token a query at `position` sees (the sliding window's start; 0 without one).
+  int64_t first_visible(int64_t position) const {
+    return sliding_window > 0 ? std::max<int64_t>(0, position - sliding_window + 1) : 0;
   }
+  int64_t window_start(int64_t row) const { return first_visible(row_lens[row] - 1); }
 };
 
 // A task's scratch memory: the online-softmax state of every query head, and one tile's logits of one group.
@@ -1025,8 +1027,7 @@ void prefill_task(const Problem<scalar_t>& pb, const int32_t* query_start_loc, c
   const int64_t rows = num_positions * group_size;
   const int64_t first_position = seq_lens[seq] - query_len + task.first;  // of the tile's first row
   const int64_t last_position = first_position + num_positions - 1;
-  const int64_t first_token =
-      pb.sliding_window > 0 ? std::max<int64_t>(0, first_position - pb.sliding_window + 1) : 0;
+  const int64_t first_token = pb.first_visible(first_position);
   const int64_t first_head = task.kv_head * group_size;
   const int64_t first_query_row = query_start_loc[seq] + task.first;  // in query / out
   const bool logit_mods = pb.logits_soft_cap > 0 || pb.alibi_slopes != nullptr;
@@ -1059,7 +1060,7 @@ void prefill_task(const Problem<scalar_t>& pb, const int32_t* query_start_loc, c
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t position = first_position + r / group_size, head = first_head + r % group_size;
       float* x = sc.s + r * kPrefillKeys;
-      const int64_t visible_begin = pb.sliding_window > 0 ? position - pb.sliding_window + 1 : 0;
+      const int64_t visible_begin = pb.first_visible(position);
       const bool all_visible = t0 + kPrefillKeys - 1 <= position && t0 >= visible_begin;
       if (logit_mods || !all_visible) {
         for (int64_t n = 0; n < kPrefillKeys; ++n) {
@@ -1130,7 +1131,7 @@ void prefill_kernel(const Problem<scalar_t>& pb, const int32_t* query_start_loc,
     for (int64_t first = 0; first < query_len; first += positions_per_tile) {
       const int64_t last_position = seq_lens[seq] - query_len + std::min(query_len, first + positions_per_tile) - 1;
       const int64_t first_position = seq_lens[seq] - query_len + first;
-      const int64_t first_token = pb.sliding_window > 0 ? std::max<int64_t>(0, first_position - pb.sliding_window + 1) : 0;
+      const int64_t first_token = pb.first_visible(first_position);
       for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
         tasks.push_back({static_cast<int32_t>(i), static_cast<int32_t>(kv_head), static_cast<int32_t>(first),
                          static_cast<int32_t>(last_position + 1 - first_token)});
