@@ -36,7 +36,7 @@ import paged_attn
 logger = logging.getLogger("paged_attn.vllm")
 
 # Calls of PagedAttnImpl.forward with a batch in this process (the profiling run's calls without one excluded):
-# how tests see that the backend really ran.
+# how tests see that the backend really ran, in every worker (``LLM.collective_rpc``).
 forward_calls = 0
 
 # Block sizes and head dims of our CUDA kernels (csrc/cuda/attention.cu, csrc/cuda/launch_plan.h); the CPU kernels
@@ -170,7 +170,7 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         if attn_metadata is None:  # the profiling run
             return output
         if forward_calls == 0:
-            logger.warning("paged_attn vLLM backend: first forward in pid %d (%s)", os.getpid(), query.device)
+            logger.info("paged_attn vLLM backend: first forward in pid %d (%s)", os.getpid(), query.device)
         forward_calls += 1
         if self.alibi_slopes is not None and self.alibi_slopes.device != query.device:
             self.alibi_slopes = self.alibi_slopes.to(query.device)
