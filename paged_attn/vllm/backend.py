@@ -31,7 +31,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-import paged_attn
+import paged_attn  # noqa: F401  (loads the extension: torch.ops.paged_attn)
 
 logger = logging.getLogger("paged_attn.vllm")
 
@@ -149,15 +149,28 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._split_of: Optional[torch.Tensor] = None  # the cache tensor that self._split views
+        self._split: tuple[torch.Tensor, torch.Tensor] = ()
+
+    def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Our key and value caches on vLLM's packed one. vLLM hands every call of a layer the same tensor, so the
+        views are made once (four view ops a call otherwise: at batch 1 they cost more than the attention)."""
+        if kv_cache is not self._split_of:
+            self._split = split_kv_cache(kv_cache, self.head_size)
+            self._split_of = kv_cache
+        return self._split
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.kv_sharing_target_layer_name is not None:
             return  # this layer reads another layer's cache, which that layer writes
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        key_cache, value_cache = self._caches(kv_cache)
         num_tokens = slot_mapping.shape[0]
-        paged_attn.reshape_and_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
-                                     slot_mapping)
+        if key.shape[0] != num_tokens:
+            key, value = key[:num_tokens], value[:num_tokens]
+        # The op itself (its checks are the C++ ones): the Python wrapper's argument checks are for callers'
+        # values, and these are vLLM's.
+        torch.ops.paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Optional[PagedAttnMetadata], output: torch.Tensor,
@@ -175,10 +188,14 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         if self.alibi_slopes is not None and self.alibi_slopes.device != query.device:
             self.alibi_slopes = self.alibi_slopes.to(query.device)
         n = attn_metadata.num_actual_tokens
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        paged_attn.paged_attention(
-            query[:n], key_cache, value_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
-            query_start_loc=attn_metadata.query_start_loc, max_query_len=attn_metadata.max_query_len,
-            scale=self.scale, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap, out=output.view(-1, self.num_heads, self.head_size)[:n])
+        key_cache, value_cache = self._caches(kv_cache)
+        out = output.view(-1, self.num_heads, self.head_size)
+        if out.shape[0] != n:  # padded rows (CUDA graphs, tensor parallel) stay unwritten
+            out = out[:n]
+        if query.shape[0] != n:
+            query = query[:n]
+        torch.ops.paged_attn.paged_attention(
+            out, query, key_cache, value_cache, attn_metadata.block_tables, attn_metadata.seq_lens, self.scale,
+            self.alibi_slopes, self.sliding_window or 0, self.logits_soft_cap or 0.0, attn_metadata.query_start_loc,
+            attn_metadata.max_query_len)
         return output

@@ -78,6 +78,26 @@ def test_mixed_batch_matches_reference(layout, options, dtype):
     torch.testing.assert_close(key_cache[3, :8], all_k[0][:8])
 
 
+def test_a_new_cache_tensor_is_split_anew():
+    # The impl keeps the K/V views of the last cache tensor it was given; another tensor must not reuse them.
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 8
+    impl, layer = make_impl(num_heads, head_dim, num_kv_heads), torch.nn.Module()
+    block_tables, seq_lens = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([12], dtype=torch.int32)
+    metadata = pa_backend.PagedAttnMetadata(
+        num_actual_tokens=1, max_query_len=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=seq_lens, block_tables=block_tables, slot_mapping=torch.tensor([3]))
+    query = torch.randn(1, num_heads, head_dim)
+    for _ in range(2):
+        kv_cache = packed_cache(2, num_kv_heads, block_size, head_dim, "LBNHC", torch.float32).normal_()
+        impl.do_kv_cache_update(layer, torch.randn(1, num_kv_heads, head_dim), torch.randn(1, num_kv_heads, head_dim),
+                                kv_cache, torch.tensor([3]))
+        output = torch.empty(1, num_heads, head_dim)
+        impl.forward(layer, query, None, None, kv_cache, metadata, output)
+        key_cache, value_cache = pa_backend.split_kv_cache(kv_cache, head_dim)
+        expected = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+        torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_profiling_run_without_metadata_leaves_output():
     impl = make_impl(4, 32, 2)
     output = torch.zeros(3, 4, 32)
