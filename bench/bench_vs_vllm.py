@@ -193,6 +193,7 @@ class VllmEngine:
         self.llm = LLM(model=hf_dir, dtype=dtype, block_size=32, max_num_seqs=max_num_seqs,
                        enable_prefix_caching=False, seed=0)
         self.attention_seconds = 0.0
+        self.decode_forward_seconds = 0.0  # forward calls of steps where every sequence decodes one token
         if time_attention:
             self._time_attention()
         self.make_prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
@@ -214,12 +215,16 @@ class VllmEngine:
         for name in ("forward", "do_kv_cache_update"):
             method = getattr(impl, name)
 
-            def timed(*args, _method=method, **kwargs):
+            def timed(*args, _method=method, _name=name, **kwargs):
                 start = time.perf_counter()
                 try:
                     return _method(*args, **kwargs)
                 finally:
-                    self.attention_seconds += time.perf_counter() - start
+                    seconds = time.perf_counter() - start
+                    self.attention_seconds += seconds
+                    metadata = args[6] if _name == "forward" else None  # (self, layer, q, k, v, kv_cache, metadata)
+                    if metadata is not None and metadata.max_query_len == 1:
+                        self.decode_forward_seconds += seconds
 
             setattr(impl, name, timed)
 
@@ -262,11 +267,13 @@ def worker_main(args) -> None:
         else:
             batch = prompts[:int(command[0])]
             attention_before = getattr(engine, "attention_seconds", 0.0)
+            decode_before = getattr(engine, "decode_forward_seconds", 0.0)
             start = time.perf_counter()
             token_ids = engine.generate(batch, max_tokens)
             seconds = time.perf_counter() - start
             result = {"seconds": seconds, "tokens": sum(map(len, token_ids)), "token_ids": token_ids,
-                      "attention_seconds": getattr(engine, "attention_seconds", 0.0) - attention_before}
+                      "attention_seconds": getattr(engine, "attention_seconds", 0.0) - attention_before,
+                      "decode_forward_seconds": getattr(engine, "decode_forward_seconds", 0.0) - decode_before}
         reply.write(json.dumps(result) + "\n")
         reply.flush()
 
@@ -403,26 +410,29 @@ def run_attention(args, dtype: str, prompts, spec_path: str) -> None:
             for batch_size in args.batch_sizes:
                 for name in engines if repeat % 2 == 0 else engines[::-1]:
                     result = workers[name].ask(str(batch_size))
-                    seconds[name, batch_size].append((result["attention_seconds"], result["seconds"]))
+                    seconds[name, batch_size].append((result["attention_seconds"], result["seconds"],
+                                                      result["decode_forward_seconds"]))
     finally:
         for worker in workers.values():
             worker.close()
     print(f"\nattention alone, {dtype} (the impl's forward + do_kv_cache_update, all layers, one generate call of "
-          f"{args.max_tokens} new tokens; medians of {args.repeats}; in-process vLLM)\n")
-    header = ["batch"] + [f"{name}: attention s (% of call)" for name in engines]
+          f"{args.max_tokens} new tokens; medians of {args.repeats}; in-process vLLM); decode: forward alone in "
+          f"the steps where every sequence decodes\n")
+    header = ["batch"] + [f"{name}: attention s (% of call), decode s" for name in engines]
     if len(engines) == 2:
-        header.append(f"{engines[0]} / {engines[1]} attention time")
+        header += [f"{engines[0]} / {engines[1]} attention time", "the same, decode forward"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---:|" * len(header))
     for batch_size in args.batch_sizes:
-        row, attention = [str(batch_size)], []
+        row, attention, decode = [str(batch_size)], [], []
         for name in engines:
-            att = statistics.median(a for a, _ in seconds[name, batch_size])
-            total = statistics.median(t for _, t in seconds[name, batch_size])
+            att = statistics.median(a for a, _, _ in seconds[name, batch_size])
+            total = statistics.median(t for _, t, _ in seconds[name, batch_size])
             attention.append(att)
-            row.append(f"{att:.3f} ({att / total:.0%})")
+            decode.append(statistics.median(d for _, _, d in seconds[name, batch_size]))
+            row.append(f"{att:.3f} ({att / total:.0%}), {decode[-1]:.3f}")
         if len(engines) == 2:
-            row.append(f"{attention[0] / attention[1]:.2f}")
+            row += [f"{attention[0] / attention[1]:.2f}", f"{decode[0] / decode[1]:.2f}"]
         print("| " + " | ".join(row) + " |")
     print(flush=True)
 
