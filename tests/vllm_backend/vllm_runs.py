@@ -1,0 +1,145 @@
+"""The end-to-end runs of tests/vllm_backend/test_end_to_end.py: vLLM 0.32 (CPU) on tiny random models, with our
+backend or with vLLM's own, in a process of its own (the backend is chosen per process: ``PAGED_ATTN_VLLM=1`` makes
+our plugin take vLLM's CPU_ATTN slot, ``VLLM_PLUGINS=""`` keeps every plugin out).
+
+    python tests/vllm_backend/vllm_runs.py --models DIR --out RESULT.json SCENARIO...
+
+Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated position, block size 32):
+  plain       tiny Llama, the mixed-length prompts in one batch; then prompts that extend the longest prompt,
+              served from its cached blocks (prefix caching on; ``num_cached_tokens`` recorded)
+  chunked     tiny Llama, the same prompts under ``max_num_batched_tokens=16`` (chunked prefill mixed with decodes)
+  window      tiny Mistral whose sliding window (16) is shorter than most prompts
+  tp2         tiny Llama, the plain prompts with ``tensor_parallel_size=2`` (multiprocessing executor)
+  smollm2     SmolLM2-135M (a Hugging Face folder given with --smollm2), a few text prompts, greedy tokens only
+
+The result records, per scenario, each request's tokens, top-5 logprobs and cached tokens, and for each worker
+process the number of calls of our backend's ``forward`` (0 everywhere in vLLM's own runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+BLOCK_SIZE = 32
+MAX_TOKENS = 24
+VOCAB_SIZE = 1024
+PROMPT_LENS = [5, 18, 33, 64, 97, 130]
+PREFIX_LEN = 96  # three full blocks of the 130-token prompt
+SLIDING_WINDOW = 16
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:",
+                   "Here is a short story about a robot who learns to paint. Once upon a time,"]
+
+
+def plain_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def prefix_prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    longest = plain_prompts()[-1]
+    return [longest[:PREFIX_LEN] + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (1, 7, 40)]
+
+
+def make_tiny_models(folder: str) -> dict[str, str]:
+    """A random 2-layer Llama and Mistral (4 query heads, 2 KV heads, head_dim 32, vocabulary 1024), saved once.
+    ``initializer_range`` 0.2 makes the logits spread widely, so that greedy picks have no near-ties."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    shape = dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                 initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    paths = {}
+    for name, config_cls, model_cls, extra in [("llama", LlamaConfig, LlamaForCausalLM, {}),
+                                               ("mistral", MistralConfig, MistralForCausalLM,
+                                                {"sliding_window": SLIDING_WINDOW})]:
+        path = os.path.join(folder, f"tiny-{name}")
+        paths[name] = path
+        if os.path.exists(os.path.join(path, "config.json")):
+            continue
+        torch.manual_seed(0)
+        model_cls(config_cls(**shape, **extra)).to(torch.float32).save_pretrained(path + ".partial")
+        os.rename(path + ".partial", path)
+    return paths
+
+
+def forward_calls_in_worker(worker) -> tuple[int, int]:
+    """Run in each vLLM worker by ``collective_rpc``: (pid, calls of our backend's forward there)."""
+    calls = 0
+    if "paged_attn.vllm.backend" in sys.modules:
+        calls = sys.modules["paged_attn.vllm.backend"].forward_calls
+    return os.getpid(), calls
+
+
+def generate(llm, prompts, logprobs: int | None = 5) -> list[dict]:
+    """Greedy completions of ``prompts`` (token-id lists, or strings where the model has a tokenizer)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs,
+                            detokenize=False)
+    inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        top = None
+        if completion.logprobs is not None:
+            top = [sorted(((int(t), float(lp.logprob)) for t, lp in step.items()), key=lambda x: -x[1])[:logprobs]
+                   for step in completion.logprobs]
+        results.append({"prompt_token_ids": list(out.prompt_token_ids), "tokens": list(completion.token_ids), "logprobs": top,
+                        "num_cached_tokens": out.num_cached_tokens})
+    return results
+
+
+def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict:
+    import gc
+
+    from vllm import LLM
+
+    kwargs = dict(dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, seed=0, max_model_len=256,
+                  max_num_seqs=8, skip_tokenizer_init=True, enable_prefix_caching=False)
+    if name == "plain":
+        llm = LLM(model=models["llama"], **{**kwargs, "enable_prefix_caching": True})
+        requests = generate(llm, plain_prompts()) + generate(llm, prefix_prompts())
+    elif name == "chunked":
+        llm = LLM(model=models["llama"], **{**kwargs, "max_num_batched_tokens": 16, "enable_chunked_prefill": True})
+        requests = generate(llm, plain_prompts())
+    elif name == "window":
+        llm = LLM(model=models["mistral"], **kwargs)
+        requests = generate(llm, plain_prompts())
+    elif name == "tp2":
+        llm = LLM(model=models["llama"], tensor_parallel_size=2, distributed_executor_backend="mp", **kwargs)
+        requests = generate(llm, plain_prompts())
+    elif name == "smollm2":
+        llm = LLM(model=smollm2, **{**kwargs, "skip_tokenizer_init": False, "max_model_len": 512})
+        requests = generate(llm, SMOLLM2_PROMPTS, logprobs=None)
+    else:
+        raise SystemExit(f"unknown scenario {name!r}")
+    workers = llm.collective_rpc(forward_calls_in_worker)
+    del llm
+    gc.collect()
+    return {"requests": requests, "workers": [list(w) for w in workers]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="+")
+    parser.add_argument("--models", required=True, help="folder for the tiny models (made once)")
+    parser.add_argument("--smollm2", help="SmolLM2-135M as a Hugging Face folder (the smollm2 scenario)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    models = make_tiny_models(args.models)
+    results = {name: run_scenario(name, models, args.smollm2) for name in args.scenarios}
+    with open(args.out + ".partial", "w") as f:
+        json.dump(results, f)
+    os.rename(args.out + ".partial", args.out)
+
+
+if __name__ == "__main__":
+    main()
