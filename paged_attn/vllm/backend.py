@@ -54,7 +54,8 @@ def _on_cuda() -> bool:
 class PagedAttnBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float32", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3",
+                                                      "fp8_e5m2"]
 
     @staticmethod
     def get_name() -> str:
@@ -126,6 +127,10 @@ def split_kv_cache(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor,
     return key_cache, value_cache
 
 
+# vLLM allocates an fp8 cache as uint8 (vllm/utils/torch_utils.py); "fp8" is e4m3 on the CPU and on NVIDIA GPUs.
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
                  alibi_slopes: Optional[list[float]] = None, sliding_window: Optional[int] = None,
@@ -137,8 +142,8 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         if sinks is not None:
             raise NotImplementedError("paged_attn's vLLM backend does not support attention sinks")
         if kv_cache_dtype not in PagedAttnBackend.supported_kv_cache_dtypes:
-            raise NotImplementedError(f"paged_attn's vLLM backend does not support a quantized KV cache "
-                                      f"(kv_cache_dtype={kv_cache_dtype!r})")
+            raise NotImplementedError(f"paged_attn's vLLM backend does not support kv_cache_dtype={kv_cache_dtype!r} "
+                                      f"(supported: {', '.join(PagedAttnBackend.supported_kv_cache_dtypes)})")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -147,6 +152,7 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or None  # vLLM passes 0 for "none" in places
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)  # None: the cache holds the model's dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._split_of: Optional[torch.Tensor] = None  # the cache tensor that self._split views
@@ -156,9 +162,17 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         """Our key and value caches on vLLM's packed one. vLLM hands every call of a layer the same tensor, so the
         views are made once (four view ops a call otherwise: at batch 1 they cost more than the attention)."""
         if kv_cache is not self._split_of:
-            self._split = split_kv_cache(kv_cache, self.head_size)
+            typed = kv_cache if self.fp8_dtype is None else kv_cache.view(self.fp8_dtype)
+            self._split = split_kv_cache(typed, self.head_size)
             self._split_of = kv_cache
         return self._split
+
+    def _scales(self, layer) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The layer's fp8 scales (float32 tensors of one element on the cache's device, vLLM's ``_k_scale`` /
+        ``_v_scale``: 1.0 unless the checkpoint or vLLM's calibration set them); none for other caches."""
+        if self.fp8_dtype is None:
+            return None, None
+        return layer._k_scale, layer._v_scale
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -170,7 +184,9 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
             key, value = key[:num_tokens], value[:num_tokens]
         # The op itself (its checks are the C++ ones): the Python wrapper's argument checks are for callers'
         # values, and these are vLLM's.
-        torch.ops.paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        k_scale, v_scale = self._scales(layer)
+        torch.ops.paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale,
+                                               v_scale=v_scale)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Optional[PagedAttnMetadata], output: torch.Tensor,
@@ -194,8 +210,9 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
             out = out[:n]
         if query.shape[0] != n:
             query = query[:n]
+        k_scale, v_scale = self._scales(layer)
         torch.ops.paged_attn.paged_attention(
             out, query, key_cache, value_cache, attn_metadata.block_tables, attn_metadata.seq_lens, self.scale,
             self.alibi_slopes, self.sliding_window or 0, self.logits_soft_cap or 0.0, attn_metadata.query_start_loc,
-            attn_metadata.max_query_len)
+            attn_metadata.max_query_len, k_scale=k_scale, v_scale=v_scale)
         return output

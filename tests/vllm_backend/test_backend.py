@@ -78,6 +78,43 @@ def test_mixed_batch_matches_reference(layout, options, dtype):
     torch.testing.assert_close(key_cache[3, :8], all_k[0][:8])
 
 
+@pytest.mark.parametrize("kv_cache_dtype, fp8_dtype", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_fp8_cache_matches_reference(layout, kv_cache_dtype, fp8_dtype):
+    # vLLM allocates an fp8 cache as uint8 and keeps the scales on the layer (_k_scale, _v_scale).
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 8, 16
+    query_lens, seq_lens = [11, 3, 1], [11, 12, 17]
+    block_tables = torch.tensor([[3, 7, -1], [0, 5, -1], [9, 2, 11]], dtype=torch.int32)
+    raw = packed_cache(num_blocks, num_kv_heads, block_size, head_dim, layout, torch.float32)
+    kv_cache = torch.full(raw.shape, 0x7F, dtype=torch.uint8).as_strided(raw.shape, raw.stride())  # NaN bytes
+    impl = make_impl(num_heads, head_dim, num_kv_heads, kv_cache_dtype=kv_cache_dtype)
+    layer = torch.nn.Module()
+    layer._k_scale, layer._v_scale = torch.tensor(0.05), torch.tensor(0.02)
+    keys = torch.randn(sum(seq_lens), num_kv_heads, head_dim) * 4
+    values = torch.randn(sum(seq_lens), num_kv_heads, head_dim)
+    slots = torch.cat([torch.tensor([int(block_tables[s, t // block_size]) * block_size + t % block_size
+                                     for t in range(n)]) for s, n in enumerate(seq_lens)])
+    impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
+
+    key_cache, value_cache = pa_backend.split_kv_cache(kv_cache.view(fp8_dtype), head_dim)
+    flat_key = key_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # what was stored, as fp8
+    assert torch.equal(flat_key.view(torch.uint8), reference.quantize_fp8(keys, fp8_dtype, layer._k_scale.view(1))
+                       .view(torch.uint8))
+    query = torch.randn(sum(query_lens), num_heads, head_dim)
+    metadata = pa_backend.PagedAttnMetadata(
+        num_actual_tokens=len(query), max_query_len=max(query_lens),
+        query_start_loc=torch.tensor([0, 11, 14, 15], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+        slot_mapping=torch.full((len(query),), -1, dtype=torch.int64))
+    output = torch.empty(len(query), num_heads, head_dim)
+    impl.forward(layer, query, None, None, kv_cache, metadata, output)
+    expected = reference.paged_attention(
+        query, reference.dequantize_fp8(key_cache, layer._k_scale), reference.dequantize_fp8(value_cache,
+                                                                                              layer._v_scale),
+        block_tables, metadata.seq_lens, query_start_loc=metadata.query_start_loc, scale=head_dim ** -0.5)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_new_cache_tensor_is_split_anew():
     # The impl keeps the K/V views of the last cache tensor it was given; another tensor must not reuse them.
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 8
@@ -106,7 +143,7 @@ def test_profiling_run_without_metadata_leaves_output():
 
 @pytest.mark.parametrize("kwargs, match", [({"attn_type": "encoder_only"}, "decoder attention only"),
                                            ({"sinks": torch.zeros(4)}, "sinks"),
-                                           ({"kv_cache_dtype": "fp8"}, "quantized KV")])
+                                           ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype=")])
 def test_unsupported_features_raise(kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
         make_impl(4, 32, 2, **kwargs)
@@ -120,7 +157,9 @@ def test_backend_class_contract(monkeypatch):
     assert backend.forward_includes_kv_cache_update is False
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert backend.supports_dtype(dtype)
-    assert not backend.supports_kv_cache_dtype("fp8")
+    for kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert backend.supports_kv_cache_dtype(kv_cache_dtype)
+    assert not backend.supports_kv_cache_dtype("int8_per_token_head")
     # A CUDA-like configuration, without a GPU: our CUDA kernels' block sizes and head dims.
     from vllm.platforms.interface import DeviceCapability
 
@@ -132,7 +171,7 @@ def test_backend_class_contract(monkeypatch):
                   device_capability=DeviceCapability(9, 0), attn_type="decoder", has_sliding_window=True)
     assert backend.validate_configuration(**config) == []
     reasons = backend.validate_configuration(**{**config, "head_size": 48, "block_size": 20, "has_sink": True,
-                                                "kv_cache_dtype": "fp8", "attn_type": "encoder_only"})
+                                                "kv_cache_dtype": "int8_per_token_head", "attn_type": "encoder_only"})
     assert set(reasons) == {"head_size not supported", "block_size not supported", "attention sinks not supported",
                             "kv_cache_dtype not supported", "attention type encoder_only not supported"}
     # On the CPU: any block size and head size.

@@ -26,7 +26,7 @@ import vllm_runs  # noqa: E402
 # float32 logprobs from two attention kernels (different summation orders) through two layers: measured up to
 # 1.8e-5 apart on these models (2026-12-01).
 LOGPROB_ATOL = 1e-4
-COMPARED = ["plain", "chunked", "window"]
+COMPARED = ["plain", "chunked", "window", "fp8"]
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the last: collective_rpc(callable)
 SMOLLM2_HF = os.environ.get("PAGED_ATTN_SMOLLM2_HF", os.path.expanduser("~/.cache/paged_attn/smollm2-135m-hf"))

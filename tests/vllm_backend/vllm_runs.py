@@ -9,6 +9,7 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
               served from its cached blocks (prefix caching on; ``num_cached_tokens`` recorded)
   chunked     tiny Llama, the same prompts under ``max_num_batched_tokens=16`` (chunked prefill mixed with decodes)
   window      tiny Mistral whose sliding window (16) is shorter than most prompts
+  fp8         tiny Llama, the plain prompts with an fp8 (e4m3) KV cache, scales 1.0
   tp2         tiny Llama, the plain prompts with ``tensor_parallel_size=2`` (multiprocessing executor)
   smollm2     SmolLM2-135M (a Hugging Face folder given with --smollm2), a few text prompts, greedy tokens only
 
@@ -109,6 +110,9 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict
         requests = generate(llm, plain_prompts()) + generate(llm, prefix_prompts())
     elif name == "chunked":
         llm = LLM(model=models["llama"], **{**kwargs, "max_num_batched_tokens": 16, "enable_chunked_prefill": True})
+        requests = generate(llm, plain_prompts())
+    elif name == "fp8":
+        llm = LLM(model=models["llama"], kv_cache_dtype="fp8", **kwargs)
         requests = generate(llm, plain_prompts())
     elif name == "window":
         llm = LLM(model=models["mistral"], **kwargs)
