@@ -9,9 +9,9 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
               served from its cached blocks (prefix caching on; ``num_cached_tokens`` recorded)
   chunked     tiny Llama, the same prompts under ``max_num_batched_tokens=16`` (chunked prefill mixed with decodes)
   window      tiny Mistral whose sliding window (16) is shorter than most prompts
-  fp8         tiny Llama, the plain prompts with an fp8 (e4m3) KV cache, scales 1.0
   tp2         tiny Llama, the plain prompts with ``tensor_parallel_size=2`` (multiprocessing executor)
   smollm2     SmolLM2-135M (a Hugging Face folder given with --smollm2), a few text prompts, greedy tokens only
+  smollm2_fp8 the same with an fp8 (e4m3) KV cache, scales 1.0
 
 The result records, per scenario, each request's tokens, top-5 logprobs and cached tokens, and for each worker
 process the number of calls of our backend's ``forward`` (0 everywhere in vLLM's own runs).
@@ -111,17 +111,15 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict
     elif name == "chunked":
         llm = LLM(model=models["llama"], **{**kwargs, "max_num_batched_tokens": 16, "enable_chunked_prefill": True})
         requests = generate(llm, plain_prompts())
-    elif name == "fp8":
-        llm = LLM(model=models["llama"], kv_cache_dtype="fp8", **kwargs)
-        requests = generate(llm, plain_prompts())
     elif name == "window":
         llm = LLM(model=models["mistral"], **kwargs)
         requests = generate(llm, plain_prompts())
     elif name == "tp2":
         llm = LLM(model=models["llama"], tensor_parallel_size=2, distributed_executor_backend="mp", **kwargs)
         requests = generate(llm, plain_prompts())
-    elif name == "smollm2":
-        llm = LLM(model=smollm2, **{**kwargs, "skip_tokenizer_init": False, "max_model_len": 512})
+    elif name in ("smollm2", "smollm2_fp8"):
+        llm = LLM(model=smollm2, **{**kwargs, "skip_tokenizer_init": False, "max_model_len": 512,
+                                    "kv_cache_dtype": "fp8" if name == "smollm2_fp8" else "auto"})
         requests = generate(llm, SMOLLM2_PROMPTS, logprobs=None)
     else:
         raise SystemExit(f"unknown scenario {name!r}")
