@@ -104,15 +104,15 @@ def query_lens(batch):
     return batch.query_start_loc[1:] - batch.query_start_loc[:-1]
 
 
-def computes_a_prompt(batch, kv_caches):  # (a prompt, a chunk of one or a recomputation)
+def computes_a_prompt(batch, kv_caches, *scales):  # (a prompt, a chunk of one or a recomputation)
     return bool((query_lens(batch) > 1).any())
 
 
-def decodes(batch, kv_caches):
+def decodes(batch, kv_caches, *scales):
     return bool((query_lens(batch) == 1).any())
 
 
-def is_decode_filling_a_block(batch, kv_caches):
+def is_decode_filling_a_block(batch, kv_caches, *scales):
     return bool(((query_lens(batch) == 1) & (batch.seq_lens % BLOCK_SIZE == 0)).any())
 
 
@@ -148,14 +148,14 @@ def inject(monkeypatch, llm, name, fire_at=None):
     (owner, attribute), matches, error = points(llm)[name]
     call = getattr(owner, attribute)
 
-    def patched(*args):
+    def patched(*args, **kwargs):
         if matches is None:  # raise after the call
-            result = call(*args)
+            result = call(*args, **kwargs)
             point.hit(error)
             return result
         if matches(*args):
             point.hit(error)
-        return call(*args)
+        return call(*args, **kwargs)
 
     with monkeypatch.context() as m:
         m.setattr(owner, attribute, patched)

@@ -103,7 +103,7 @@ def test_sampling_params_must_match_the_prompts(llm):
 
 def scripted_forward(distributions, default):
     """A stand-in for the model's forward: the next-token log-probabilities depend only on the last token."""
-    def forward(batch, kv_caches):
+    def forward(batch, kv_caches, *scales):
         last = batch.input_ids[batch.logits_indices].tolist()
         rows = [distributions.get(token, default) for token in last]
         return torch.tensor(rows, dtype=torch.float32)
