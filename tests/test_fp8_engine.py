@@ -18,7 +18,6 @@ if not _MISSING:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
-DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence as SequenceType, Union
 

@@ -51,9 +51,7 @@ class ModelRunner:
         fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
         self.kv_scales = [(torch.ones(1, device=self.device), torch.ones(1, device=self.device))
                           for _ in range(model.config.num_layers)] if fp8 else None
-        if calibrate_kv_scales and not fp8:
-            raise ValueError("calibrate_kv_scales needs an fp8 KV cache (kv_cache_dtype 'fp8_e4m3' or 'fp8_e5m2')")
-        self.calibrate_pending = calibrate_kv_scales  # until the first step has run
+        self.calibrate_pending = calibrate_kv_scales  # until the first step has run (LLM refuses it without fp8)
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Apply the step's cache operations, then run its forward pass (which writes the KV of its tokens).
