@@ -345,3 +345,42 @@ def test_swap_blocks_between_two_gpus_is_ordered_on_both_devices():
     assert_identical(seen[3], src[0].to("cuda:1"))
     assert_identical(seen[1], src[5].to("cuda:1"))
     assert (seen[[0, 2, 4, 5]] == 1.0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU: work large enough to be split over threads (ops move >= 1 MiB per task; the tests above fit in one task)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_cpu_cache_ops_split_over_threads(cache_dtype):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 4096, 4, 128, 16, 400  # 16 MiB of float32 k/v
+        key, value = make_kv(num_tokens, num_kv_heads, head_dim, torch.float32, "cpu", "strided")
+        key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), NAN).to(cache_dtype)
+        value_cache = torch.full_like(key_cache, NAN)
+        slot_mapping = random_slots(num_tokens, num_blocks, block_size, "cpu", num_padding=100)
+        expected = [key_cache.clone(), value_cache.clone()]
+        reference.reshape_and_cache(key, value, *expected, slot_mapping)
+        paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        assert_identical(key_cache.float(), expected[0].float())
+        assert_identical(value_cache.float(), expected[1].float())
+
+        # copy_blocks over 4 layers x 100 pairs x (key, value) of 32 KiB float32 blocks; swap_blocks of 100 blocks
+        caches = [(key_cache.clone(), value_cache.clone()) for _ in range(4)]
+        mapping = random_block_mapping(num_blocks, 100)
+        expected = [(k.clone(), v.clone()) for k, v in caches]
+        reference.copy_blocks([k for k, _ in expected], [v for _, v in expected], mapping)
+        paged_attn.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
+        for (k, v), (k_want, v_want) in zip(caches, expected):
+            assert_identical(k.float(), k_want.float())
+            assert_identical(v.float(), v_want.float())
+        dst = torch.full_like(key_cache, NAN)
+        paged_attn.swap_blocks(key_cache, dst, mapping)
+        assert_identical(dst[mapping[:, 1]].float(), key_cache[mapping[:, 0]].float())
+        untouched = torch.ones(num_blocks, dtype=torch.bool)
+        untouched[mapping[:, 1]] = False
+        assert dst[untouched].float().isnan().all()
+    finally:
+        torch.set_num_threads(threads)

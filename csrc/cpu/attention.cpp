@@ -786,13 +786,20 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
                             scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
 
-  // Split rows only when there are too few to keep the threads evenly busy: into as many partitions as make the
-  // task count a multiple of the thread count, each at least kMinPartitionTokens long.
+  // Threads only for work worth waking them (kMinBytesPerCpuTask of keys and values per task). Split rows only
+  // when there are too few to keep the threads evenly busy: into as many partitions as make the task count a
+  // multiple of the thread count, each at least kMinPartitionTokens long.
   const int64_t num_threads = at::get_num_threads();
-  int64_t max_len = 0;  // tokens attended to, after the sliding window
-  for (int64_t r = 0; r < num_rows; ++r) max_len = std::max(max_len, pb.row_len(r) - pb.window_start(r));
+  int64_t max_len = 0, total_len = 0;  // tokens attended to, after the sliding window
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t len = pb.row_len(r) - pb.window_start(r);
+    max_len = std::max(max_len, len);
+    total_len += len;
+  }
+  const int64_t kv_bytes = total_len * 2 * pb.num_kv_heads * head_dim * int64_t{sizeof(cache_t)};
+  const int64_t max_tasks = std::max<int64_t>(1, kv_bytes / kMinBytesPerCpuTask);
   int64_t num_partitions = 1;
-  if (num_rows < 4 * num_threads && num_rows % num_threads != 0) {
+  if (max_tasks > 1 && num_rows < 4 * num_threads && num_rows % num_threads != 0) {
     const int64_t balanced = num_threads / std::gcd(num_rows, num_threads);  // num_rows * balanced % num_threads == 0
     num_partitions = std::clamp<int64_t>(max_len / kMinPartitionTokens, 1, balanced);
   }
@@ -809,7 +816,10 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
   float* exp_sums = max_logits + num_partials;
   float* partial_accs = exp_sums + num_partials;
 
-  at::parallel_for(0, num_rows * num_partitions, 1, [&](int64_t task_begin, int64_t task_end) {
+  const int64_t num_tasks = num_rows * num_partitions;
+  const int64_t num_chunks = std::max<int64_t>(1, std::min(num_tasks, max_tasks));  // at most
+  const int64_t grain = (num_tasks + num_chunks - 1) / num_chunks;
+  at::parallel_for(0, num_tasks, grain, [&](int64_t task_begin, int64_t task_end) {
     Scratch sc(num_heads, pb.group_size, head_dim);
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t row = task / num_partitions, partition = task % num_partitions, len = pb.row_len(row);
@@ -839,7 +849,9 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
   if (num_partitions == 1) return;
 
   // Merge the partitions of each (row, head); empty partitions (max -inf) contribute nothing.
-  at::parallel_for(0, num_rows * num_heads, 1, [&](int64_t row_begin, int64_t row_end) {
+  const int64_t merge_grain = std::max<int64_t>(
+      1, kMinBytesPerCpuTask / (num_partitions * (head_dim + 2) * int64_t{sizeof(float)}));
+  at::parallel_for(0, num_rows * num_heads, merge_grain, [&](int64_t row_begin, int64_t row_end) {
     std::vector<float> merged(head_dim);
     for (int64_t row = row_begin; row < row_end; ++row) {
       const float* row_max = max_logits + row * num_partitions;

@@ -18,11 +18,9 @@
 namespace paged_attn {
 namespace {
 
-// Split parallel work into chunks that move at least this many bytes, so thread start-up stays negligible.
-constexpr int64_t kMinBytesPerTask = 64 * 1024;
-
+// Items per parallel chunk, so that each chunk moves at least kMinBytesPerCpuTask (common.h).
 int64_t grain_for(int64_t bytes_per_item) {
-  return std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, bytes_per_item));
+  return std::max<int64_t>(1, kMinBytesPerCpuTask / std::max<int64_t>(1, bytes_per_item));
 }
 
 // The fp8 value nearest to x / scale: IEEE division in float32 (as the reference, so the two round the same
