@@ -92,3 +92,52 @@ def test_engine_parallel_sampling_copies_on_write(hf_model, prompts, device):
         expected = logprobs.gather(-1, ids[0, len(prompt):, None]).sum().item()
         assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
     assert llm.stats().gpu_blocks_used == 0
+
+
+def test_small_cpu_steps_run_elementwise_work_on_one_thread(hf_model, prompts, monkeypatch):
+    """Steps of fewer than SERIAL_ELEMENTWISE_TOKENS tokens run norms, RoPE, SiLU and residual adds on one thread
+    and the projections on all of torch's; larger steps run everything on all; the outputs are the same bit for bit
+    (elementwise ops and row-wise reductions do not depend on the thread count) and the thread count is restored."""
+    from paged_attn.engine import LLM, SamplingParams
+    from paged_attn.engine import model as model_module
+
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored after the test
+    torch.set_num_threads(2)
+    model = hf_model.to("cpu")
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def run(serial_below):
+        monkeypatch.setattr(model_module, "SERIAL_ELEMENTWISE_TOKENS", serial_below)
+        llm = LLM(model, dtype=torch.float32, num_gpu_blocks=256)
+        steps = []  # per step: (tokens, thread counts seen by set_num_threads, thread counts of the projections)
+        set_threads, linear, forward = torch.set_num_threads, llm.model._linear, llm.model.forward
+
+        def spy_set(n):
+            steps[-1][1].append(n)
+            set_threads(n)
+
+        def spy_linear(x, weight):
+            steps[-1][2].append(torch.get_num_threads())
+            return linear(x, weight)
+
+        def spy_forward(batch, *args, **kwargs):
+            steps.append((batch.input_ids.shape[0], [], []))
+            return forward(batch, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "set_num_threads", spy_set)
+        monkeypatch.setattr(llm.model, "_linear", spy_linear)
+        monkeypatch.setattr(llm.model, "forward", spy_forward)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        monkeypatch.setattr(torch, "set_num_threads", set_threads)
+        assert torch.get_num_threads() == 2
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outputs], steps
+
+    never, steps = run(0)
+    assert all(not threads for _, threads, _ in steps)
+    below_100, steps = run(100)
+    assert never == below_100
+    prefill, *decodes = steps
+    assert prefill[0] == sum(map(len, prompts)) >= 100 and not prefill[1]
+    for num_tokens, threads, projection_threads in decodes:
+        assert num_tokens <= len(prompts) and set(threads) == {1, 2} and threads.count(1) == threads.count(2)
+        assert projection_threads and set(projection_threads) == {2}

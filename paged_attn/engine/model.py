@@ -242,7 +242,10 @@ class LlamaModel:
         freqs = torch.outer(torch.arange(config.max_model_len).float(), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.rope_cos = emb.cos().to(device=self.device, dtype=self.dtype)  # [max_model_len, head_dim]
-        self.rope_sin = emb.sin().to(device=self.device, dtype=self.dtype)
+        # sin with its first half negated: rotate_half(x) * sin == x.roll(head_dim / 2) * signed_sin, exactly
+        sin = emb.sin()
+        self.rope_signed_sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1).to(
+            device=self.device, dtype=self.dtype)
         # NOTE: on the CPU, oneDNN's matmul on weights packed once in its blocked layout runs these small-batch
         # projections 2-4x faster than the default F.linear (MKL sgemm). The embedding stays dense for lookups.
         if self.use_onednn:
@@ -343,14 +346,18 @@ class LlamaModel:
         query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
         max_query_len = batch.max_query_len if batch.max_query_len > 1 else None
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        signed_sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
         compiled = self._compiled is not None and num_tokens >= self._compile_min_tokens
         rms_norm, rope_qkv, silu_mul = self._compiled if compiled else (_rms_norm, _rope_qkv, _silu_mul)
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        serial = _Serial(self.device.type == "cpu" and num_tokens < SERIAL_ELEMENTWISE_TOKENS)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = rms_norm(hidden, layer["input_layernorm"], eps)
-            q, k, v = rope_qkv(self._linear(x, layer["qkv_proj"]), cos, sin, *heads)
+            with serial:
+                x = rms_norm(hidden, layer["input_layernorm"], eps)
+            qkv = self._linear(x, layer["qkv_proj"])
+            with serial:
+                q, k, v = rope_qkv(qkv, cos, signed_sin, *heads)
             k_scale, v_scale = kv_scales[i] if kv_scales is not None else (None, None)
             if calibrate_kv_scales:
                 _calibrate_scale(k_scale, k, key_cache.dtype)
@@ -360,11 +367,45 @@ class LlamaModel:
             attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                                        query_start_loc=query_start_loc, max_query_len=max_query_len,
                                        k_scale=k_scale, v_scale=v_scale)
-            hidden = hidden + self._linear(attn.view(num_tokens, q_size), layer["o_proj"])
-            x = rms_norm(hidden, layer["post_attention_layernorm"], eps)
-            hidden = hidden + self._linear(silu_mul(self._linear(x, layer["gate_up_proj"])), layer["down_proj"])
-        hidden = _rms_norm(hidden[batch.logits_indices], self.norm, eps)
+            o = self._linear(attn.view(num_tokens, q_size), layer["o_proj"])
+            with serial:
+                hidden = hidden + o
+                x = rms_norm(hidden, layer["post_attention_layernorm"], eps)
+            gate_up = self._linear(x, layer["gate_up_proj"])
+            with serial:
+                x = silu_mul(gate_up)
+            down = self._linear(x, layer["down_proj"])
+            with serial:
+                hidden = hidden + down
+        with serial:
+            hidden = _rms_norm(hidden[batch.logits_indices], self.norm, eps)
         return self._linear(hidden, self.lm_head).float()
+
+
+# NOTE: a CPU step of fewer tokens than this runs its elementwise work (norms, RoPE, SiLU, residual adds) on the
+# calling thread alone, and only the projections and the cache ops on all of torch's threads. ATen splits an
+# elementwise op over its threads from 32768 elements on (e.g. 57 tokens x 576), and waking OpenMP's sleeping
+# workers costs more than such an op: measured on 2 cores with passive waiting (GOMP_SPINCOUNT=0), a [64, 576] mul
+# takes 49 us on 2 threads, 2.6 us on one (3.0 us on 2 spinning threads), and the ~20 elementwise ops of a layer
+# took a quarter of a 64-sequence decode step. Above it, two threads win again (a [256, 3072] SiLU).
+SERIAL_ELEMENTWISE_TOKENS = 256
+
+
+class _Serial:
+    """``with serial:`` runs torch's CPU ops on one intra-op thread, then restores the thread count; a no-op when
+    built inactive."""
+
+    def __init__(self, active: bool):
+        self.threads = torch.get_num_threads()
+        self.active = active and self.threads > 1
+
+    def __enter__(self):
+        if self.active:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.active:
+            torch.set_num_threads(self.threads)
 
 
 KV_SCALE_MARGIN = 2.0  # calibrated fp8 scales leave the first step's largest |x| at half the largest fp8 value
@@ -386,18 +427,16 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int, num_kv_heads: int,
               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused projection's output [num_tokens, (num_heads + 2 num_kv_heads) head_dim] as q, k (rotated) and v."""
-    num_tokens = qkv.shape[0]
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return (_rope(q.view(num_tokens, num_heads, head_dim), cos, sin),
-            _rope(k.view(num_tokens, num_kv_heads, head_dim), cos, sin), v.view(num_tokens, num_kv_heads, head_dim))
+    """The fused projection's output [num_tokens, (num_heads + 2 num_kv_heads) head_dim] as q, k (rotated: views of
+    one tensor) and v (a view of qkv). Queries and keys are rotated together: x * cos + rotate_half(x) * sin, with
+    rotate_half(x) * sin computed as x.roll(head_dim / 2) * signed_sin (the same products, bit for bit)."""
+    num_tokens, qk_heads = qkv.shape[0], num_heads + num_kv_heads
+    qk = qkv[:, : qk_heads * head_dim].view(num_tokens, qk_heads, head_dim)
+    qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    return q, k, qkv[:, qk_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
