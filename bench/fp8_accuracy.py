@@ -11,8 +11,12 @@ For each prompt (the main job's six and ten more, chat-formatted), the float32-c
 - free-running: the variant's engine generates greedily itself; how many outputs equal the float32 cache's token
   for token.
 
-Variants: fp8 e4m3 and e5m2, scales 1.0 (vLLM's default) and calibrated on the first step. tests/test_fp8_engine.py
-asserts the issue's bound (e4m3: the same top-1 at >= 97% of steps)::
+Variants: fp8 e4m3 and e5m2, scales 1.0 (vLLM's default) and calibrated on the first step.
+
+Then the format alone, without the fp8 kernels: a float32 cache holding keys and values rounded to a narrower
+format before they are written (``rounded_kv``), teacher-forced the same way: e4m3 keys and values, keys only,
+values only, e5m2, and bfloat16 for scale. Where e4m3 in the fp32 cache agrees as often as the fp8 cache, the
+loss is the format's, not the kernels'. tests/test_fp8_engine.py asserts the bounds::
 
     GOMP_SPINCOUNT=0 .venv/bin/python bench/fp8_accuracy.py [--max-tokens 64]
 """
@@ -20,8 +24,10 @@ asserts the issue's bound (e4m3: the same top-1 at >= 97% of steps)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -38,6 +44,11 @@ EXTRA_PROMPTS = [
     "Write two lines of a poem about rain.",
 ]
 VARIANTS = [("fp8_e4m3", False), ("fp8_e4m3", True), ("fp8_e5m2", False), ("fp8_e5m2", True)]
+# (name, key format, value format) of a float32 cache holding rounded keys and values; None: not rounded
+ROUNDINGS = [("e4m3 keys and values", torch.float8_e4m3fn, torch.float8_e4m3fn),
+             ("e4m3 keys only", torch.float8_e4m3fn, None), ("e4m3 values only", None, torch.float8_e4m3fn),
+             ("e5m2 keys and values", torch.float8_e5m2, torch.float8_e5m2),
+             ("bfloat16 keys and values", torch.bfloat16, torch.bfloat16)]
 
 
 @dataclass
@@ -88,6 +99,68 @@ def teacher_forced_logprobs(llm, token_ids: list[int], num_prompt_tokens: int) -
     return torch.log_softmax(llm.model.forward(batch, runner.kv_caches, runner.kv_scales), dim=-1)
 
 
+def _round(x: torch.Tensor, dtype) -> torch.Tensor:
+    """x rounded to ``dtype`` and back (fp8: what an fp8 cache stores and reads, scale 1.0)."""
+    from paged_attn import reference
+
+    if dtype is None:
+        return x
+    if dtype.itemsize == 1:
+        return reference.dequantize_fp8(reference.quantize_fp8(x, dtype), dtype=x.dtype)
+    return x.to(dtype).to(x.dtype)
+
+
+@contextlib.contextmanager
+def rounded_kv(key_dtype, value_dtype):
+    """While active, the engine's forward rounds the keys / values it writes to the KV cache to these formats (a
+    float32 cache then holds exactly those values): the format's rounding without the fp8 kernels."""
+    from paged_attn import ops
+    from paged_attn.engine import model as model_module
+
+    def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, **kwargs):
+        ops.reshape_and_cache(_round(key, key_dtype), _round(value, value_dtype), key_cache, value_cache,
+                              slot_mapping, **kwargs)
+
+    model_module.ops = SimpleNamespace(reshape_and_cache=reshape_and_cache, paged_attention=ops.paged_attention)
+    try:
+        yield
+    finally:
+        model_module.ops = ops
+
+
+def compare(llm, prompt_ids, outputs, reference_logprobs) -> tuple[int, int, torch.Tensor, float]:
+    """Teacher-forced through ``llm``'s cache along ``outputs``: (steps whose argmax is the reference's, steps,
+    |d logprob| of the chosen token at every step, the reference's largest top-1 margin where they disagree)."""
+    same, steps, diffs, margin = 0, 0, [], 0.0
+    for p, o, ref in zip(prompt_ids, outputs, reference_logprobs):
+        logprobs = teacher_forced_logprobs(llm, p + o, len(p))
+        agree = logprobs.argmax(-1) == ref.argmax(-1)
+        same += int(agree.sum())
+        steps += len(o)
+        top2 = ref.topk(2, dim=-1).values
+        margin = max([margin] + (top2[:, 0] - top2[:, 1])[~agree].tolist())
+        chosen = torch.tensor(o).unsqueeze(1)
+        diffs.append((logprobs.gather(1, chosen) - ref.gather(1, chosen)).abs().squeeze(1))
+    return same, steps, torch.cat(diffs), margin
+
+
+def measure_format_alone(model, max_tokens: int = 64, roundings=ROUNDINGS) -> list[tuple[str, float, float]]:
+    """(name, top-1 agreement, mean |d logprob|) of a float32 cache holding rounded keys and values, teacher-forced
+    along the float32 cache's greedy output."""
+    from paged_attn.engine import LLM
+
+    prompt_ids = prompts(model)
+    llm = LLM(model)
+    outputs = greedy(llm, prompt_ids, max_tokens)
+    reference_logprobs = [teacher_forced_logprobs(llm, p + o, len(p)) for p, o in zip(prompt_ids, outputs)]
+    results = []
+    for name, key_dtype, value_dtype in roundings:
+        with rounded_kv(key_dtype, value_dtype):
+            same, steps, diffs, _ = compare(llm, prompt_ids, outputs, reference_logprobs)
+        results.append((name, same / steps, float(diffs.mean())))
+    return results
+
+
 def measure(model, max_tokens: int = 64, variants=VARIANTS) -> tuple[list[Accuracy], list[list[int]]]:
     """The float32 cache's greedy outputs, then every variant's agreement with them."""
     from paged_attn.engine import LLM
@@ -101,17 +174,7 @@ def measure(model, max_tokens: int = 64, variants=VARIANTS) -> tuple[list[Accura
     for kv_cache_dtype, calibrated in variants:
         llm = LLM(model, kv_cache_dtype=kv_cache_dtype, calibrate_kv_scales=calibrated)
         free = greedy(llm, prompt_ids, max_tokens)  # first: it calibrates the scales on its first step
-        same, steps, diffs, margin = 0, 0, [], 0.0
-        for p, o, ref in zip(prompt_ids, outputs, reference_logprobs):
-            logprobs = teacher_forced_logprobs(llm, p + o, len(p))
-            agree = logprobs.argmax(-1) == ref.argmax(-1)
-            same += int(agree.sum())
-            steps += len(o)
-            top2 = ref.topk(2, dim=-1).values
-            margin = max([margin] + (top2[:, 0] - top2[:, 1])[~agree].tolist())
-            chosen = torch.tensor(o).unsqueeze(1)
-            diffs.append((logprobs.gather(1, chosen) - ref.gather(1, chosen)).abs().squeeze(1))
-        diffs = torch.cat(diffs)
+        same, steps, diffs, margin = compare(llm, prompt_ids, outputs, reference_logprobs)
         results.append(Accuracy(kv_cache_dtype, calibrated, steps, same / steps, float(diffs.mean()),
                                 float(diffs.max()), margin, sum(a == b for a, b in zip(free, outputs)),
                                 len(prompt_ids)))
@@ -135,6 +198,11 @@ def main() -> None:
         print(f"| {r.kv_cache_dtype} | {'calibrated' if r.calibrated else '1.0'} | {r.top1_agreement:.2%} of "
               f"{r.steps} | {r.mean_abs_logprob_diff:.4f} / {r.max_abs_logprob_diff:.3f} | "
               f"{r.max_margin_at_disagreement:.3f} | {r.same_outputs}/{r.num_prompts} |")
+    print("\nThe format alone: a float32 cache holding rounded keys and values (scale 1.0), teacher-forced\n")
+    print("| float32 cache holding | top-1 agreement | mean abs diff of the chosen token's logprob |")
+    print("|---|---:|---:|")
+    for name, top1, diff in measure_format_alone(model, args.max_tokens):
+        print(f"| {name} | {top1:.2%} | {diff:.4f} |")
 
 
 if __name__ == "__main__":
