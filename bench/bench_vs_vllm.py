@@ -35,6 +35,10 @@ attention wants a multiple of 32), ``max_num_seqs`` = the largest batch and no p
 default; on, the repeated prompts would skip vLLM's prefill). Its model worker uses 2 OpenMP threads here, as
 ours does. NOTE: on this 2-core machine vLLM's default split-KV decode attention costs ~1.5 ms per call once a
 sequence passes ~96 tokens (3-4x slower decode steps); ``--vllm-env VLLM_CPU_ATTN_SPLIT_KV=0`` turns it off.
+NOTE: by default vLLM runs an engine-core process and a worker process; on 2 cores the engine core busy-polls at
+~90% of a core while the worker computes (top, 2026-12-01): in one process vLLM was 21-29% faster at batch 32-64
+(float32 and bfloat16) and 13-25% slower at batch 1. ``--vllm-env VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps both
+in one process; compare against the faster of the two settings at each batch size (bench/RESULTS.md does).
 
 ``--profile`` then loads both engines again and runs torch.profiler (CPU) around one batch-32 generate of each.
 vLLM normally runs its model in engine-core and worker processes, out of the profiler's reach; the profiled vLLM
