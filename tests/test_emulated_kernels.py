@@ -514,9 +514,10 @@ def test_copy_blocks_of_one_packed_half_leaves_the_other_alone(driver, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# fp8 caches (float8_e4m3fn, float8_e5m2; float16 / bfloat16 queries): attention against the reference on the
-# dequantized caches, reshape_and_cache's bytes against reference.quantize_fp8 (test_fp8.py's checks). Unused slots
-# hold the NaN byte. With query_start_loc the decode kernels serve every row (as csrc/cuda/attention.cu launches).
+# fp8 caches (float8_e4m3fn, float8_e5m2; float32 / float16 / bfloat16 queries): attention against the reference on
+# the dequantized caches, reshape_and_cache's bytes against reference.quantize_fp8 (test_fp8.py's checks). Unused
+# slots hold the NaN byte. With query_start_loc the launches of csrc/cuda/attention.cu: the tensor-core kernel for
+# float16 / bfloat16 queries, the decode kernels for every row with float32 queries.
 
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the driver's fp8_format scalar
 
@@ -563,7 +564,10 @@ def check_fp8_attention(driver, case: Case, tmp_path):
     (torch.float16, (8, 1), 64, True),      # group 8; split-KV and the reduce
     (torch.bfloat16, (4, 4), 80, True),     # group 1: 16-byte vectors of 16 values
     (torch.float16, (16, 1), 256, False),   # two head chunks of 8
-], ids=["bf16-group4-128", "half-group8-64-split", "bf16-group1-80-split", "half-group16-256"])
+    (torch.float32, (8, 2), 128, True),     # float32 queries: group 4, split-KV
+    (torch.float32, (4, 4), 64, False),     # float32 queries: group 1
+], ids=["bf16-group4-128", "half-group8-64-split", "bf16-group1-80-split", "half-group16-256", "float-group4-128-split",
+        "float-group1-64"])
 def test_fp8_attention(driver, tmp_path, fp8, dtype, heads, head_dim, split):
     case = attention_case([1, 31, 33, 70], *heads, head_dim, 16, torch.float32, split=split)
     check_fp8_attention(driver, fp8_attention(case, fp8, dtype), tmp_path)
@@ -577,11 +581,27 @@ def test_fp8_attention_features_and_strided_caches(driver, tmp_path, layout):
     check_fp8_attention(driver, fp8_attention(case, torch.float8_e4m3fn, torch.bfloat16), tmp_path)
 
 
+@pytest.mark.parametrize("fp8, dtype, head_dim, feature", [
+    (torch.float8_e4m3fn, torch.bfloat16, 128, "alibi"),
+    (torch.float8_e5m2, torch.float16, 64, "sliding_window"),
+    (torch.float8_e4m3fn, torch.float16, 256, "soft_cap"),
+    (torch.float8_e5m2, torch.bfloat16, 80, None),
+], ids=["e4m3-bf16-128-alibi", "e5m2-half-64-window", "e4m3-half-256-soft_cap", "e5m2-bf16-80"])
+def test_fp8_varlen_tensor_cores(driver, tmp_path, fp8, dtype, head_dim, feature):
+    """query_start_loc with float16 / bfloat16 queries: the tensor-core kernel (the fp8 values converted into shared
+    memory) next to the decode kernels, on vLLM's packed layout (prompts, chunks, decodes, empty sequences)."""
+    features = dict(alibi=dict(alibi=True), sliding_window=dict(sliding_window=30), soft_cap=dict(soft_cap=30.0))
+    case = varlen_case(MIXED, 8, 2, head_dim, 16, torch.float32, layout="packed", **features.get(feature, {}))
+    check_fp8_attention(driver, fp8_attention(case, fp8, dtype), tmp_path)
+
+
 @pytest.mark.parametrize("fp8", list(FP8_FORMATS), ids=["e4m3", "e5m2"])
-def test_fp8_varlen(driver, tmp_path, fp8):
-    """query_start_loc: every row through the decode kernels (prompts, chunks, decodes, empty sequences)."""
-    case = varlen_case(EVERY_ROW_MIXED, 8, 2, 64, 16, torch.float32, layout="packed", alibi=True, sliding_window=30)
-    check_fp8_attention(driver, fp8_attention(case, fp8, torch.float16), tmp_path)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float", "half-every_row"])
+def test_fp8_varlen_every_row(driver, tmp_path, fp8, dtype):
+    """query_start_loc through the decode kernels for every row: float32 queries, and every_row=True."""
+    case = varlen_case(EVERY_ROW_MIXED, 8, 2, 64, 16, torch.float32, layout="packed", alibi=True, sliding_window=30,
+                       every_row=dtype != torch.float32)
+    check_fp8_attention(driver, fp8_attention(case, fp8, dtype), tmp_path)
 
 
 @pytest.mark.parametrize("fp8", list(FP8_FORMATS), ids=["e4m3", "e5m2"])

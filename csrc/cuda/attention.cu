@@ -3,13 +3,13 @@
 //
 //   decode (no query_start_loc): the decode kernels (attention_kernels.cuh: single pass or split-KV), one item per
 //       sequence.
-//   query_start_loc, float16/bfloat16, a head dim of VarlenHeadDims, compute capability 8.0+: the decode kernels
-//       for the sequences with one query row (rows = kSingleTokenSeqs) and the tensor-core kernel
-//       (varlen_attention_kernels.cuh) for those with more (not launched when max_query_len <= 1).
-//   query_start_loc otherwise (float32, other head dims, fp8 caches): the decode kernels for every query row
-//       (kEveryRow).
-// fp8 caches (float8_e4m3fn, float8_e5m2): float16 and bfloat16 queries, head dims of Fp8AttentionHeadDims; the
-// scales stay on the device (read by the kernels), so the op stays capturable.
+//   query_start_loc, float16/bfloat16 queries (caches of the same dtype or fp8), a head dim of VarlenHeadDims,
+//       compute capability 8.0+: the decode kernels for the sequences with one query row (rows = kSingleTokenSeqs)
+//       and the tensor-core kernel (varlen_attention_kernels.cuh) for those with more (not launched when
+//       max_query_len <= 1).
+//   query_start_loc otherwise (float32, other head dims): the decode kernels for every query row (kEveryRow).
+// fp8 caches (float8_e4m3fn, float8_e5m2): float32, float16 and bfloat16 queries, head dims of
+// Fp8AttentionHeadDims; the scales stay on the device (read by the kernels), so the op stays capturable.
 //
 // Compile-time choices: the dtype, head_dim (AttentionHeadDims, VarlenHeadDims) and the group variant
 // (AttentionGroupVariants) select the kernel instantiations. No host-device synchronization (unless index
@@ -129,8 +129,6 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
   TORCH_CHECK(contains(AttentionHeadDims{}, head_dim), "paged_attention: head_dim ", head_dim,
               " is not supported on CUDA (supported: ", to_string(AttentionHeadDims{}), ")");
   if (fp8) {
-    TORCH_CHECK(query.scalar_type() != at::kFloat, "paged_attention: on CUDA an fp8 cache takes float16 or bfloat16 ",
-                "queries, got float32");
     TORCH_CHECK(contains(Fp8AttentionHeadDims{}, head_dim), "paged_attention: head_dim ", head_dim,
                 " is not supported on CUDA with an fp8 cache (supported: ", to_string(Fp8AttentionHeadDims{}), ")");
   }
@@ -172,12 +170,12 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
     const VarlenPlan plan = plan_varlen_attention(num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
                                                   query.element_size(), block_tables.size(1), block_size,
                                                   sliding_window);
-    if constexpr (!std::is_same_v<T, float> && std::is_same_v<T, C>) {  // NOTE: fp8 caches take the decode kernels
+    if constexpr (!std::is_same_v<T, float>) {
       if (plan.error.empty() && has_tensor_cores(query.get_device())) {
         launch_decode(params, QueryRows::kSingleTokenSeqs, num_seqs, sliding_window, query, block_size,
                       num_kv_heads);
         if (!max_query_len.has_value() || *max_query_len >= 2) {
-          AttentionParams<T> varlen_params = params;
+          AttentionParams<T, C> varlen_params = params;
           varlen_params.set_varlen_plan(plan);
           C10_CUDA_CHECK(launch_varlen_attention(varlen_params, plan, c10::cuda::getCurrentCUDAStream()));
         }
@@ -187,7 +185,7 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
     launch_decode(params, QueryRows::kEveryRow, num_tokens, sliding_window, query, block_size, num_kv_heads);
   };
   switch (query.scalar_type()) {  // check_paged_attention_args allows exactly these (and fp8 caches checked above)
-    case at::kFloat: return run(float{}, float{});
+    case at::kFloat: return fp8 ? run(float{}, Fp8{}) : run(float{}, float{});
     case at::kHalf: return fp8 ? run(__half{}, Fp8{}) : run(__half{}, __half{});
     case at::kBFloat16: return fp8 ? run(__nv_bfloat16{}, Fp8{}) : run(__nv_bfloat16{}, __nv_bfloat16{});
     default:

@@ -43,7 +43,7 @@
 // Lanes: a warp's lanes are split into row groups of LANES lanes; a row group reads one K or V row at a time, lane
 // l taking the row's 16-byte vectors l, l + LANES, ...; row j of a tile goes to row group j % ROW_GROUPS.
 //
-// fp8 caches (AttentionParams<T, Fp8>, T = half or bfloat16; the format, e4m3 or e5m2, is a run-time parameter):
+// fp8 caches (AttentionParams<T, Fp8>, T = float, half or bfloat16; the format, e4m3 or e5m2, is a run-time parameter):
 // a 16-byte load carries 16 cache values, converted to float in registers (cuda_fp8.h: two values per conversion);
 // keys are read as float(stored) * k_scale (k_scale folded into the query's pre-scaling) and values as
 // float(stored) * v_scale (applied to the accumulator when it is written). With more than one head per thread block
@@ -363,8 +363,8 @@ __device__ __forceinline__ void load_query(HeadSlices<C, HEAD_DIM, GROUP>& q, co
 // spilled them). Lanes past the row's end get zeros. All loads are issued before any is used.
 template <typename R, typename C>
 __device__ __forceinline__ void load_rows(typename R::Vector (&rows)[R::UNROLL][R::VPL],
-                                          const PagedCache<const C>& cache, const int32_t* block_table, int kv_head, int tile_begin, int first_row,
-                                          int n, const R& rs) {
+                                          const PagedCache<const C>& cache, const int32_t* block_table, int kv_head,
+                                          int tile_begin, int first_row, int n, const R& rs) {
   using Vector = typename R::Vector;
 #pragma unroll
   for (int u = 0; u < R::UNROLL; ++u) {

@@ -1,8 +1,8 @@
 // The launch of the attention kernels for one dtype: the instantiation that the plan and head_dim select, with
 // <<<>>> on a stream. Compiled for each dtype in its own file (attention_float.cu, attention_half.cu,
-// attention_bf16.cu; the tensor-core kernel in varlen_attention_half.cu and varlen_attention_bf16.cu), so the
-// instantiations compile in parallel; csrc/cuda/attention.cu calls launch_paged_attention and
-// launch_varlen_attention.
+// attention_bf16.cu, attention_fp8_*.cu; the tensor-core kernel in varlen_attention_half.cu,
+// varlen_attention_bf16.cu and varlen_attention_fp8_*.cu), so the instantiations compile in parallel;
+// csrc/cuda/attention.cu calls launch_paged_attention and launch_varlen_attention.
 #pragma once
 
 #include "attention_kernels.cuh"
@@ -19,7 +19,9 @@ cudaError_t launch_paged_attention(const AttentionParams<__half>& params, const 
                                    cudaStream_t stream);
 cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16>& params, const AttentionPlan& plan,
                                    cudaStream_t stream);
-// fp8 caches (attention_fp8_half.cu, attention_fp8_bf16.cu; float16 and bfloat16 queries only).
+// fp8 caches (attention_fp8_float.cu, attention_fp8_half.cu, attention_fp8_bf16.cu).
+cudaError_t launch_paged_attention(const AttentionParams<float, Fp8>& params, const AttentionPlan& plan,
+                                   cudaStream_t stream);
 cudaError_t launch_paged_attention(const AttentionParams<__half, Fp8>& params, const AttentionPlan& plan,
                                    cudaStream_t stream);
 cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16, Fp8>& params, const AttentionPlan& plan,
@@ -41,24 +43,30 @@ cudaError_t launch_paged_attention_kernels(const AttentionParams<T, C>& params, 
   return found ? cudaGetLastError() : cudaErrorInvalidValue;
 }
 
-// Launches varlen_attention_kernel on `stream` (float16 and bfloat16 only); returns the launch error,
-// cudaErrorInvalidValue when the head dim is not instantiated. params must hold the plan (params.set_varlen_plan).
+// Launches varlen_attention_kernel on `stream` (float16 and bfloat16 queries; caches of the same dtype, or fp8:
+// varlen_attention_fp8_half.cu, varlen_attention_fp8_bf16.cu); returns the launch error, cudaErrorInvalidValue when
+// the head dim is not instantiated. params must hold the plan (params.set_varlen_plan).
 cudaError_t launch_varlen_attention(const AttentionParams<__half>& params, const VarlenPlan& plan,
                                     cudaStream_t stream);
 cudaError_t launch_varlen_attention(const AttentionParams<__nv_bfloat16>& params, const VarlenPlan& plan,
                                     cudaStream_t stream);
+cudaError_t launch_varlen_attention(const AttentionParams<__half, Fp8>& params, const VarlenPlan& plan,
+                                    cudaStream_t stream);
+cudaError_t launch_varlen_attention(const AttentionParams<__nv_bfloat16, Fp8>& params, const VarlenPlan& plan,
+                                    cudaStream_t stream);
 
-template <typename T>
-cudaError_t launch_varlen_attention_kernel(const AttentionParams<T>& params, const VarlenPlan& plan,
+template <typename T, typename C>
+cudaError_t launch_varlen_attention_kernel(const AttentionParams<T, C>& params, const VarlenPlan& plan,
                                            cudaStream_t stream) {
   cudaError_t error = cudaSuccess;
   const bool found = dispatch(params.key_cache.head_dim, VarlenHeadDims{}, [&](auto head_dim) {
     constexpr int HEAD_DIM = decltype(head_dim)::value;
     // NOTE: above 48 KiB of dynamic shared memory a kernel must opt in (per device: so on every launch; cheap).
-    error = cudaFuncSetAttribute(varlen_attention_kernel<T, HEAD_DIM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 plan.shared_bytes);
+    error = cudaFuncSetAttribute(varlen_attention_kernel<T, C, HEAD_DIM>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, plan.shared_bytes);
     if (error == cudaSuccess) {
-      varlen_attention_kernel<T, HEAD_DIM><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
+      varlen_attention_kernel<T, C, HEAD_DIM>
+          <<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
     }
   });
   if (!found) return cudaErrorInvalidValue;

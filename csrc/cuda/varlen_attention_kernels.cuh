@@ -23,7 +23,8 @@
 // Per tile, with N = key_tile keys per step (64; 32 above head dim 128), over the keys [key_begin, key_end) that
 // some row of the tile sees (causal: up to the tile's last position; window: from its first position's start):
 //   1. gather   all threads copy the N keys' K and V rows (16-byte loads through the block table) into shared
-//               memory; rows past key_end are zeros (their slots may be NaN-poisoned or unowned).
+//               memory, as the input type (an fp8 cache's values converted: exact, every fp8 value is a half and a
+//               bfloat16); rows past key_end are zeros (their slots may be NaN-poisoned or unowned).
 //   2. logits   each warp owns 16 rows: S = Q K^T (16 x N) with wmma m16n16k16 (Q and K from shared memory), in
 //               float32, stored to shared memory.
 //   3. softmax  lanes 2r and 2r + 1 own row r of the warp: scale, soft cap, ALiBi and the causal/window mask per
@@ -35,6 +36,9 @@
 //               as a fragment loaded from a 16 x 16 matrix whose row r holds row r's rescale (written in step 3).
 // Then O / l is staged through shared memory (over Q, K and V) and written as the input type.
 //
+// fp8 caches (AttentionParams<T, Fp8>): K and V hold the stored values in shared memory; k_scale multiplies the
+// logits with the softmax scale (q . (k_scale k) = k_scale (q . k)) and v_scale the output with 1 / l.
+//
 // Shared memory (varlen_smem in launch_plan.h; about 81 KiB at head dim 128 and 84 KiB at 256, bf16):
 // Q [64][D + 8], K and V [N][D + 8], S [64][N + 4] float, P [64][N + 8], the rescale [64][16] float, and each
 // row's position and slope.
@@ -43,6 +47,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_kernels.cuh"
 #include "device.cuh"
@@ -67,13 +72,13 @@ struct VarlenTile {
   int key_begin, key_end;  // the keys some row of the tile sees
 };
 
-template <typename T>
-__device__ __forceinline__ int clamped_query_start(const AttentionParams<T>& p, int seq) {
+template <typename T, typename C>
+__device__ __forceinline__ int clamped_query_start(const AttentionParams<T, C>& p, int seq) {
   return min(max(p.query_start_loc[seq], 0), p.num_tokens);
 }
 
-template <typename T>
-__device__ __forceinline__ VarlenTile varlen_tile(const AttentionParams<T>& p) {
+template <typename T, typename C>
+__device__ __forceinline__ VarlenTile varlen_tile(const AttentionParams<T, C>& p) {
   VarlenTile tile{};
   const int tokens_per_tile = p.tokens_per_tile;
   const int x = static_cast<int>(gridDim.x - 1 - blockIdx.x);
@@ -105,11 +110,29 @@ __device__ __forceinline__ VarlenTile varlen_tile(const AttentionParams<T>& p) {
   return tile;
 }
 
+// A 16-byte vector of cache elements C, stored at dst (16-byte aligned shared memory) as values of T: as it is
+// (C = T), or its 16 fp8 values converted (exactly) into 32 bytes.
+template <typename T, typename C>
+__device__ __forceinline__ void store_cache_vec(T* dst, const uint4& v, __nv_fp8_interpretation_t format) {
+  if constexpr (std::is_same_v<C, T>) {
+    *reinterpret_cast<uint4*>(dst) = v;
+  } else {
+    float f[16];
+    fp8_to_floats(v, f, format);
+    uint4 halves[2];
+    T* const values = reinterpret_cast<T*>(halves);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) from_float(values[e], f[e]);
+    reinterpret_cast<uint4*>(dst)[0] = halves[0];
+    reinterpret_cast<uint4*>(dst)[1] = halves[1];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel.
 
-template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const AttentionParams<T> p) {
+template <typename T, typename C, int HEAD_DIM>  // C: the cache's element type (T, or Fp8)
+__global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const AttentionParams<T, C> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // bfloat16 wmma needs sm_80; the launcher takes the decode kernel's path on older GPUs
 #else
@@ -117,7 +140,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
   constexpr VarlenSmem kSmem = varlen_smem(HEAD_DIM, sizeof(T));
   constexpr int N = varlen_key_tile(HEAD_DIM);
   constexpr int QKV_LD = kSmem.qkv_ld, S_LD = kSmem.s_ld, P_LD = kSmem.p_ld, O_LD = kSmem.o_ld;
-  constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
+  constexpr int VEC = 16 / static_cast<int>(sizeof(C));  // cache elements per 16-byte vector
   constexpr int ROW_VECS = HEAD_DIM / VEC;
   constexpr int D_FRAGS = HEAD_DIM / 16, N_FRAGS = N / 16;
   using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
@@ -168,6 +191,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
   const int pos = row_pos_s[row];
   const float slope = row_slope_s[row];
   const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
+  const float logit_scale = p.k_scale != nullptr ? p.scale * *p.k_scale : p.scale;
   float running_max = -INFINITY, running_sum = 0.0f;
 
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(tile.seq) * p.max_blocks_per_seq;
@@ -185,8 +209,8 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
         key = *reinterpret_cast<const uint4*>(p.key_cache.row(block_table, key0 + j, tile.kv_head) + v * VEC);
         value = *reinterpret_cast<const uint4*>(p.value_cache.row(block_table, key0 + j, tile.kv_head) + v * VEC);
       }
-      *reinterpret_cast<uint4*>(k_s + j * QKV_LD + v * VEC) = key;
-      *reinterpret_cast<uint4*>(v_s + j * QKV_LD + v * VEC) = value;
+      store_cache_vec<T, C>(k_s + j * QKV_LD + v * VEC, key, p.fp8_format);
+      store_cache_vec<T, C>(v_s + j * QKV_LD + v * VEC, value, p.fp8_format);
     }
     __syncthreads();
 
@@ -217,7 +241,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
     float tile_max = -INFINITY;
     for (int c = half; c < N; c += 2) {
       const int t = key0 + c;
-      float x = s_row[c] * p.scale;
+      float x = s_row[c] * logit_scale;
       if (p.soft_cap > 0.0f) x = p.soft_cap * tanhf(x * inv_soft_cap);
       x += slope * static_cast<float>(t - pos);
       const bool visible = c < n && t <= pos && (p.sliding_window == 0 || t > pos - p.sliding_window);
@@ -272,7 +296,8 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
   for (int f = 0; f < D_FRAGS; ++f) wmma::store_matrix_sync(o_w + f * 16, o[f], O_LD, wmma::mem_row_major);
   __syncwarp();
   if (has_row(row)) {
-    const float inv_sum = running_sum > 0.0f ? 1.0f / running_sum : 0.0f;  // 0: a row that sees no key
+    const float v_scale = p.v_scale != nullptr ? *p.v_scale : 1.0f;
+    const float inv_sum = running_sum > 0.0f ? v_scale / running_sum : 0.0f;  // 0: a row that sees no key
     const int64_t out_row = static_cast<int64_t>(tile.first_row + row / p.heads_per_block) * p.num_heads +
                             tile.first_head + row % p.heads_per_block;
     T* const out = p.out + out_row * HEAD_DIM;

@@ -204,9 +204,10 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
 }
 
 // The launches of csrc/cuda/attention.cu: without query_start_loc the decode kernels; with it, for float16 and
-// bfloat16 at a head dim with a tensor-core instantiation, the decode kernels for the one-row sequences and the
-// tensor-core kernel for the others (or, with the scalar every_row = 1, the decode kernels for every row, as float32,
-// the other head dims and fp8 caches take). C: the cache element type (T, or Fp8 with fp8_format).
+// bfloat16 queries (caches of the same dtype or fp8) at a head dim with a tensor-core instantiation, the decode
+// kernels for the one-row sequences and the tensor-core kernel for the others (or, with the scalar every_row = 1, the
+// decode kernels for every row, as float32 and the other head dims take). C: the cache element type (T, or Fp8 with
+// fp8_format).
 template <typename T, typename C = T>
 void run_attention(const Case& c, const simt::Options& options) {
   const View &out = c.tensor("out"), &query = c.tensor("query"), &key_cache = c.tensor("key_cache"),
@@ -240,22 +241,21 @@ void run_attention(const Case& c, const simt::Options& options) {
   const paged_attn::VarlenPlan plan = paged_attn::plan_varlen_attention(
       num_seqs, num_tokens, num_heads, key_cache.size(2), head_dim, sizeof(T), block_tables.size(1),
       key_cache.size(1), static_cast<int64_t>(c.scalar("sliding_window")));
-  if (!plan.error.empty() || c.scalar("every_row") != 0 || !std::is_same_v<T, C>) {
-    std::printf("tensor-core kernel not taken: %s\n",
-                !plan.error.empty() ? plan.error.c_str() : std::is_same_v<T, C> ? "every_row" : "fp8 cache");
+  if (!plan.error.empty() || c.scalar("every_row") != 0) {
+    std::printf("tensor-core kernel not taken: %s\n", !plan.error.empty() ? plan.error.c_str() : "every_row");
     p.rows = paged_attn::QueryRows::kEveryRow;
     run_decode_kernels(c, options, p, num_tokens);
     return;
   }
   p.rows = paged_attn::QueryRows::kSingleTokenSeqs;
   run_decode_kernels(c, options, p, num_seqs);
-  if constexpr (sizeof(T) == 2 && std::is_same_v<T, C>) {
-    paged_attn::AttentionParams<T> vp = p;
+  if constexpr (sizeof(T) == 2) {
+    paged_attn::AttentionParams<T, C> vp = p;
     vp.set_varlen_plan(plan);
     const bool found = paged_attn::dispatch(static_cast<int>(head_dim), paged_attn::VarlenHeadDims{}, [&](auto hd) {
       constexpr int HEAD_DIM = decltype(hd)::value;
-      simt::launch(options, paged_attn::varlen_attention_kernel<T, HEAD_DIM>, to_dim3(plan.grid), dim3(plan.threads),
-                   plan.shared_bytes, vp);
+      simt::launch(options, paged_attn::varlen_attention_kernel<T, C, HEAD_DIM>, to_dim3(plan.grid),
+                   dim3(plan.threads), plan.shared_bytes, vp);
     });
     if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " has no tensor-core instantiation");
     std::printf("tensor-core plan: grid (%lld, %lld), %d tokens x %d heads per tile, %d keys per step, %d bytes\n",
@@ -393,10 +393,11 @@ int main(int argc, char** argv) {
   options.seed = std::strtoull(argv[3], nullptr, 10);
   try {
     const Case c = read_case(argv[1]);
-    if (c.op == "attention" && fp8_format(c) != 0) {  // as on CUDA: float16 and bfloat16 queries
-      if (c.dtype == "half") run_attention<__half, paged_attn::Fp8>(c, options);
+    if (c.op == "attention" && fp8_format(c) != 0) {
+      if (c.dtype == "float") run_attention<float, paged_attn::Fp8>(c, options);
+      else if (c.dtype == "half") run_attention<__half, paged_attn::Fp8>(c, options);
       else if (c.dtype == "bfloat16") run_attention<__nv_bfloat16, paged_attn::Fp8>(c, options);
-      else throw CaseError("fp8 caches take half or bfloat16 queries, got " + c.dtype);
+      else throw CaseError("unknown dtype " + c.dtype);
     } else if (c.op == "attention") {
       if (c.dtype == "float") run_attention<float>(c, options);
       else if (c.dtype == "half") run_attention<__half>(c, options);

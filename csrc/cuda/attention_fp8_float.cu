@@ -1,0 +1,12 @@
+// The attention kernels for fp8 caches with float queries (see attention_launch.cuh: one file per dtype, compiled in
+// parallel; the fp8 format, e4m3 or e5m2, is a run-time parameter, so one instantiation serves both).
+#include "attention_launch.cuh"
+
+namespace paged_attn {
+
+cudaError_t launch_paged_attention(const AttentionParams<float, Fp8>& params, const AttentionPlan& plan,
+                                   cudaStream_t stream) {
+  return launch_paged_attention_kernels(params, plan, stream);
+}
+
+}  // namespace paged_attn
