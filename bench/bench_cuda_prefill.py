@@ -10,8 +10,12 @@ FLOPs count the causal work only: 4 * num_heads * head_dim * (keys each query ro
 Correctness is checked against SDPA (float32 reference on a slice for the mixed case) before timing; times are
 medians of CUDA-event timings after a warm-up, with the L2 cache flushed before each.
 
+With --kv-dtype fp8_e4m3 (or fp8_e5m2) each case also runs on the same keys/values quantized into an fp8 cache
+(scales amax / max finite): the same tensor-core kernel, which converts the fp8 values into its shared memory;
+checked against SDPA on the dequantized keys/values, and timed in the same run.
+
     python bench/bench_cuda_prefill.py            # about 20 s on an H200
-    python bench/bench_cuda_prefill.py --quick
+    python bench/bench_cuda_prefill.py --quick --kv-dtype fp8_e4m3
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 
 import paged_attn
 from bench_cuda_attention import Timer  # the L2-flushing CUDA-event timer (bench/ is on sys.path when run as a script)
+from paged_attn import reference
 
 
 def parse_args():
@@ -33,6 +38,8 @@ def parse_args():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                        help="auto: the cache in --dtype only; fp8_*: also an fp8 cache of the same keys/values")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="5 repeats")
     args = parser.parse_args()
@@ -78,6 +85,17 @@ def causal_flops(specs, args) -> float:
     return 4.0 * args.num_heads * args.head_dim * keys
 
 
+def fp8_case(case, fp8):
+    """The case with its caches quantized into fp8 (scales amax / max finite), the scales, and the case with the
+    dequantized caches (what SDPA gets for the check)."""
+    query, key_cache, value_cache, block_tables, seq_lens, starts = case
+    scales = [(c.float().abs().amax() / torch.finfo(fp8).max).reshape(1) for c in (key_cache, value_cache)]
+    caches = [reference.quantize_fp8(c, fp8, s) for c, s in zip((key_cache, value_cache), scales)]
+    dequantized = [reference.dequantize_fp8(c, s, query.dtype) for c, s in zip(caches, scales)]
+    return ((query, *caches, block_tables, seq_lens, starts), scales,
+            (query, *dequantized, block_tables, seq_lens, starts))
+
+
 def sdpa_sequence(case, seq, args):
     """SDPA of one sequence's query rows on its keys/values gathered contiguously: (call, expected rows)."""
     query, key_cache, value_cache, block_tables, seq_lens, starts = case
@@ -101,8 +119,11 @@ def main():
     print(f"# paged_attention prefill on {torch.cuda.get_device_name()}: {args.num_heads} heads, {args.num_kv_heads} "
           f"kv heads, head dim {args.head_dim}, block {args.block_size}, {args.dtype}")
     print(f"# torch.matmul {args.dtype} throughput in this run: {peak:.0f} TFLOP/s\n")
-    print("| case | query rows | paged_attention ms | TFLOP/s | % of matmul | SDPA (contiguous) ms | SDPA TFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(args.kv_dtype)
+    fp8_header = f" {args.kv_dtype} cache ms | TFLOP/s | {args.kv_dtype} vs {args.dtype} |" if fp8 else ""
+    print("| case | query rows | paged_attention ms | TFLOP/s | % of matmul | SDPA (contiguous) ms | SDPA TFLOP/s |"
+          + fp8_header)
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if fp8 else ""))
     cases = {
         "prefill 4096": [(4096, 4096)],
         "chunk 1024 after 3072": [(4096, 1024)],
@@ -123,8 +144,21 @@ def main():
         flops = causal_flops(specs, args)
         sdpa_flops = causal_flops(specs[:1], args)
         tflops = flops / seconds / 1e12
+        fp8_columns = ""
+        if fp8:
+            quantized, (k_scale, v_scale), dequantized = fp8_case(case, fp8)
+            run_fp8 = lambda: paged_attn.paged_attention(*quantized[:5], query_start_loc=quantized[5],
+                                                         max_query_len=max_query_len, out=out, k_scale=k_scale,
+                                                         v_scale=v_scale)
+            run_fp8()
+            expected = sdpa_sequence(dequantized, 0, args)[0]()[0].transpose(0, 1)
+            torch.testing.assert_close(out[first:last], expected, rtol=2e-2, atol=2e-2)
+            fp8_seconds = timer(run_fp8, args.repeats)
+            fp8_tflops = flops / fp8_seconds / 1e12
+            fp8_columns = f" {fp8_seconds * 1e3:.3f} | {fp8_tflops:.0f} | {seconds / fp8_seconds:.2f}x |"
+            del quantized, dequantized
         print(f"| {name} | {case[0].shape[0]} | {seconds * 1e3:.3f} | {tflops:.0f} | {100 * tflops / peak:.0f}% | "
-              f"{sdpa_seconds * 1e3:.3f} | {sdpa_flops / sdpa_seconds / 1e12:.0f} |")
+              f"{sdpa_seconds * 1e3:.3f} | {sdpa_flops / sdpa_seconds / 1e12:.0f} |" + fp8_columns)
         del case, out
         torch.cuda.empty_cache()
     print("\n(SDPA runs the first sequence only; target: the 4096-token prefill at >= 30% of matmul)")
