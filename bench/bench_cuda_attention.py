@@ -32,6 +32,16 @@ import paged_attn
 from paged_attn import reference
 
 
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # --kv-dtype
+
+
+def quantize_caches(key_cache, value_cache, fp8):
+    """The caches quantized into fp8 with the scales amax / max finite: ([key_cache, value_cache], [k_scale,
+    v_scale]), the scales float32 [1]."""
+    scales = [(c.float().abs().amax() / torch.finfo(fp8).max).reshape(1) for c in (key_cache, value_cache)]
+    return [reference.quantize_fp8(c, fp8, s) for c, s in zip((key_cache, value_cache), scales)], scales
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,8,64,256")
@@ -41,7 +51,7 @@ def parse_args():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", *FP8_DTYPES],
                         help="auto: the cache in --dtype only; fp8_*: also an fp8 cache of the same keys/values")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--max-kv-gib", type=float, default=40.0, help="skip cases whose KV cache is larger")
@@ -112,7 +122,7 @@ def main():
     print(f"# paged_attention on {name}: {args.num_heads} heads, {args.num_kv_heads} kv heads, head dim "
           f"{args.head_dim}, block {args.block_size}, {args.dtype}")
     print(f"# device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
-    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(args.kv_dtype)
+    fp8 = FP8_DTYPES.get(args.kv_dtype)
     fp8_header = (f" {args.kv_dtype} us | GB/s (fp8 bytes) | % of copy | {args.kv_dtype} vs {args.dtype} |"
                   if fp8 else "")
     print("| batch | context | KV MiB | paged_attention us | GB/s | % of copy | SDPA (contiguous) us | speed-up |"
@@ -133,8 +143,7 @@ def main():
             seconds = timer(lambda: paged_attn.paged_attention(*case, out=out), args.repeats)
             fp8_columns = ""
             if fp8:
-                scales = [(c.float().abs().amax() / torch.finfo(fp8).max).reshape(1) for c in case[1:3]]
-                caches = [reference.quantize_fp8(c, fp8, s) for c, s in zip(case[1:3], scales)]
+                caches, scales = quantize_caches(case[1], case[2], fp8)
                 fp8_case = (case[0], *caches, case[3], case[4])
                 fp8_kwargs = dict(k_scale=scales[0], v_scale=scales[1])
                 few8 = tuple(t[:2] if i in (0, 3, 4) else t for i, t in enumerate(fp8_case))

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 import paged_attn
-from bench_cuda_attention import Timer  # the L2-flushing CUDA-event timer (bench/ is on sys.path when run as a script)
 from paged_attn import reference
+# the L2-flushing CUDA-event timer and the fp8 quantization (bench/ is on sys.path when run as a script)
+from bench_cuda_attention import FP8_DTYPES, Timer, quantize_caches
 
 
 def parse_args():
@@ -38,7 +39,7 @@ def parse_args():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
-    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", *FP8_DTYPES],
                         help="auto: the cache in --dtype only; fp8_*: also an fp8 cache of the same keys/values")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="5 repeats")
@@ -89,8 +90,7 @@ def fp8_case(case, fp8):
     """The case with its caches quantized into fp8 (scales amax / max finite), the scales, and the case with the
     dequantized caches (what SDPA gets for the check)."""
     query, key_cache, value_cache, block_tables, seq_lens, starts = case
-    scales = [(c.float().abs().amax() / torch.finfo(fp8).max).reshape(1) for c in (key_cache, value_cache)]
-    caches = [reference.quantize_fp8(c, fp8, s) for c, s in zip((key_cache, value_cache), scales)]
+    caches, scales = quantize_caches(key_cache, value_cache, fp8)
     dequantized = [reference.dequantize_fp8(c, s, query.dtype) for c, s in zip(caches, scales)]
     return ((query, *caches, block_tables, seq_lens, starts), scales,
             (query, *dequantized, block_tables, seq_lens, starts))
@@ -119,7 +119,7 @@ def main():
     print(f"# paged_attention prefill on {torch.cuda.get_device_name()}: {args.num_heads} heads, {args.num_kv_heads} "
           f"kv heads, head dim {args.head_dim}, block {args.block_size}, {args.dtype}")
     print(f"# torch.matmul {args.dtype} throughput in this run: {peak:.0f} TFLOP/s\n")
-    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(args.kv_dtype)
+    fp8 = FP8_DTYPES.get(args.kv_dtype)
     fp8_header = f" {args.kv_dtype} cache ms | TFLOP/s | {args.kv_dtype} vs {args.dtype} |" if fp8 else ""
     print("| case | query rows | paged_attention ms | TFLOP/s | % of matmul | SDPA (contiguous) ms | SDPA TFLOP/s |"
           + fp8_header)

@@ -6,9 +6,10 @@ tests/emulated/kernels.cpp is the driver: it computes the launch with the same p
 back. It is compiled twice into build/emulated/ (AddressSanitizer + UndefinedBehaviorSanitizer, and
 ThreadSanitizer), again only when a source changes. Every case runs under ASan+UBSan in the three thread orders
 (forward, reverse, seeded random) and once under TSan (the four runs as parallel processes: the emulator runs on
-one thread); the outputs must match the reference and be the same bit for bit in every order and build. Unused cache slots and blocks are NaN, unused block-table entries hold garbage, and
-every buffer is allocated at its exact size, so a read of a slot, row or entry the kernel should not touch shows up
-as NaN in the output or as a sanitizer report.
+one thread); the outputs must match the reference and be the same bit for bit in every order and build. Unused
+cache slots and blocks are NaN, unused block-table entries hold garbage, and every buffer is allocated at its exact
+size, so a read of a slot, row or entry the kernel should not touch shows up as NaN in the output or as a sanitizer
+report.
 
 Tolerances as in test_attention.py: float32 within 1e-5, float16 / bfloat16 within 2e-2.
 """
