@@ -90,7 +90,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query dtype
     """Paged attention, one sequence at a time: gather the sequence's keys/values through its block table (fp8:
     dequantized), then causal softmax attention of its query tokens (the last q_s of its L_s tokens, at positions
-    L_s - q_s + i) in compute_dtype."""
+    L_s - q_s + i) in compute_dtype, each row over exactly the keys it can see (so a NaN or inf outside them never
+    reaches it)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -108,19 +109,21 @@ def paged_attention(
         keys = dequantize_fp8(key_cache[blocks, tokens % block_size], k_scale, compute_dtype)  # [seq_len, kv, d]
         values = dequantize_fp8(value_cache[blocks, tokens % block_size], v_scale, compute_dtype)
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        positions = torch.arange(seq_len - (last - first), seq_len, device=query.device)  # [q_s]
         q = query[first:last].to(compute_dtype)  # [q_s, num_heads, head_dim]
-        logits = torch.einsum("qhd,thd->hqt", q, keys) * scale  # [num_heads, q_s, seq_len]
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-        distance = tokens[None, :] - positions[:, None]  # [q_s, seq_len]: t - p
-        if alibi_slopes is not None:
-            logits = logits + alibi_slopes.to(query.device, compute_dtype)[:, None, None] * distance
-        visible = distance <= 0  # causal
-        if sliding_window is not None:
-            visible &= distance > -sliding_window
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-        out[first:last] = torch.einsum("hqt,thd->qhd", probs, values)
+        for row in range(last - first):
+            # Only the keys this row can see enter its sums: a NaN or inf outside them (after its position, before
+            # its window, in unused slots) must not reach it through 0 * NaN.
+            position = seq_len - (last - first) + row
+            lo = 0 if sliding_window is None else max(0, position - sliding_window + 1)
+            visible = slice(lo, position + 1)
+            logits = torch.einsum("hd,thd->ht", q[row], keys[visible]) * scale  # [num_heads, visible tokens]
+            if logits_soft_cap is not None:
+                logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+            if alibi_slopes is not None:
+                distance = (tokens[visible] - position).to(compute_dtype)  # t - p <= 0
+                logits = logits + alibi_slopes.to(query.device, compute_dtype)[:, None] * distance
+            probs = torch.softmax(logits, dim=-1)
+            out[first + row] = torch.einsum("ht,thd->hd", probs, values[visible])
     return out.to(query.dtype)
 
 
