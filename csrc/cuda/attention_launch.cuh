@@ -1,6 +1,6 @@
 // The launch of the attention kernels for one dtype: the instantiation that the plan and head_dim select, with
-// <<<>>> on a stream. Compiled for each dtype in its own file (attention_float.cu, attention_half.cu,
-// attention_bf16.cu, attention_fp8_*.cu; the tensor-core kernel in varlen_attention_half.cu,
+// <<<>>> on a stream. Compiled for each dtype in its own file under instantiations/ (attention_float.cu,
+// attention_half.cu, attention_bf16.cu, attention_fp8_*.cu; the tensor-core kernel in varlen_attention_half.cu,
 // varlen_attention_bf16.cu and varlen_attention_fp8_*.cu), so the instantiations compile in parallel;
 // csrc/cuda/attention.cu calls launch_paged_attention and launch_varlen_attention.
 #pragma once

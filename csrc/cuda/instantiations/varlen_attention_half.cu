@@ -1,5 +1,5 @@
 // The tensor-core attention kernel for __half (see attention_launch.cuh: one file per dtype, compiled in parallel).
-#include "attention_launch.cuh"
+#include "../attention_launch.cuh"
 
 namespace paged_attn {
 

@@ -1,10 +1,10 @@
-// The attention kernels for fp8 caches with __half queries (see attention_launch.cuh: one file per dtype,
+// The attention kernels for fp8 caches with __nv_bfloat16 queries (see attention_launch.cuh: one file per dtype,
 // compiled in parallel; the fp8 format, e4m3 or e5m2, is a run-time parameter, so one instantiation serves both).
-#include "attention_launch.cuh"
+#include "../attention_launch.cuh"
 
 namespace paged_attn {
 
-cudaError_t launch_paged_attention(const AttentionParams<__half, Fp8>& params, const AttentionPlan& plan,
+cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16, Fp8>& params, const AttentionPlan& plan,
                                    cudaStream_t stream) {
   return launch_paged_attention_kernels(params, plan, stream);
 }

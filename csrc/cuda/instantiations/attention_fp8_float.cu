@@ -1,6 +1,6 @@
 // The attention kernels for fp8 caches with float queries (see attention_launch.cuh: one file per dtype, compiled in
 // parallel; the fp8 format, e4m3 or e5m2, is a run-time parameter, so one instantiation serves both).
-#include "attention_launch.cuh"
+#include "../attention_launch.cuh"
 
 namespace paged_attn {
 

@@ -1,6 +1,6 @@
 // The tensor-core attention kernel for __nv_bfloat16 (see attention_launch.cuh: one file per dtype, compiled in
 // parallel).
-#include "attention_launch.cuh"
+#include "../attention_launch.cuh"
 
 namespace paged_attn {
 
