@@ -64,7 +64,7 @@ class Block:
 
     block_id: int
     ref_count: int = 0
-    # Prefix cache (GPU blocks only); set exactly while the block is registered in hash_to_block_id.
+    # Prefix cache (GPU blocks only); set exactly while the block is registered in the PrefixCache.
     hash: Optional[int] = None
     token_ids: tuple[int, ...] = ()
     content_id: Optional[int] = None  # never reused, so a child entry can name its exact parent
@@ -98,6 +98,87 @@ class BlockManagerStats:
     blocks_saved_by_sharing: int  # logical_blocks - gpu_blocks_used: blocks that fork / prefix hits saved
     internal_fragmentation: int  # empty slots in the (distinct) last blocks: the only wasted slots
     utilization: float  # slots holding a token / slots in used blocks (0.0 when nothing is stored)
+
+
+class PrefixCache:
+    """The prefix cache: full GPU blocks registered by content, and the LRU order of those no sequence holds.
+
+    A full block is registered under ``_block_hash(parent_hash, tokens)``, chained over the entry matched one block
+    earlier. A lookup hits only if the candidate's tokens are equal and it was registered right after that very
+    parent entry (``parent_content_id``; content ids are never reused), so a hash collision misses rather than
+    handing out wrong KV. A registered block whose reference count drops to 0 is *evictable*: it keeps its content
+    for later hits until the manager, out of plain free blocks, recycles the least recently used one.
+    The cache shares the manager's ``Block`` records (their ``hash``, ``token_ids`` and content ids are set exactly
+    while registered) and never allocates.
+    """
+
+    def __init__(self, blocks: list[Block], block_size: int):
+        self.blocks = blocks
+        self.block_size = block_size
+        self.hash_to_block_id: dict[int, int] = {}
+        self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # ref count 0 but cached, LRU first
+        self._content_ids = itertools.count()
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.evictable_block_ids)
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent_content_id: Optional[int]) -> Optional[Block]:
+        """The cached block with exactly this content after this parent entry, or None (collisions miss)."""
+        block_id = self.hash_to_block_id.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.token_ids != token_ids or block.parent_content_id != parent_content_id:
+            return None
+        return block
+
+    def longest_prefix(self, token_ids: list[int]) -> list[Block]:
+        """Cached blocks of the longest cached prefix of ``token_ids``, never the block holding the last token."""
+        hits: list[Block] = []
+        parent_hash = parent_content_id = None
+        for index in range((len(token_ids) - 1) // self.block_size):
+            block_tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            block = self.lookup(_block_hash(parent_hash, block_tokens), block_tokens, parent_content_id)
+            if block is None:
+                break
+            hits.append(block)
+            parent_hash, parent_content_id = block.hash, block.content_id
+        return hits
+
+    def publish(self, block: Block, token_ids: tuple[int, ...], parent_hash: Optional[int],
+                parent_content_id: Optional[int]) -> tuple[int, int]:
+        """Register the full ``block`` holding ``token_ids`` after the entry (parent_hash, parent_content_id);
+        return the chain's new end (hash, content id). Content already cached (maybe in this very block) is
+        chained onto, not registered twice; on a hash collision the block stays unregistered."""
+        block_hash = _block_hash(parent_hash, token_ids)
+        twin = self.lookup(block_hash, token_ids, parent_content_id)
+        if twin is not None:
+            return block_hash, twin.content_id
+        content_id = next(self._content_ids)
+        if block_hash not in self.hash_to_block_id:
+            block.hash, block.token_ids = block_hash, token_ids
+            block.content_id, block.parent_content_id = content_id, parent_content_id
+            self.hash_to_block_id[block_hash] = block.block_id
+        return block_hash, content_id
+
+    def hold(self, block: Block) -> None:
+        """A sequence takes a reference to the cached ``block`` (a hit)."""
+        if block.ref_count == 0:
+            del self.evictable_block_ids[block.block_id]
+        block.ref_count += 1
+
+    def make_evictable(self, block: Block) -> None:
+        """The last reference to the registered ``block`` went: keep it, most recently used."""
+        self.evictable_block_ids[block.block_id] = None
+
+    def evict(self) -> Block:
+        """Unregister and return the least recently used evictable block (there must be one)."""
+        block = self.blocks[self.evictable_block_ids.popitem(last=False)[0]]
+        del self.hash_to_block_id[block.hash]
+        block.hash = block.content_id = block.parent_content_id = None
+        block.token_ids = ()
+        return block
 
 
 class BlockManager:
@@ -136,18 +217,16 @@ class BlockManager:
         self.gpu_blocks = [Block(i) for i in range(num_gpu_blocks)]
         self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
         self.free_gpu_block_ids: deque[int] = deque(range(num_gpu_blocks))  # free and holding nothing cached
-        self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # free but cached, LRU first
         self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
-        self.hash_to_block_id: dict[int, int] = {}
+        self.prefix_cache = PrefixCache(self.gpu_blocks, block_size)  # also holds the evictable free blocks
         self.seqs: dict[Hashable, SeqState] = {}
-        self._content_ids = itertools.count()
 
     # ---- capacity ----
 
     @property
     def num_free_blocks(self) -> int:
         """GPU blocks an allocation could use now: free ones plus evictable cached ones."""
-        return len(self.free_gpu_block_ids) + len(self.evictable_block_ids)
+        return len(self.free_gpu_block_ids) + self.prefix_cache.num_evictable
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -181,9 +260,7 @@ class BlockManager:
         hits = self._prefix_hits(token_ids)
         self._check_gpu_capacity(self._blocks_needed(token_ids, hits), f"allocating sequence {seq_id!r}")
         for block in hits:
-            if block.ref_count == 0:
-                del self.evictable_block_ids[block.block_id]
-            block.ref_count += 1
+            self.prefix_cache.hold(block)
         num_blocks = -(-len(token_ids) // self.block_size)
         seq = SeqState(token_ids, [block.block_id for block in hits], num_published_blocks=len(hits))
         seq.block_table += [self._take_gpu_block() for _ in range(num_blocks - len(hits))]
@@ -339,7 +416,7 @@ class BlockManager:
             num_gpu_blocks=self.num_gpu_blocks,
             gpu_blocks_used=used,
             gpu_blocks_free=self.num_free_blocks,
-            gpu_blocks_cached=len(self.evictable_block_ids),
+            gpu_blocks_cached=self.prefix_cache.num_evictable,
             cpu_blocks_used=self.num_cpu_blocks - self.num_free_cpu_blocks,
             num_tokens=sum(len(seq.token_ids) for seq in gpu_seqs),
             logical_blocks=logical,
@@ -401,7 +478,7 @@ class BlockManager:
     def _check_gpu_capacity(self, needed: int, action: str) -> None:
         if needed > self.num_free_blocks:
             raise OutOfBlocksError(f"{action} needs {needed} free GPU blocks, but only {self.num_free_blocks} "
-                                   f"are free ({len(self.evictable_block_ids)} of them evictable cached blocks)")
+                                   f"are free ({self.prefix_cache.num_evictable} of them evictable cached blocks)")
 
     def _blocks_needed(self, token_ids: list[int], hits: list[Block]) -> int:
         """Free blocks an allocation takes: fresh blocks plus the hits that are now evictable."""
@@ -416,10 +493,7 @@ class BlockManager:
         if self.free_gpu_block_ids:
             block = self.gpu_blocks[self.free_gpu_block_ids.popleft()]
         else:  # recycle the least recently used cached block
-            block = self.gpu_blocks[self.evictable_block_ids.popitem(last=False)[0]]
-            del self.hash_to_block_id[block.hash]
-            block.hash = block.content_id = block.parent_content_id = None
-            block.token_ids = ()
+            block = self.prefix_cache.evict()
         block.ref_count = ref_count
         return block.block_id
 
@@ -430,7 +504,7 @@ class BlockManager:
             if block.hash is None:
                 self.free_gpu_block_ids.append(block_id)
             else:
-                self.evictable_block_ids[block_id] = None  # most recently used end
+                self.prefix_cache.make_evictable(block)
 
     def _release_cpu_block(self, block_id: int) -> None:
         block = self.cpu_blocks[block_id]
@@ -438,51 +512,15 @@ class BlockManager:
         if block.ref_count == 0:
             self.free_cpu_block_ids.append(block_id)
 
-    def _cached_block(self, block_hash: int, token_ids: tuple[int, ...],
-                      parent_content_id: Optional[int]) -> Optional[Block]:
-        """The cached block with exactly this content after this parent entry, or None (collisions miss)."""
-        block_id = self.hash_to_block_id.get(block_hash)
-        if block_id is None:
-            return None
-        block = self.gpu_blocks[block_id]
-        if block.token_ids != token_ids or block.parent_content_id != parent_content_id:
-            return None
-        return block
-
     def _prefix_hits(self, token_ids: list[int]) -> list[Block]:
-        """Cached blocks of the longest cached prefix, never the block holding the last token."""
-        if not self.enable_prefix_caching:
-            return []
-        hits: list[Block] = []
-        parent_hash = parent_content_id = None
-        for index in range((len(token_ids) - 1) // self.block_size):
-            block_tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-            block = self._cached_block(_block_hash(parent_hash, block_tokens), block_tokens, parent_content_id)
-            if block is None:
-                break
-            hits.append(block)
-            parent_hash, parent_content_id = block.hash, block.content_id
-        return hits
+        return self.prefix_cache.longest_prefix(token_ids) if self.enable_prefix_caching else []
 
     def _cache_full_block(self, seq: SeqState, index: int) -> None:
-        """Register the full block ``index`` (the next one after the chain) of ``seq`` in the prefix cache and
-        extend the seq's chain."""
-        if not self.enable_prefix_caching:
-            return
+        """Publish the full block ``index`` (the next one after the chain) of ``seq`` and extend its chain."""
         seq.num_published_blocks = index + 1
         block_tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
-        block_hash = _block_hash(seq.prefix_hash, block_tokens)
-        twin = self._cached_block(block_hash, block_tokens, seq.prefix_content_id)
-        if twin is not None:  # this content is already cached (maybe in this very block): chain onto it
-            content_id = twin.content_id
-        else:
-            content_id = next(self._content_ids)
-            if block_hash not in self.hash_to_block_id:  # else a collision: the block stays uncached
-                block = self.gpu_blocks[seq.block_table[index]]
-                block.hash, block.token_ids = block_hash, block_tokens
-                block.content_id, block.parent_content_id = content_id, seq.prefix_content_id
-                self.hash_to_block_id[block_hash] = block.block_id
-        seq.prefix_hash, seq.prefix_content_id = block_hash, content_id
+        seq.prefix_hash, seq.prefix_content_id = self.prefix_cache.publish(
+            self.gpu_blocks[seq.block_table[index]], block_tokens, seq.prefix_hash, seq.prefix_content_id)
 
 
 def _count(value, name: str, minimum: Optional[int] = 0) -> int:

@@ -71,4 +71,4 @@ def snapshot(bm):
     seqs = {seq_id: (list(s.token_ids), list(s.block_table), s.swapped_out, s.prefix_hash, s.prefix_content_id)
             for seq_id, s in bm.seqs.items()}
     return (bm.stats(), blocks, [b.ref_count for b in bm.cpu_blocks], list(bm.free_gpu_block_ids),
-            list(bm.evictable_block_ids), list(bm.free_cpu_block_ids), dict(bm.hash_to_block_id), seqs)
+            list(bm.prefix_cache.evictable_block_ids), list(bm.free_cpu_block_ids), dict(bm.prefix_cache.hash_to_block_id), seqs)

@@ -283,7 +283,7 @@ def test_a_failed_step_publishes_nothing():
     bm.free("sample")
     stats = bm.stats()
     assert stats.gpu_blocks_cached == 0 and stats.gpu_blocks_used == 2
-    assert len(bm.hash_to_block_id) == 1  # only [0..3], written by a completed step
+    assert len(bm.prefix_cache.hash_to_block_id) == 1  # only [0..3], written by a completed step
     assert bm.allocate("next", range(9)) == 4
 
 
@@ -517,7 +517,7 @@ def test_swapped_out_cached_blocks_stay_hittable_and_swap_in_recaches():
     allocate_computed(bm, 2, [9] * 8)  # evicts both cached blocks
     bm.free(2)
     bm.swap_in([0])
-    assert not set(bm.hash_to_block_id.values()) & set(bm.block_table(0))  # copied in, not yet marked computed
+    assert not set(bm.prefix_cache.hash_to_block_id.values()) & set(bm.block_table(0))  # copied in, not yet marked computed
     bm.mark_computed(0)
     assert allocate_computed(bm, 4, [0, 1, 2, 3, 8]) == 4  # published again after swap_in
     assert bm.block_table(4)[:2] == bm.block_table(0)[:2]

@@ -254,7 +254,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert [b.ref_count for b in bm.gpu_blocks] == [gpu_holders[i] for i in range(bm.num_gpu_blocks)]
         assert [b.ref_count for b in bm.cpu_blocks] == [cpu_holders[i] for i in range(bm.num_cpu_blocks)]
 
-        free, evictable = list(bm.free_gpu_block_ids), list(bm.evictable_block_ids)
+        free, evictable = list(bm.free_gpu_block_ids), list(bm.prefix_cache.evictable_block_ids)
         free_cpu = list(bm.free_cpu_block_ids)
         assert len(set(free)) == len(free) and len(set(free_cpu)) == len(free_cpu)
         assert not set(free) & set(evictable) and not set(free + evictable) & set(gpu_holders)
@@ -264,12 +264,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.num_free_blocks == len(free) + len(evictable)
 
         # The prefix cache: the dict and the blocks agree; plain free blocks are uncached, evictable ones cached.
-        assert all(bm.gpu_blocks[b].hash == h for h, b in bm.hash_to_block_id.items())
-        assert sorted(bm.hash_to_block_id.values()) == sorted(b.block_id for b in bm.gpu_blocks if b.hash is not None)
+        assert all(bm.gpu_blocks[b].hash == h for h, b in bm.prefix_cache.hash_to_block_id.items())
+        assert sorted(bm.prefix_cache.hash_to_block_id.values()) == sorted(b.block_id for b in bm.gpu_blocks if b.hash is not None)
         assert all(bm.gpu_blocks[b].hash is None for b in free)
         assert all(bm.gpu_blocks[b].hash is not None for b in evictable)
         if not bm.enable_prefix_caching:
-            assert not bm.hash_to_block_id
+            assert not bm.prefix_cache.hash_to_block_id
 
     @invariant()
     def sequences_read_back_their_tokens(self):
@@ -302,7 +302,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         gpu_seqs = [s for s in self.expected if not bm.is_swapped_out(s)]
         used = sum(b.ref_count > 0 for b in bm.gpu_blocks)
         assert stats.gpu_blocks_used == used and stats.gpu_blocks_free == bm.num_gpu_blocks - used
-        assert stats.gpu_blocks_cached == len(bm.evictable_block_ids)
+        assert stats.gpu_blocks_cached == len(bm.prefix_cache.evictable_block_ids)
         assert stats.cpu_blocks_used == sum(b.ref_count > 0 for b in bm.cpu_blocks)
         assert stats.num_tokens == sum(len(self.expected[s]) for s in gpu_seqs)
         assert stats.logical_blocks == sum(len(bm.block_table(s)) for s in gpu_seqs)

@@ -170,7 +170,7 @@ def assert_clean(llm):
     assert manager.num_free_blocks == manager.num_gpu_blocks
     assert manager.num_free_cpu_blocks == manager.num_cpu_blocks
     assert llm.stats().gpu_blocks_used == 0
-    for block_id in manager.hash_to_block_id.values():  # every cached block holds written KV in every layer
+    for block_id in manager.prefix_cache.hash_to_block_id.values():  # every cached block holds written KV in every layer
         for key_cache, value_cache in llm.runner.kv_caches:
             assert torch.isfinite(key_cache[block_id]).all() and torch.isfinite(value_cache[block_id]).all(), block_id
 
@@ -203,7 +203,7 @@ def test_prefix_cache_survives_an_interrupted_prefill(model, expected, monkeypat
     llm = make_llm(model, CONFIGS["prefix"])
     with inject(monkeypatch, llm, "mid_forward", fire_at=1), pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
-    assert not llm.scheduler.manager.hash_to_block_id
+    assert not llm.scheduler.manager.prefix_cache.hash_to_block_id
     assert llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)[0].outputs[0].token_ids == expected["plain"][0][0]
     assert llm.stats().prefix_cache_hit_tokens == 0
     again = llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)  # now written: hit, and the same tokens
