@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import snapshot
 
-from paged_attn import block_manager
+from paged_attn import prefix_cache
 from paged_attn.block_manager import PAD_BLOCK_ID, BlockManager, OutOfBlocksError
 
 
@@ -415,7 +415,7 @@ def test_freeing_a_sequence_makes_its_tail_older_than_its_prefix():
 
 
 def test_hash_collisions_never_hit(monkeypatch):
-    monkeypatch.setattr(block_manager, "_block_hash", lambda parent_hash, token_ids: 0)
+    monkeypatch.setattr(prefix_cache, "_block_hash", lambda parent_hash, token_ids: 0)
     bm = BlockManager(8, 2, enable_prefix_caching=True)
     allocate_computed(bm, 0, [1, 1, 3])
     assert allocate_computed(bm, 1, [2, 2, 3]) == 0  # same hash, other tokens
@@ -424,7 +424,7 @@ def test_hash_collisions_never_hit(monkeypatch):
 
 def test_a_hit_needs_the_exact_parent_not_just_equal_tokens(monkeypatch):
     # A hash that forgets the parent: the block [5 5] after [1 1] collides with [5 5] after [2 2].
-    monkeypatch.setattr(block_manager, "_block_hash", lambda parent_hash, token_ids: hash(token_ids))
+    monkeypatch.setattr(prefix_cache, "_block_hash", lambda parent_hash, token_ids: hash(token_ids))
     bm = BlockManager(12, 2, enable_prefix_caching=True)
     allocate_computed(bm, 0, [1, 1, 5, 5, 0])
     allocate_computed(bm, 1, [2, 2, 0])

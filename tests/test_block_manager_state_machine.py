@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from paged_attn import block_manager
+from paged_attn import prefix_cache
 from paged_attn.block_manager import BlockManager, OutOfBlocksError
 
 EMPTY = None  # a simulated slot that no token was ever written to
@@ -38,11 +38,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def setup(self, num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching, hash_kind):
         # "weak" drops the parent from the hash and "constant" makes every block collide: neither may ever
         # produce a wrong hit, which the read-back invariant would catch.
-        self.real_hash = block_manager._block_hash
+        self.real_hash = prefix_cache._block_hash
         if hash_kind == "weak":
-            block_manager._block_hash = lambda parent_hash, token_ids: hash(token_ids) % 5
+            prefix_cache._block_hash = lambda parent_hash, token_ids: hash(token_ids) % 5
         elif hash_kind == "constant":
-            block_manager._block_hash = lambda parent_hash, token_ids: 0
+            prefix_cache._block_hash = lambda parent_hash, token_ids: 0
         self.bm = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                enable_prefix_caching=enable_prefix_caching)
         self.gpu_cache = [EMPTY] * (num_gpu_blocks * block_size)
@@ -53,7 +53,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         if hasattr(self, "real_hash"):
-            block_manager._block_hash = self.real_hash
+            prefix_cache._block_hash = self.real_hash
 
     # ---- helpers ----
 
