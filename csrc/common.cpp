@@ -48,6 +48,16 @@ void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor
   }
 }
 
+void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  for (const auto& [scale, name] : {std::pair{&k_scale, "k_scale"}, std::pair{&v_scale, "v_scale"}}) {
+    if (!scale->has_value()) continue;
+    const float value = (*scale)->item<float>();
+    TORCH_CHECK(std::isfinite(value) && value != 0.f, name, " must be finite and nonzero, got ", value,
+                ": an fp8 cache stores x as the fp8 value nearest to x / ", name, " and reads it back times ", name,
+                " (0 would store NaN and +-max, inf zeros that read back NaN)");
+  }
+}
+
 void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
               cache.sizes());

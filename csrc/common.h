@@ -35,6 +35,12 @@ float fp8_max_finite(at::ScalarType dtype);
 void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor>& k_scale,
                      const std::optional<at::Tensor>& v_scale);
 
+// The values of k_scale and v_scale (those given; check_kv_scales first) are finite and nonzero: a scale of 0 (or
+// -0) stores 0 as NaN and everything else as +-max_finite, and +-inf stores zeros that read back NaN (0 * inf).
+// Reads the values, which on CUDA synchronizes with the device, so the CUDA entry points call it only under
+// validation_enabled() (the CPU ones always: they read the values anyway).
+void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
+
 // A paged cache: float32, float16, bfloat16 or fp8 (is_fp8), [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive (num_blocks may
 // be 0), the last dimension contiguous and the others with any strides under which no two elements overlap
 // (has_self_overlap): e.g. one half of a [num_blocks, 2, ...] allocation, or the K (or V) half of vLLM's packed

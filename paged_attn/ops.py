@@ -187,17 +187,18 @@ def paged_attention(
 
 
 def set_validation(enabled: bool) -> None:
-    """Turn on (or off) index validation for CUDA ops.
+    """Turn on (or off) index and scale validation for CUDA ops.
 
-    Checking slot and block ids on CUDA copies them to the host, which synchronizes, so it is off by default; when
-    on, an out-of-range index raises the same clear error as on the CPU (where indices are always checked) before
-    anything is written. The environment variable ``PAGED_ATTN_VALIDATE=1`` turns it on at import.
+    Checking slot and block ids, and the values of fp8 scales, on CUDA copies them to the host, which synchronizes,
+    so it is off by default; when on, an out-of-range index or a zero or non-finite scale raises the same clear error
+    as on the CPU (where they are always checked) before anything is written. The environment variable
+    ``PAGED_ATTN_VALIDATE=1`` turns it on at import.
     """
     _C.set_validation(bool(enabled))
 
 
 def validation_enabled() -> bool:
-    """Whether CUDA index validation is on (see :func:`set_validation`)."""
+    """Whether CUDA index and scale validation is on (see :func:`set_validation`)."""
     return _C.validation_enabled()
 
 
@@ -229,7 +230,9 @@ def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:
 # dispatches to them (meta wins over CPU and CUDA). The ops only mutate their arguments and return nothing, so all a
 # fake does is check: the shape, dtype and device rules of csrc/common.cpp, with the same messages, so that bad input
 # fails while tracing and an index tensor on the meta device next to real caches is refused instead of ignored.
-# Strides, memory overlap and index ranges need the real tensors; the kernels check those when they run.
+# Strides, memory overlap, index ranges and scale values need the real tensors; the kernels check those when they run
+# (on CUDA index ranges and scale values only with validation on). The one value a fake can know: a scale made as a
+# constant while tracing (torch.tensor([0.0]) inside the traced code) carries it, and is checked (_known_value).
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -305,6 +308,23 @@ def _check_kv_scales(key_cache, k_scale, v_scale) -> None:
                  " must be a float32 tensor of one element, got ", scale.dtype, " of shape ", _shape(scale))
         _require(scale.device == key_cache.device, name, " must be on the cache's device ", key_cache.device,
                  ", got ", scale.device)
+    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):  # values last, as the kernels check them
+        value = None if scale is None else _known_value(scale)
+        if value is not None:
+            _require(_is_finite(value) and value != 0, name, " must be finite and nonzero, got ", f"{value:g}",
+                     ": an fp8 cache stores x as the fp8 value nearest to x / ", name, " and reads it back times ",
+                     name, " (0 would store NaN and +-max, inf zeros that read back NaN)")
+
+
+def _known_value(t: torch.Tensor) -> Optional[float]:
+    """The value of a one-element tensor, where a fake kernel can know it: a fake tensor made from a constant while
+    tracing carries it (FakeTensor.constant); any other fake (an input, or computed) has none, and neither does a
+    meta tensor."""
+    constant = getattr(t, "constant", None)
+    if constant is None:
+        return None
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # constant is a real tensor
+        return float(constant.reshape(()).item())
 
 
 @torch.library.register_fake("paged_attn::reshape_and_cache")
