@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -224,6 +225,43 @@ bool footprints_overlap(const Footprint& a, const Footprint& b) {
   return false;
 }
 
+// [begin, end) of the bytes f covers.
+std::pair<int64_t, int64_t> range_of(const Footprint& f) {
+  int64_t end = f.begin + f.run;
+  for (const auto& dim : f.outer) end += (dim.size - 1) * dim.stride;
+  return {f.begin, end};
+}
+
+// The bytes swap_blocks copies of t's blocks: one run of block_span_bytes(t) bytes per block, a block stride apart
+// (runs that touch or overlap merge into one). t has at least one block, and positive sizes after the first dim.
+Footprint block_spans_of(const at::Tensor& t) {
+  Footprint f;
+  f.begin = static_cast<int64_t>(address_of(t));
+  f.run = block_span_bytes(t);
+  const int64_t stride = t.stride(0) * static_cast<int64_t>(t.element_size());
+  if (t.size(0) > 1 && stride != 0) {
+    if (stride <= f.run) {
+      f.run += (t.size(0) - 1) * stride;
+    } else {
+      f.outer.push_back({stride, t.size(0)});
+    }
+  }
+  return f;
+}
+
+bool footprints_intersect(const Footprint& a, const Footprint& b) {
+  const auto [a_begin, a_end] = range_of(a);
+  const auto [b_begin, b_end] = range_of(b);
+  if (a_end <= b_begin || b_end <= a_begin) return false;  // e.g. separate allocations: O(1)
+  return footprints_overlap(a, b);
+}
+
+std::string layout_of(const at::Tensor& t) {
+  std::ostringstream os;
+  os << "shape " << t.sizes() << " with strides " << t.strides() << " at " << t.data_ptr();
+  return os.str();
+}
+
 }  // namespace
 
 bool tensors_overlap(const at::Tensor& a, const at::Tensor& b) {
@@ -418,12 +456,24 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
                 "shape ", t->sizes(), " with strides ", t->strides());
   }
   check_block_mapping_shape(block_mapping, at::Device(at::kCPU));
-  // src and dst may be one cache (exactly the same memory; the caller then forbids destinations that are sources),
-  // but not two different views of shared memory.
-  if (same_memory(src, dst)) {
-    check_no_overlap({{&src, "src"}, {&block_mapping, "block_mapping"}});
-  } else {
-    check_no_overlap({{&src, "src"}, {&dst, "dst"}, {&block_mapping, "block_mapping"}});
+  // NOTE: each destination block is written as the whole run of bytes a block spans (block_span_bytes), the bytes
+  // between its rows included (e.g. the V rows of a packed K|V cache when its K half is swapped), so what dst's
+  // blocks span, not just its elements, must miss what is read: src's block spans, and block_mapping. src and dst
+  // may be one cache (exactly the same memory; the caller then forbids destinations that are sources), but not two
+  // different views of shared memory.
+  if (dst.size(0) == 0) return;  // nothing is written
+  const Footprint dst_spans = block_spans_of(dst);
+  if (src.size(0) != 0 && src.device() == dst.device() && !same_memory(src, dst)) {
+    TORCH_CHECK(!footprints_intersect(block_spans_of(src), dst_spans),
+                "src and dst must not overlap in memory: swap_blocks copies each block as the ", block_span_bytes(src),
+                " bytes it spans (from its first element to the end of its last, the bytes between its rows "
+                "included), and some block of src and some block of dst span a common byte; got src ",
+                layout_of(src), " and dst ", layout_of(dst), " (", src.element_size(), "-byte elements)");
+  }
+  if (block_mapping.numel() != 0 && block_mapping.device() == dst.device()) {  // (block_mapping is on the CPU)
+    TORCH_CHECK(!footprints_intersect(footprint_of(block_mapping), dst_spans),
+                "dst and block_mapping must not overlap in memory: block_mapping lies within the bytes dst's blocks "
+                "span (each block is copied as the ", block_span_bytes(dst), " bytes it spans)");
   }
 }
 

@@ -90,7 +90,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: BlockMappin
             dimension may have any stride). ``dst`` is modified in place. Each block is copied as the run of bytes
             it spans: for a strided view that includes the bytes between its rows, e.g. the V rows of a packed K|V
             cache when its K half is swapped; swap both halves with the same mapping, or swap the packed tensor
-            itself (one copy instead of two).
+            itself (one copy instead of two). So the runs dst's blocks span must not overlap src's (e.g. the K and
+            V halves of one packed cache cannot be swapped into each other) nor ``block_mapping``, unless src and
+            dst are the same memory (same data pointer, shape and strides: one cache, whose destinations are then
+            never sources).
         block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` on the CPU (or a list of pairs);
             destinations are distinct.
 

@@ -205,7 +205,22 @@ SWAP_ERRORS = {
         lambda src, dst, m: (src.as_strided(src.shape, (8,) + src.stride()[1:]), dst, m),
         "the block stride must reach past the bytes a block spans",
     ),
+    # A block is copied as the bytes it spans: the K half's block 0 spans block 0's V rows but its last, so the V
+    # half's block 1 spans block 1's K rows but its first (the probe's case: they were overwritten).
+    "K half into V half of one packed cache": (
+        lambda src, dst, m: (packed_halves(dst)[0], packed_halves(dst)[1], m),
+        "src and dst must not overlap in memory: swap_blocks copies each block as the 1920 bytes it spans"),
+    "V half into K half of one packed cache": (
+        lambda src, dst, m: (packed_halves(dst)[1], packed_halves(dst)[0], m),
+        "src and dst must not overlap in memory: swap_blocks copies each block as the 1920 bytes it spans"),
 }
+
+
+def packed_halves(cache):
+    """The K and V halves of cache ([num_blocks, block_size, 2, head_dim], contiguous) read as vLLM's packed
+    [num_blocks, block_size, 1, 2 * head_dim] K|V cache."""
+    packed = cache.view(cache.shape[0], cache.shape[1], 1, 2 * cache.shape[3])
+    return packed[..., : cache.shape[3]], packed[..., cache.shape[3] :]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -526,6 +541,37 @@ def test_swap_blocks_views_of_one_cache_are_one_cache(device):
     expected[1] = cache[0]
     paged_attn.swap_blocks(cache, cache[:], [(0, 1)])
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swap_blocks_refuses_dst_block_spans_over_what_it_reads(device):
+    # swap_blocks copies a block of a packed cache's K half as the bytes from its first K row to the end of its last,
+    # the V rows between them included: the K and V halves share no element, but their blocks' spans do.
+    packed = torch.randn(4, 8, 2, 2 * 32, device=device)
+    k_half, v_half = packed[..., :32], packed[..., 32:]
+    before = packed.clone()
+    for src, dst in ((k_half, v_half), (v_half, k_half)):
+        with pytest.raises(RuntimeError, match="src and dst must not overlap in memory: swap_blocks copies each "
+                                               r"block as the 3968 bytes it spans \(from its first element"):
+            paged_attn.swap_blocks(src, dst, [(0, 1)])
+        assert torch.equal(packed, before), "a refused swap wrote"
+    # Spans that merely follow each other are fine: blocks 0-1 of the K half into blocks 2-3 of the V half write
+    # the spans of packed blocks 2 and 3 (their V rows, and the K rows between them).
+    paged_attn.swap_blocks(k_half[:2], v_half[2:], [(0, 0), (1, 1)])
+    assert torch.equal(v_half[2:], before[:2, ..., :32]) and torch.equal(packed[:2], before[:2])
+    # The same memory is one cache (as before): its mapping is checked, and the copy is the block's span.
+    paged_attn.swap_blocks(k_half, k_half[:], [(0, 3)])
+    assert torch.equal(k_half[3], before[0, ..., :32])
+
+    if device == "cpu":  # (block_mapping lives on the CPU)
+        # block_mapping between the K rows of dst's block 1: no element of dst, but the copy into block 1 writes it.
+        dst = torch.randn(4, 8, 2, 2 * 32)
+        mapping = dst[1, 0, 1, 32:36].view(torch.int64).view(1, 2)
+        mapping.copy_(torch.tensor([[0, 1]]))
+        dst_before = dst.clone()
+        with pytest.raises(RuntimeError, match="dst and block_mapping must not overlap in memory"):
+            paged_attn.swap_blocks(torch.randn(4, 8, 2, 2 * 32)[..., :32], dst[..., :32], mapping)
+        assert torch.equal(dst, dst_before), "a refused swap wrote"
 
 
 def element_bytes(t):
