@@ -291,9 +291,10 @@ void check_no_overlap(c10::ArrayRef<NamedTensor> tensors) {
   }
   std::sort(entries.begin(), entries.end(), [](const Entry& x, const Entry& y) { return x.begin < y.begin; });
   for (size_t i = 0; i < entries.size(); ++i) {
-    // Only tensors that start before this one ends can overlap it.
+    // Only tensors that start before this one ends can overlap it; two inputs may.
     for (size_t j = i + 1; j < entries.size() && entries[j].begin < entries[i].end; ++j) {
       const auto [first, second] = std::minmax(entries[i].index, entries[j].index);
+      if (!tensors[first].written && !tensors[second].written) continue;
       TORCH_CHECK(!tensors_overlap(*tensors[first].tensor, *tensors[second].tensor), tensors[first].name, " and ",
                   tensors[second].name, " must not overlap in memory, but they share at least one element");
     }
@@ -400,9 +401,10 @@ void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value
               " entries, got ", slot_mapping.size(0));
   check_kv_scales(key_cache, k_scale, v_scale);
   const at::Tensor none;
-  check_no_overlap({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
-                    {&slot_mapping, "slot_mapping"}, {k_scale.has_value() ? &*k_scale : &none, "k_scale"},
-                    {v_scale.has_value() ? &*v_scale : &none, "v_scale"}});
+  check_no_overlap({{&key, "key", false}, {&value, "value", false}, {&key_cache, "key_cache", true},
+                    {&value_cache, "value_cache", true}, {&slot_mapping, "slot_mapping", false},
+                    {k_scale.has_value() ? &*k_scale : &none, "k_scale", false},
+                    {v_scale.has_value() ? &*v_scale : &none, "v_scale", false}});
 }
 
 void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
@@ -421,14 +423,14 @@ void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_cach
           names.emplace_back((is_value ? "value_caches[" : "key_caches[") + std::to_string(layer) + "]");
       check_cache(cache, name.c_str());
       check_same_layout(first, "key_caches[0]", cache, name.c_str());
-      args.push_back({&cache, name.c_str()});
+      args.push_back({&cache, name.c_str(), true});
     }
   }
   TORCH_CHECK(block_mapping.device().is_cpu() || block_mapping.device() == first.device(),
               "block_mapping must be on the CPU or on the caches' device ", first.device(), ", got ",
               block_mapping.device());
   check_block_mapping_shape(block_mapping, block_mapping.device());
-  args.push_back({&block_mapping, "block_mapping"});
+  args.push_back({&block_mapping, "block_mapping", false});
   check_no_overlap(args);  // any two caches of any layers, and the mapping
 }
 
@@ -530,12 +532,15 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
               "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap);
-  const at::Tensor none;
-  check_no_overlap({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
-                    {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
-                    {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes"},
-                    {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc"}});
   check_kv_scales(key_cache, k_scale, v_scale);
+  const at::Tensor none;
+  check_no_overlap({{&out, "out", true}, {&query, "query", false}, {&key_cache, "key_cache", false},
+                    {&value_cache, "value_cache", false}, {&block_tables, "block_tables", false},
+                    {&seq_lens, "seq_lens", false},
+                    {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes", false},
+                    {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc", false},
+                    {k_scale.has_value() ? &*k_scale : &none, "k_scale", false},
+                    {v_scale.has_value() ? &*v_scale : &none, "v_scale", false}});
 }
 
 void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at::Tensor& seq_lens_cpu,

@@ -9,10 +9,19 @@ offset ``t % block_size``; its *slot* is ``block * block_size + offset``.
 
 An fp8 cache (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) holds half the bytes of bfloat16; keys, values and
 queries stay float32, float16 or bfloat16. Each cache has a scale, ``k_scale`` / ``v_scale``: a float32 tensor of one
-element on the caches' device (default 1.0). :func:`reshape_and_cache` stores the fp8 value nearest to ``x / scale``
-(round to nearest even, saturated to the largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN stays NaN);
-:func:`paged_attention` reads ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy the
-bytes. ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
+element on the caches' device (default 1.0), finite and nonzero: 0, -0, NaN and +-inf are refused (on the CPU always;
+on CUDA with validation on, see :func:`set_validation`, since reading the value there synchronizes; a fake kernel
+knows the value only of a constant made while tracing). :func:`reshape_and_cache` stores the fp8 value nearest to
+``x / scale`` (round to nearest even, saturated to the largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN
+stays NaN); :func:`paged_attention` reads ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy
+the bytes. ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
+
+Memory: a tensor an op writes (the caches of :func:`reshape_and_cache` and :func:`copy_blocks`, ``dst`` of
+:func:`swap_blocks`, ``out`` of :func:`paged_attention`) must not share a byte with any other argument; the tensors
+an op only reads may share memory with each other (one scale tensor as both ``k_scale`` and ``v_scale``, one tensor
+as ``key`` and ``value``, or as both caches of :func:`paged_attention`). Memory is compared element by element, so
+interleaved but disjoint layouts (the halves of a ``[num_blocks, 2, ...]`` allocation) are fine; :func:`swap_blocks`
+compares the runs of bytes its blocks span (see there).
 """
 
 from __future__ import annotations
