@@ -175,8 +175,9 @@ def paged_attention(
     if query.dim() != 3 or query.shape[1] == 0 or query.shape[2] == 0:
         raise ValueError(f"query must have shape [num_tokens, num_heads, head_dim] with positive num_heads and "
                          f"head_dim, got {tuple(query.shape)}")
-    if sliding_window is not None and not (_is_int(sliding_window) and sliding_window > 0):
-        raise ValueError(f"sliding_window must be a positive integer number of tokens or None, got {sliding_window!r}")
+    if sliding_window is not None and not (_is_int(sliding_window) and 0 < sliding_window <= _INT64_MAX):
+        raise ValueError(f"sliding_window must be a positive integer number of tokens (at most 2**63 - 1: the op "
+                         f"takes an int64) or None, got {sliding_window!r}")
     if logits_soft_cap is not None and not (_is_finite(logits_soft_cap) and logits_soft_cap > 0):
         raise ValueError(f"logits_soft_cap must be positive and finite, or None, got {logits_soft_cap}")
     if scale is not None and not _is_finite(scale):
@@ -184,8 +185,9 @@ def paged_attention(
     if max_query_len is not None:
         if query_start_loc is None:
             raise ValueError("max_query_len is given without query_start_loc")
-        if not (_is_int(max_query_len) and max_query_len >= 0):
-            raise ValueError(f"max_query_len must be a non-negative integer or None, got {max_query_len!r}")
+        if not (_is_int(max_query_len) and 0 <= max_query_len <= _INT64_MAX):
+            raise ValueError(f"max_query_len must be a non-negative integer (at most 2**63 - 1: the op takes an "
+                             f"int64) or None, got {max_query_len!r}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
@@ -217,6 +219,9 @@ def validation_enabled() -> bool:
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension contains the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("paged_attn::reshape_and_cache", "CUDA")
+
+
+_INT64_MAX = 2**63 - 1  # torch's schema type int is int64: a larger Python int fails its argument parsing
 
 
 def _is_int(x) -> bool:
