@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,16 @@ void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor
                 " must be a float32 tensor of one element, got ", t.scalar_type(), " of shape ", t.sizes());
     TORCH_CHECK(t.device() == key_cache.device(), name, " must be on the cache's device ", key_cache.device(),
                 ", got ", t.device());
+  }
+}
+
+void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  for (const auto& [scale, name] : {std::pair{&k_scale, "k_scale"}, std::pair{&v_scale, "v_scale"}}) {
+    if (!scale->has_value()) continue;
+    const float value = (*scale)->item<float>();
+    TORCH_CHECK(std::isfinite(value) && value != 0.f, name, " must be finite and nonzero, got ", value,
+                ": an fp8 cache stores x as the fp8 value nearest to x / ", name, " and reads it back times ", name,
+                " (0 would store NaN and +-max, inf zeros that read back NaN)");
   }
 }
 
@@ -214,6 +225,43 @@ bool footprints_overlap(const Footprint& a, const Footprint& b) {
   return false;
 }
 
+// [begin, end) of the bytes f covers.
+std::pair<int64_t, int64_t> range_of(const Footprint& f) {
+  int64_t end = f.begin + f.run;
+  for (const auto& dim : f.outer) end += (dim.size - 1) * dim.stride;
+  return {f.begin, end};
+}
+
+// The bytes swap_blocks copies of t's blocks: one run of block_span_bytes(t) bytes per block, a block stride apart
+// (runs that touch or overlap merge into one). t has at least one block, and positive sizes after the first dim.
+Footprint block_spans_of(const at::Tensor& t) {
+  Footprint f;
+  f.begin = static_cast<int64_t>(address_of(t));
+  f.run = block_span_bytes(t);
+  const int64_t stride = t.stride(0) * static_cast<int64_t>(t.element_size());
+  if (t.size(0) > 1 && stride != 0) {
+    if (stride <= f.run) {
+      f.run += (t.size(0) - 1) * stride;
+    } else {
+      f.outer.push_back({stride, t.size(0)});
+    }
+  }
+  return f;
+}
+
+bool footprints_intersect(const Footprint& a, const Footprint& b) {
+  const auto [a_begin, a_end] = range_of(a);
+  const auto [b_begin, b_end] = range_of(b);
+  if (a_end <= b_begin || b_end <= a_begin) return false;  // e.g. separate allocations: O(1)
+  return footprints_overlap(a, b);
+}
+
+std::string layout_of(const at::Tensor& t) {
+  std::ostringstream os;
+  os << "shape " << t.sizes() << " with strides " << t.strides() << " at " << t.data_ptr();
+  return os.str();
+}
+
 }  // namespace
 
 bool tensors_overlap(const at::Tensor& a, const at::Tensor& b) {
@@ -243,9 +291,10 @@ void check_no_overlap(c10::ArrayRef<NamedTensor> tensors) {
   }
   std::sort(entries.begin(), entries.end(), [](const Entry& x, const Entry& y) { return x.begin < y.begin; });
   for (size_t i = 0; i < entries.size(); ++i) {
-    // Only tensors that start before this one ends can overlap it.
+    // Only tensors that start before this one ends can overlap it; two inputs may.
     for (size_t j = i + 1; j < entries.size() && entries[j].begin < entries[i].end; ++j) {
       const auto [first, second] = std::minmax(entries[i].index, entries[j].index);
+      if (!tensors[first].written && !tensors[second].written) continue;
       TORCH_CHECK(!tensors_overlap(*tensors[first].tensor, *tensors[second].tensor), tensors[first].name, " and ",
                   tensors[second].name, " must not overlap in memory, but they share at least one element");
     }
@@ -352,9 +401,10 @@ void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value
               " entries, got ", slot_mapping.size(0));
   check_kv_scales(key_cache, k_scale, v_scale);
   const at::Tensor none;
-  check_no_overlap({{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
-                    {&slot_mapping, "slot_mapping"}, {k_scale.has_value() ? &*k_scale : &none, "k_scale"},
-                    {v_scale.has_value() ? &*v_scale : &none, "v_scale"}});
+  check_no_overlap({{&key, "key", false}, {&value, "value", false}, {&key_cache, "key_cache", true},
+                    {&value_cache, "value_cache", true}, {&slot_mapping, "slot_mapping", false},
+                    {k_scale.has_value() ? &*k_scale : &none, "k_scale", false},
+                    {v_scale.has_value() ? &*v_scale : &none, "v_scale", false}});
 }
 
 void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
@@ -373,14 +423,14 @@ void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_cach
           names.emplace_back((is_value ? "value_caches[" : "key_caches[") + std::to_string(layer) + "]");
       check_cache(cache, name.c_str());
       check_same_layout(first, "key_caches[0]", cache, name.c_str());
-      args.push_back({&cache, name.c_str()});
+      args.push_back({&cache, name.c_str(), true});
     }
   }
   TORCH_CHECK(block_mapping.device().is_cpu() || block_mapping.device() == first.device(),
               "block_mapping must be on the CPU or on the caches' device ", first.device(), ", got ",
               block_mapping.device());
   check_block_mapping_shape(block_mapping, block_mapping.device());
-  args.push_back({&block_mapping, "block_mapping"});
+  args.push_back({&block_mapping, "block_mapping", false});
   check_no_overlap(args);  // any two caches of any layers, and the mapping
 }
 
@@ -408,12 +458,24 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
                 "shape ", t->sizes(), " with strides ", t->strides());
   }
   check_block_mapping_shape(block_mapping, at::Device(at::kCPU));
-  // src and dst may be one cache (exactly the same memory; the caller then forbids destinations that are sources),
-  // but not two different views of shared memory.
-  if (same_memory(src, dst)) {
-    check_no_overlap({{&src, "src"}, {&block_mapping, "block_mapping"}});
-  } else {
-    check_no_overlap({{&src, "src"}, {&dst, "dst"}, {&block_mapping, "block_mapping"}});
+  // NOTE: each destination block is written as the whole run of bytes a block spans (block_span_bytes), the bytes
+  // between its rows included (e.g. the V rows of a packed K|V cache when its K half is swapped), so what dst's
+  // blocks span, not just its elements, must miss what is read: src's block spans, and block_mapping. src and dst
+  // may be one cache (exactly the same memory; the caller then forbids destinations that are sources), but not two
+  // different views of shared memory.
+  if (dst.size(0) == 0) return;  // nothing is written
+  const Footprint dst_spans = block_spans_of(dst);
+  if (src.size(0) != 0 && src.device() == dst.device() && !same_memory(src, dst)) {
+    TORCH_CHECK(!footprints_intersect(block_spans_of(src), dst_spans),
+                "src and dst must not overlap in memory: swap_blocks copies each block as the ", block_span_bytes(src),
+                " bytes it spans (from its first element to the end of its last, the bytes between its rows "
+                "included), and some block of src and some block of dst span a common byte; got src ",
+                layout_of(src), " and dst ", layout_of(dst), " (", src.element_size(), "-byte elements)");
+  }
+  if (block_mapping.numel() != 0 && block_mapping.device() == dst.device()) {  // (block_mapping is on the CPU)
+    TORCH_CHECK(!footprints_intersect(footprint_of(block_mapping), dst_spans),
+                "dst and block_mapping must not overlap in memory: block_mapping lies within the bytes dst's blocks "
+                "span (each block is copied as the ", block_span_bytes(dst), " bytes it spans)");
   }
 }
 
@@ -470,12 +532,15 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
               "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap);
-  const at::Tensor none;
-  check_no_overlap({{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
-                    {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
-                    {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes"},
-                    {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc"}});
   check_kv_scales(key_cache, k_scale, v_scale);
+  const at::Tensor none;
+  check_no_overlap({{&out, "out", true}, {&query, "query", false}, {&key_cache, "key_cache", false},
+                    {&value_cache, "value_cache", false}, {&block_tables, "block_tables", false},
+                    {&seq_lens, "seq_lens", false},
+                    {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes", false},
+                    {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc", false},
+                    {k_scale.has_value() ? &*k_scale : &none, "k_scale", false},
+                    {v_scale.has_value() ? &*v_scale : &none, "v_scale", false}});
 }
 
 void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at::Tensor& seq_lens_cpu,

@@ -35,6 +35,12 @@ float fp8_max_finite(at::ScalarType dtype);
 void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor>& k_scale,
                      const std::optional<at::Tensor>& v_scale);
 
+// The values of k_scale and v_scale (those given; check_kv_scales first) are finite and nonzero: a scale of 0 (or
+// -0) stores 0 as NaN and everything else as +-max_finite, and +-inf stores zeros that read back NaN (0 * inf).
+// Reads the values, which on CUDA synchronizes with the device, so the CUDA entry points call it only under
+// validation_enabled() (the CPU ones always: they read the values anyway).
+void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
+
 // A paged cache: float32, float16, bfloat16 or fp8 (is_fp8), [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive (num_blocks may
 // be 0), the last dimension contiguous and the others with any strides under which no two elements overlap
 // (has_self_overlap): e.g. one half of a [num_blocks, 2, ...] allocation, or the K (or V) half of vLLM's packed
@@ -65,14 +71,18 @@ bool tensors_overlap(const at::Tensor& a, const at::Tensor& b);
 // a and b are exactly the same memory: same device, data pointer, sizes and strides (e.g. two views of one cache).
 bool same_memory(const at::Tensor& a, const at::Tensor& b);
 
-// A tensor argument and its name, for check_no_overlap.
+// A tensor argument, its name, and whether the op writes it, for check_no_overlap.
 struct NamedTensor {
   const at::Tensor* tensor;
   const char* name;
+  bool written;  // an output (a mutated tensor): it must not overlap any other argument
 };
 
-// No two of the given tensors overlap (tensors_overlap); the error names both. Undefined and empty tensors are
-// skipped. Sorts them by address, so n tensors in separate allocations cost O(n log n).
+// No output overlaps any other argument, output or input (tensors_overlap): the kernel would read memory it is
+// writing, or two outputs would overwrite each other. Inputs, which are only read, may share memory with each other
+// (e.g. one scale tensor as both k_scale and v_scale, or one tensor as key and value). The error names both, in
+// argument order. Undefined and empty tensors are skipped. Sorts them by address, so n tensors in separate
+// allocations cost O(n log n).
 void check_no_overlap(c10::ArrayRef<NamedTensor> tensors);
 
 // Two tensors that must agree in shape, dtype and device (e.g. key_cache and value_cache).
@@ -97,9 +107,14 @@ void check_slot_range(const at::Tensor& slot_mapping_cpu, int64_t num_slots);
 void check_block_mapping_range(const at::Tensor& block_mapping_cpu, int64_t num_src_blocks,
                                int64_t num_dst_blocks, bool same_cache);
 
-// The shape, dtype and device checks of each op, shared by its CPU and CUDA entry points (index ranges are
-// checked separately, since on CUDA that needs the opt-in synchronization).
+// The shape, dtype, device and memory-overlap checks of each op, shared by its CPU and CUDA entry points (index
+// ranges and scale values are checked separately, since on CUDA reading them needs the opt-in synchronization).
 // key/value (query) have the caches' dtype, or any of float32, float16, bfloat16 when the caches are fp8.
+// Overlap (check_no_overlap): the tensors an op writes (the caches of reshape_and_cache and copy_blocks, dst of
+// swap_blocks, out of paged_attention) overlap no other argument; the tensors it only reads may share memory.
+// swap_blocks writes each destination block as the whole run of bytes a block spans (block_span_bytes), so there
+// dst's block spans must not overlap src's block spans (unless src and dst are one cache: same_memory) nor
+// block_mapping.
 void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);

@@ -9,7 +9,8 @@
 // Caches are float32, float16, bfloat16 (the keys, values and queries have the same dtype) or fp8 (float8_e4m3fn,
 // float8_e5m2; keys, values and queries float32, float16 or bfloat16), which stores x as the fp8 value nearest to
 // x / scale (round to nearest even, saturated to the largest finite value, NaN kept) and reads float(stored) * scale;
-// k_scale, v_scale: float32 [1] on the caches' device, default 1, only with fp8 caches.
+// k_scale, v_scale: float32 [1] on the caches' device, default 1, finite and nonzero, only with fp8 caches.
+// Memory: a tensor an op writes (marked (a!), (b!)) overlaps no other argument; the ones it only reads may overlap.
 #include <torch/library.h>
 
 TORCH_LIBRARY(paged_attn, m) {

@@ -9,10 +9,19 @@ offset ``t % block_size``; its *slot* is ``block * block_size + offset``.
 
 An fp8 cache (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) holds half the bytes of bfloat16; keys, values and
 queries stay float32, float16 or bfloat16. Each cache has a scale, ``k_scale`` / ``v_scale``: a float32 tensor of one
-element on the caches' device (default 1.0). :func:`reshape_and_cache` stores the fp8 value nearest to ``x / scale``
-(round to nearest even, saturated to the largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN stays NaN);
-:func:`paged_attention` reads ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy the
-bytes. ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
+element on the caches' device (default 1.0), finite and nonzero: 0, -0, NaN and +-inf are refused (on the CPU always;
+on CUDA with validation on, see :func:`set_validation`, since reading the value there synchronizes; a fake kernel
+knows the value only of a constant made while tracing). :func:`reshape_and_cache` stores the fp8 value nearest to
+``x / scale`` (round to nearest even, saturated to the largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN
+stays NaN); :func:`paged_attention` reads ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy
+the bytes. ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
+
+Memory: a tensor an op writes (the caches of :func:`reshape_and_cache` and :func:`copy_blocks`, ``dst`` of
+:func:`swap_blocks`, ``out`` of :func:`paged_attention`) must not share a byte with any other argument; the tensors
+an op only reads may share memory with each other (one scale tensor as both ``k_scale`` and ``v_scale``, one tensor
+as ``key`` and ``value``, or as both caches of :func:`paged_attention`). Memory is compared element by element, so
+interleaved but disjoint layouts (the halves of a ``[num_blocks, 2, ...]`` allocation) are fine; :func:`swap_blocks`
+compares the runs of bytes its blocks span (see there).
 """
 
 from __future__ import annotations
@@ -90,7 +99,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: BlockMappin
             dimension may have any stride). ``dst`` is modified in place. Each block is copied as the run of bytes
             it spans: for a strided view that includes the bytes between its rows, e.g. the V rows of a packed K|V
             cache when its K half is swapped; swap both halves with the same mapping, or swap the packed tensor
-            itself (one copy instead of two).
+            itself (one copy instead of two). So the runs dst's blocks span must not overlap src's (e.g. the K and
+            V halves of one packed cache cannot be swapped into each other) nor ``block_mapping``, unless src and
+            dst are the same memory (same data pointer, shape and strides: one cache, whose destinations are then
+            never sources).
         block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` on the CPU (or a list of pairs);
             destinations are distinct.
 
@@ -163,8 +175,9 @@ def paged_attention(
     if query.dim() != 3 or query.shape[1] == 0 or query.shape[2] == 0:
         raise ValueError(f"query must have shape [num_tokens, num_heads, head_dim] with positive num_heads and "
                          f"head_dim, got {tuple(query.shape)}")
-    if sliding_window is not None and not (_is_int(sliding_window) and sliding_window > 0):
-        raise ValueError(f"sliding_window must be a positive integer number of tokens or None, got {sliding_window!r}")
+    if sliding_window is not None and not (_is_int(sliding_window) and 0 < sliding_window <= _INT64_MAX):
+        raise ValueError(f"sliding_window must be a positive integer number of tokens (at most 2**63 - 1: the op "
+                         f"takes an int64) or None, got {sliding_window!r}")
     if logits_soft_cap is not None and not (_is_finite(logits_soft_cap) and logits_soft_cap > 0):
         raise ValueError(f"logits_soft_cap must be positive and finite, or None, got {logits_soft_cap}")
     if scale is not None and not _is_finite(scale):
@@ -172,8 +185,9 @@ def paged_attention(
     if max_query_len is not None:
         if query_start_loc is None:
             raise ValueError("max_query_len is given without query_start_loc")
-        if not (_is_int(max_query_len) and max_query_len >= 0):
-            raise ValueError(f"max_query_len must be a non-negative integer or None, got {max_query_len!r}")
+        if not (_is_int(max_query_len) and 0 <= max_query_len <= _INT64_MAX):
+            raise ValueError(f"max_query_len must be a non-negative integer (at most 2**63 - 1: the op takes an "
+                             f"int64) or None, got {max_query_len!r}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
@@ -187,23 +201,27 @@ def paged_attention(
 
 
 def set_validation(enabled: bool) -> None:
-    """Turn on (or off) index validation for CUDA ops.
+    """Turn on (or off) index and scale validation for CUDA ops.
 
-    Checking slot and block ids on CUDA copies them to the host, which synchronizes, so it is off by default; when
-    on, an out-of-range index raises the same clear error as on the CPU (where indices are always checked) before
-    anything is written. The environment variable ``PAGED_ATTN_VALIDATE=1`` turns it on at import.
+    Checking slot and block ids, and the values of fp8 scales, on CUDA copies them to the host, which synchronizes,
+    so it is off by default; when on, an out-of-range index or a zero or non-finite scale raises the same clear error
+    as on the CPU (where they are always checked) before anything is written. The environment variable
+    ``PAGED_ATTN_VALIDATE=1`` turns it on at import.
     """
     _C.set_validation(bool(enabled))
 
 
 def validation_enabled() -> bool:
-    """Whether CUDA index validation is on (see :func:`set_validation`)."""
+    """Whether CUDA index and scale validation is on (see :func:`set_validation`)."""
     return _C.validation_enabled()
 
 
 def has_cuda_kernels() -> bool:
     """Whether this build of the extension contains the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("paged_attn::reshape_and_cache", "CUDA")
+
+
+_INT64_MAX = 2**63 - 1  # torch's schema type int is int64: a larger Python int fails its argument parsing
 
 
 def _is_int(x) -> bool:
@@ -229,7 +247,9 @@ def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:
 # dispatches to them (meta wins over CPU and CUDA). The ops only mutate their arguments and return nothing, so all a
 # fake does is check: the shape, dtype and device rules of csrc/common.cpp, with the same messages, so that bad input
 # fails while tracing and an index tensor on the meta device next to real caches is refused instead of ignored.
-# Strides, memory overlap and index ranges need the real tensors; the kernels check those when they run.
+# Strides, memory overlap, index ranges and scale values need the real tensors; the kernels check those when they run
+# (on CUDA index ranges and scale values only with validation on). The one value a fake can know: a scale made as a
+# constant while tracing (torch.tensor([0.0]) inside the traced code) carries it, and is checked (_known_value).
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -305,6 +325,23 @@ def _check_kv_scales(key_cache, k_scale, v_scale) -> None:
                  " must be a float32 tensor of one element, got ", scale.dtype, " of shape ", _shape(scale))
         _require(scale.device == key_cache.device, name, " must be on the cache's device ", key_cache.device,
                  ", got ", scale.device)
+    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):  # values last, as the kernels check them
+        value = None if scale is None else _known_value(scale)
+        if value is not None:
+            _require(_is_finite(value) and value != 0, name, " must be finite and nonzero, got ", f"{value:g}",
+                     ": an fp8 cache stores x as the fp8 value nearest to x / ", name, " and reads it back times ",
+                     name, " (0 would store NaN and +-max, inf zeros that read back NaN)")
+
+
+def _known_value(t: torch.Tensor) -> Optional[float]:
+    """The value of a one-element tensor, where a fake kernel can know it: a fake tensor made from a constant while
+    tracing carries it (FakeTensor.constant); any other fake (an input, or computed) has none, and neither does a
+    meta tensor."""
+    constant = getattr(t, "constant", None)
+    if constant is None:
+        return None
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # constant is a real tensor
+        return float(constant.reshape(()).item())
 
 
 @torch.library.register_fake("paged_attn::reshape_and_cache")

@@ -419,6 +419,9 @@ ERRORS = {
                      "sliding_window must be a positive integer"),
     "bool window": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": True}, ValueError,
                     "sliding_window must be a positive integer"),
+    "window past int64": (lambda q, k, v, t, s: (q, k, v, t, s), {"sliding_window": 2**63}, ValueError,
+                          r"sliding_window must be a positive integer number of tokens \(at most 2\*\*63 - 1: the op "
+                          r"takes an int64\) or None, got 9223372036854775808"),
     "out shape": (lambda q, k, v, t, s: (q, k, v, t, s), {"out": torch.empty(2, 4, 32)}, RuntimeError,
                   "out must be a Float tensor of shape"),
 }

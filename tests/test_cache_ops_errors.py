@@ -205,7 +205,22 @@ SWAP_ERRORS = {
         lambda src, dst, m: (src.as_strided(src.shape, (8,) + src.stride()[1:]), dst, m),
         "the block stride must reach past the bytes a block spans",
     ),
+    # A block is copied as the bytes it spans: the K half's block 0 spans block 0's V rows but its last, so the V
+    # half's block 1 spans block 1's K rows but its first (the probe's case: they were overwritten).
+    "K half into V half of one packed cache": (
+        lambda src, dst, m: (packed_halves(dst)[0], packed_halves(dst)[1], m),
+        "src and dst must not overlap in memory: swap_blocks copies each block as the 1920 bytes it spans"),
+    "V half into K half of one packed cache": (
+        lambda src, dst, m: (packed_halves(dst)[1], packed_halves(dst)[0], m),
+        "src and dst must not overlap in memory: swap_blocks copies each block as the 1920 bytes it spans"),
 }
+
+
+def packed_halves(cache):
+    """The K and V halves of cache ([num_blocks, block_size, 2, head_dim], contiguous) read as vLLM's packed
+    [num_blocks, block_size, 1, 2 * head_dim] K|V cache."""
+    packed = cache.view(cache.shape[0], cache.shape[1], 1, 2 * cache.shape[3])
+    return packed[..., : cache.shape[3]], packed[..., cache.shape[3] :]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -387,10 +402,12 @@ def test_empty_pools_and_batches_are_fine(device):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Overlapping arguments: no two tensor arguments of an op may share an element (an output that overlaps an input
-# would be silently overwritten, and two caches that overlap corrupt each other). The one exception is
+# Overlapping arguments: a tensor an op writes (an output) may share no element with any other argument (an input
+# it overlaps would be silently overwritten, two caches that overlap corrupt each other, and on CUDA a kernel would
+# race with itself); the tensors an op only reads may share memory with each other. The one exception is
 # swap_blocks(c, c, ...): src and dst that are exactly the same memory are one cache. Memory is compared element by
-# element, not by [min, max) ranges, so interleaved but disjoint layouts are accepted.
+# element, not by [min, max) ranges, so interleaved but disjoint layouts are accepted; swap_blocks, which copies
+# each block as the run of bytes it spans, compares those runs.
 
 
 def sharing_one_element(device, num_blocks=4):
@@ -420,10 +437,6 @@ CACHE_OP_OVERLAPS = {
         "key_cache and value_cache"),
     "caches one block apart": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, v, kc[:3], kc[1:], s),
                                "key_cache and value_cache"),
-    "one tensor as key and value": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, k, kc, vc, s), "key and value"),
-    "key and value expanded from one row": (
-        "reshape_and_cache", lambda k, v, kc, vc, s: (k[:1].expand(3, -1, -1), k[:1].expand(3, -1, -1), kc, vc, s),
-        "key and value"),
     "key inside key_cache": ("reshape_and_cache", lambda k, v, kc, vc, s: (kc[3, :3], v, kc, vc, s),
                              "key and key_cache"),
     "value inside key_cache": ("reshape_and_cache", lambda k, v, kc, vc, s: (k, kc[0, 5:], kc, vc, s),
@@ -467,7 +480,6 @@ ATTENTION_OVERLAPS = {
     "out inside key_cache, shifted by one element": (
         lambda a: {**a, "out": a["key_cache"].flatten()[1:257].view(2, 4, 32)}, "out and key_cache"),
     "out is query": (lambda a: {**a, "out": a["query"]}, "out and query"),
-    "one tensor as both caches": (lambda a: {**a, "value_cache": a["key_cache"]}, "key_cache and value_cache"),
     "block_tables inside out": (
         lambda a: {**a, "block_tables": a["out"].view(torch.int32).flatten()[-4:].view(2, 2)}, "out and block_tables"),
     "alibi_slopes inside out": (lambda a: {**a, "alibi_slopes": a["out"][1, 2, :4]}, "out and alibi_slopes"),
@@ -483,7 +495,93 @@ def test_paged_attention_refuses_overlapping_arguments(case, device, validation)
     with pytest.raises(RuntimeError, match=f"{names} must not overlap in memory"):
         torch.ops.paged_attn.paged_attention(**args)
     for name, arg in before.items():
-        torch.testing.assert_close(args[name], arg, rtol=0, atol=0, equal_nan=True, msg=f"{name} was written")
+        torch.testing.assert_close(args[name].view(torch.uint8), arg.view(torch.uint8), rtol=0, atol=0,
+                                   msg=f"{name} was written")
+
+
+# A scale is an input of both ops, so both refuse it inside what they write, and both accept one scale tensor as
+# k_scale and v_scale. (paged_attention did not check the scales at all: on CUDA the kernel would read a scale
+# while writing it.)
+SCALE_OVERLAPS = {
+    "reshape_and_cache: k_scale inside key_cache": (
+        "reshape_and_cache", lambda kc, vc, out: {"k_scale": kc[2, 3, 1, 4:8].view(torch.float32)},
+        "key_cache and k_scale"),
+    "reshape_and_cache: v_scale inside value_cache": (
+        "reshape_and_cache", lambda kc, vc, out: {"v_scale": vc[0, 0, 0, :4].view(torch.float32)},
+        "value_cache and v_scale"),
+    "paged_attention: k_scale inside out": (
+        "paged_attention", lambda kc, vc, out: {"k_scale": out[1, 3, 31:]}, "out and k_scale"),
+    "paged_attention: v_scale inside out": (
+        "paged_attention", lambda kc, vc, out: {"v_scale": out[0, 0, :1]}, "out and v_scale"),
+    "paged_attention: the one scale of both inside out": (
+        "paged_attention", lambda kc, vc, out: {"k_scale": out[0, 2, 5:6], "v_scale": out[0, 2, 5:6]},
+        "out and k_scale"),
+}
+
+
+def fp8_scale_case(device):
+    """(key, value, key_cache, value_cache, slot_mapping, query, out, block_tables, seq_lens): float32 keys, values
+    and query, NaN-byte float8_e4m3fn caches; out filled with 1.0 (a valid scale, had it been read as one)."""
+    key, value = kv(device=device)
+    key_cache, value_cache = (torch.full((4, 8, 2, 32), 0x7F, dtype=torch.uint8, device=device)
+                              .view(torch.float8_e4m3fn) for _ in "kv")
+    query = torch.randn(2, 4, 32, device=device)
+    return (key, value, key_cache, value_cache, slots(0, 9, 17, device=device), query, torch.ones_like(query),
+            torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device),
+            torch.tensor([5, 9], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", SCALE_OVERLAPS)
+def test_scales_must_not_overlap_what_an_op_writes(case, device, validation):
+    op, make_scales, names = SCALE_OVERLAPS[case]
+    key, value, key_cache, value_cache, slot_mapping, query, out, block_tables, seq_lens = fp8_scale_case(device)
+    tensors = (key_cache, value_cache, out)
+    before = [t.view(torch.uint8).clone() for t in tensors]
+    with pytest.raises(RuntimeError, match=f"{names} must not overlap in memory"):
+        if op == "reshape_and_cache":
+            paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                         **make_scales(key_cache, value_cache, out))
+        else:
+            paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out,
+                                       **make_scales(key_cache, value_cache, out))
+    assert all(torch.equal(t.view(torch.uint8), b) for t, b in zip(tensors, before)), "a failed call wrote"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_read_only_arguments_may_share_memory(device):
+    # One scale tensor as both k_scale and v_scale, in both ops.
+    key, value, key_cache, value_cache, slot_mapping, query, _, block_tables, seq_lens = fp8_scale_case(device)
+    scale = torch.tensor([0.5], device=device)
+    expected = [c.clone() for c in (key_cache, value_cache)]
+    reference.reshape_and_cache(key, value, *expected, slot_mapping, k_scale=scale, v_scale=scale)
+    paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=scale, v_scale=scale)
+    for actual, want in zip((key_cache, value_cache), expected):
+        assert torch.equal(actual.view(torch.uint8), want.view(torch.uint8))
+    key_cache, value_cache = (reference.quantize_fp8(torch.randn(4, 8, 2, 32), torch.float8_e4m3fn).to(device)
+                              for _ in "kv")
+    out = paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, k_scale=scale,
+                                     v_scale=scale)
+    want = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, k_scale=scale,
+                                     v_scale=scale, compute_dtype=torch.float64)
+    torch.testing.assert_close(out, want.to(out.dtype), rtol=1e-5, atol=1e-5)
+
+    # One tensor as key and value (or both expanded from one row); one tensor as both caches of paged_attention.
+    key_cache, value_cache = caches(device)
+    paged_attn.reshape_and_cache(key, key, key_cache, value_cache, slots(0, 9, 17, device=device))
+    rows = key[:1].expand(3, -1, -1)
+    paged_attn.reshape_and_cache(rows, rows, key_cache, value_cache, slots(1, 2, 3, device=device))
+    for cache in (key_cache, value_cache):
+        assert torch.equal(cache[0, 0], key[0]) and torch.equal(cache[1, 1], key[1])
+        assert torch.equal(cache[2, 1], key[2])
+        assert torch.equal(cache[0, 1:4], rows)
+    args = attention_args(device)
+    args["value_cache"] = args["key_cache"]
+    torch.ops.paged_attn.paged_attention(**args)
+    want = reference.paged_attention(args["query"], args["key_cache"], args["key_cache"], args["block_tables"],
+                                     args["seq_lens"], scale=args["scale"], alibi_slopes=args["alibi_slopes"],
+                                     compute_dtype=torch.float64)
+    torch.testing.assert_close(args["out"], want.to(args["out"].dtype), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -526,6 +624,37 @@ def test_swap_blocks_views_of_one_cache_are_one_cache(device):
     expected[1] = cache[0]
     paged_attn.swap_blocks(cache, cache[:], [(0, 1)])
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swap_blocks_refuses_dst_block_spans_over_what_it_reads(device):
+    # swap_blocks copies a block of a packed cache's K half as the bytes from its first K row to the end of its last,
+    # the V rows between them included: the K and V halves share no element, but their blocks' spans do.
+    packed = torch.randn(4, 8, 2, 2 * 32, device=device)
+    k_half, v_half = packed[..., :32], packed[..., 32:]
+    before = packed.clone()
+    for src, dst in ((k_half, v_half), (v_half, k_half)):
+        with pytest.raises(RuntimeError, match="src and dst must not overlap in memory: swap_blocks copies each "
+                                               r"block as the 3968 bytes it spans \(from its first element"):
+            paged_attn.swap_blocks(src, dst, [(0, 1)])
+        assert torch.equal(packed, before), "a refused swap wrote"
+    # Spans that merely follow each other are fine: blocks 0-1 of the K half into blocks 2-3 of the V half write
+    # the spans of packed blocks 2 and 3 (their V rows, and the K rows between them).
+    paged_attn.swap_blocks(k_half[:2], v_half[2:], [(0, 0), (1, 1)])
+    assert torch.equal(v_half[2:], before[:2, ..., :32]) and torch.equal(packed[:2], before[:2])
+    # The same memory is one cache (as before): its mapping is checked, and the copy is the block's span.
+    paged_attn.swap_blocks(k_half, k_half[:], [(0, 3)])
+    assert torch.equal(k_half[3], before[0, ..., :32])
+
+    if device == "cpu":  # (block_mapping lives on the CPU)
+        # block_mapping between the K rows of dst's block 1: no element of dst, but the copy into block 1 writes it.
+        dst = torch.randn(4, 8, 2, 2 * 32)
+        mapping = dst[1, 0, 1, 32:36].view(torch.int64).view(1, 2)
+        mapping.copy_(torch.tensor([[0, 1]]))
+        dst_before = dst.clone()
+        with pytest.raises(RuntimeError, match="dst and block_mapping must not overlap in memory"):
+            paged_attn.swap_blocks(torch.randn(4, 8, 2, 2 * 32)[..., :32], dst[..., :32], mapping)
+        assert torch.equal(dst, dst_before), "a refused swap wrote"
 
 
 def element_bytes(t):

@@ -15,6 +15,7 @@ import torch
 from conftest import DEVICES
 from test_attention import make_case, tolerance
 from test_varlen_attention import MIXED, make_varlen_case
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import paged_attn
 from paged_attn import reference
@@ -352,6 +353,11 @@ ERRORS = {
         (q, kc, vc, t, l), {"k_scale": ONE[:0]}), "k_scale must be a float32 tensor of one element"),
     "fp8 query": ("paged_attention", lambda k, v, kc, vc, s, q, t, l: ((q.to(torch.float8_e5m2), kc, vc, t, l), {}),
                   "query must be float32, float16 or bfloat16 with an fp8 cache"),
+    # Scale values (the kernels read them; the fakes cannot, test_bad_scale_values_at_trace_time)
+    "zero k_scale": ("reshape_and_cache", lambda k, v, kc, vc, s, q, t, l: (
+        (k, v, kc, vc, s), {"k_scale": torch.tensor([0.0])}), "k_scale must be finite and nonzero, got 0:"),
+    "attention NaN v_scale": ("paged_attention", lambda k, v, kc, vc, s, q, t, l: (
+        (q, kc, vc, t, l), {"v_scale": torch.tensor([math.nan])}), "v_scale must be finite and nonzero, got nan"),
 }
 
 
@@ -369,6 +375,61 @@ def test_errors(name):
     with pytest.raises(RuntimeError, match=ERRORS[name][2]):
         fn(*args, **kwargs)
     assert all(torch.equal(c.view(torch.uint8), b) for c, b in zip(caches, before)), "a failed call wrote"
+
+
+BAD_SCALES = [0.0, -0.0, math.nan, math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", BAD_SCALES, ids=str)
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_zero_and_non_finite_scales_are_refused(device, bad, which, validation):
+    # A scale of 0 stored 0 as NaN and everything else as +-448; inf stored zeros that read back NaN.
+    key, value, key_cache, value_cache, slot_mapping, query, block_tables, seq_lens = (
+        t.to(device) for t in fp8_case())
+    good = torch.tensor([0.5], device=device)
+    scales = {"k_scale": good, "v_scale": good, which: torch.tensor([bad], device=device)}
+    message = f"{which} must be finite and nonzero, got {bad:g}: an fp8 cache stores x as"
+    before = [c.view(torch.uint8).clone() for c in (key_cache, value_cache)]
+    with pytest.raises(RuntimeError, match=message):
+        paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, **scales)
+    assert all(torch.equal(c.view(torch.uint8), b) for c, b in zip((key_cache, value_cache), before)), "it wrote"
+    key_cache, value_cache = (reference.quantize_fp8(torch.randn(4, 8, 2, 32), torch.float8_e4m3fn).to(device)
+                              for _ in "kv")
+    out = torch.full_like(query, 7.0)
+    with pytest.raises(RuntimeError, match=message):
+        paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out, **scales)
+    assert (out == 7.0).all(), "it wrote"
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES, ids=str)
+def test_bad_scale_values_at_trace_time(bad):
+    """A fake kernel cannot read an input's value (the kernel checks it when it runs), but a scale made as a
+    constant in the traced code carries its value, and is refused while tracing, with the kernel's message."""
+    key, value, key_cache, value_cache, slot_mapping, query, block_tables, seq_lens = fp8_case()
+    message = f"k_scale must be finite and nonzero, got {bad:g}: an fp8 cache stores x as"
+
+    def write(key, value, key_cache, value_cache, slot_mapping):
+        paged_attn.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=torch.tensor([bad]))
+
+    def attend(query, key_cache, value_cache, block_tables, seq_lens):
+        return paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                          k_scale=torch.tensor([bad]))
+
+    for fn, args in ((write, (key, value, key_cache, value_cache, slot_mapping)),
+                     (attend, (query, key_cache, value_cache, block_tables, seq_lens))):
+        with pytest.raises(RuntimeError, match=message):  # the kernel
+            fn(*args)
+        with FakeTensorMode() as mode, pytest.raises(RuntimeError, match=message):  # the fake, on fake inputs
+            fn(*(mode.from_tensor(t) for t in args))
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match=message):  # torch.compile, while tracing
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+    # An input's value is not known to the fake: the call traces, and the kernel refuses it when it runs.
+    k_scale = torch.tensor([bad])
+    with FakeTensorMode() as mode:
+        paged_attn.reshape_and_cache(*(mode.from_tensor(t) for t in (key, value, key_cache, value_cache, slot_mapping)),
+                                     k_scale=mode.from_tensor(k_scale))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import DEVICES
 from test_attention import GARBAGE, NAN, dense_attention_float64, tolerance
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import paged_attn
 from paged_attn import reference
@@ -272,9 +273,20 @@ def test_wrapper_refuses_bad_max_query_len():
     query, key_cache, value_cache, block_tables, seq_lens, starts = case
     with pytest.raises(ValueError, match="max_query_len is given without query_start_loc"):
         paged_attn.paged_attention(query, key_cache, value_cache, block_tables[:0], seq_lens[:0], max_query_len=4)
-    for bad in (-1, 2.5, True):
-        with pytest.raises(ValueError, match="max_query_len must be a non-negative integer"):
+    for bad in (-1, 2.5, True, 2**63, 2**64):  # 2**64 got past the wrapper, to torch's "Unable to cast" of int64
+        with pytest.raises(ValueError, match=r"max_query_len must be a non-negative integer \(at most 2\*\*63 - 1: "
+                                             r"the op takes an int64\) or None, got "):
             attend(case, max_query_len=bad)
+    torch.testing.assert_close(attend(case, max_query_len=2**63 - 1), attend(case), rtol=0, atol=0)
+    # The op itself (torch.ops, no wrapper) takes any int64, and says what is wrong with a negative one, as its fake
+    # does; torch's schema refuses an int past int64 before either runs.
+    out = torch.empty_like(query)
+    args = (out, query, key_cache, value_cache, block_tables, seq_lens, 0.125, None, 0, 0.0, starts)
+    with pytest.raises(RuntimeError, match="max_query_len must be >= 0, got -1"):
+        torch.ops.paged_attn.paged_attention(*args, -1)
+    with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="max_query_len must be >= 0, got -1"):
+        torch.ops.paged_attn.paged_attention(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                               for a in args), -1)
 
 
 def test_fake_kernel_checks_query_start_loc():

@@ -1268,6 +1268,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
   const int64_t block_size = key_cache.size(1);
   check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size);
   if (query_start_loc.has_value()) check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
+  check_kv_scale_values(k_scale, v_scale);
   if (out.numel() == 0) return;
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);

@@ -77,6 +77,7 @@ void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_k
   const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
   check_slot_range(slot_mapping, key_cache.size(0) * block_size);
+  check_kv_scale_values(k_scale, v_scale);
   if (num_tokens == 0 || num_kv_heads * head_dim == 0) return;
   if (is_fp8(key_cache.scalar_type())) {
     const auto slots = slot_mapping.contiguous();

@@ -149,6 +149,7 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
     if (query_start_loc.has_value()) {
       check_query_start_loc_range(query_start_loc->cpu(), seq_lens_cpu, num_tokens, max_query_len);
     }
+    check_kv_scale_values(k_scale, v_scale);
   }
   if (num_tokens == 0 || num_seqs == 0) return;
 

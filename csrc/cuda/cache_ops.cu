@@ -79,7 +79,10 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
   const c10::cuda::CUDAGuard guard(key_cache.device());
   const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
-  if (validation_enabled()) check_slot_range(slot_mapping.cpu(), key_cache.size(0) * block_size);
+  if (validation_enabled()) {
+    check_slot_range(slot_mapping.cpu(), key_cache.size(0) * block_size);
+    check_kv_scale_values(k_scale, v_scale);
+  }
   if (num_tokens == 0) return;
   if (is_fp8(key_cache.scalar_type())) {
     return reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
