@@ -24,7 +24,7 @@ from typing import Optional, Sequence as SequenceType, Union
 import numpy as np
 import torch
 
-from .model import LlamaModel, Tokenizer
+from .model import LlamaModel, Tokenizer, compile_elementwise
 from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block
 from .sampling import SamplingParams, sample
 from .scheduler import EngineStats, Request, Scheduler, Sequence
@@ -83,9 +83,10 @@ class LLM:
         calibrate_kv_scales: with an fp8 cache, set each layer's scales once, on the first step, to
             ``amax(|x|) * 2 / largest fp8 value`` of that step's keys and values (the first prompts'), so that
             small values keep their precision and values up to twice those seen still fit.
-        torch_compile: run the elementwise work of steps of 128 tokens or more (prefill) as ``torch.compile``'d
-            fused kernels (see ``LlamaModel.compile_elementwise``; the first such step compiles, for seconds;
-            outputs may then differ from eager ones in the last bits). Needs a C++ compiler on the CPU.
+        torch_compile: run this engine's elementwise work of steps of 128 tokens or more (prefill) as
+            ``torch.compile``'d fused kernels (see ``model.compile_elementwise``; the first such step compiles, for
+            seconds; outputs may then differ from eager ones in the last bits). Other engines on the same model
+            stay eager. Needs a C++ compiler on the CPU.
 
     ``generate`` may be called from several threads: the calls run one after another, never interleaved. If it
     raises (an invalid request, an interrupt, an error in the forward pass or the sampler), the engine drops
@@ -135,8 +136,6 @@ class LLM:
         else:
             raise ValueError(f"model must be a GGUF path, a LlamaModel or a transformers Llama model, got "
                              f"{type(model).__name__}")
-        if torch_compile:
-            model.compile_elementwise()
         self.model, self.config, self.device = model, model.config, device
         self.tokenizer: Optional[Tokenizer] = tokenizer or model.tokenizer
 
@@ -159,7 +158,7 @@ class LLM:
                              f"({max_num_seqs}): every running sequence decodes a token each step")
         # The cache tensors come first: an oversized pool fails there, at once, before the scheduler's bookkeeping.
         self.runner = ModelRunner(model, block_size, num_gpu_blocks, num_cpu_blocks, kv_cache_dtype,
-                                  calibrate_kv_scales)
+                                  calibrate_kv_scales, compile_elementwise() if torch_compile else None)
         self.scheduler = Scheduler(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, max_num_seqs,
                                    max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom)
         self.num_generated_tokens = 0  # since the last generate began

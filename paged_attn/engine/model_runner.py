@@ -21,7 +21,7 @@ import torch
 
 from .. import ops
 from ..block_manager import PAD_BLOCK_ID
-from .model import Batch, LlamaModel, ModelConfig
+from .model import Batch, CompiledElementwise, LlamaModel, ModelConfig
 from .scheduler import ScheduledStep
 
 
@@ -38,8 +38,10 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False):
+                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False,
+                 elementwise: Optional[CompiledElementwise] = None):
         self.model, self.device, self.block_size = model, model.device, block_size
+        self.elementwise = elementwise  # this engine's compiled kernels (LLM(torch_compile=True)), or None
         self.cache_dtype = cache_dtype(kv_cache_dtype, model.dtype)
         self.bytes_per_block = kv_bytes_per_block(model.config, block_size, self.cache_dtype)
         self.kv_caches = _allocate_caches(model.config, num_gpu_blocks, block_size, self.cache_dtype, self.device,
@@ -63,7 +65,8 @@ class ModelRunner:
             ops.copy_blocks([key for key, _ in self.kv_caches], [value for _, value in self.kv_caches],
                             step.blocks_to_copy)
         calibrate, self.calibrate_pending = self.calibrate_pending, False
-        return self.model.forward(self.prepare(step), self.kv_caches, self.kv_scales, calibrate)
+        return self.model.forward(self.prepare(step), self.kv_caches, self.kv_scales, calibrate,
+                                  elementwise=self.elementwise)
 
     def swap(self, mapping: list[tuple[int, int]], to_gpu: bool) -> None:
         """Copy blocks between the pools: ``(cpu_block, gpu_block)`` pairs in, ``(gpu_block, cpu_block)`` out."""
