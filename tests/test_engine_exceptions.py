@@ -229,3 +229,28 @@ def test_concurrent_generate_calls_run_one_after_another(model, expected):
     assert not errors
     assert [results[i] for i in range(3)] == [expected["prefix"]] * 3
     assert_clean(llm)
+
+
+# ---- what else "as if the call had never been made" covers: the engine's generator and request ids ----
+
+UNSEEDED = [SamplingParams(max_tokens=6, n=2, temperature=1.0, ignore_eos=True),
+            SamplingParams(max_tokens=5, temperature=0.8, top_k=20, ignore_eos=True)]
+
+
+def outputs_of(results):
+    return [[(c.token_ids, c.cumulative_logprob) for c in output.outputs] for output in results]
+
+
+@pytest.mark.parametrize("point, fire_at", [("sampler", 3), ("decode", 2), ("mid_forward", 5)])
+def test_an_interrupted_call_leaves_the_engines_generator_as_it_was(model, monkeypatch, point, fire_at):
+    """Unseeded requests draw from the engine's generator (LLM(seed=...)): a failed call must not have advanced it,
+    nor used up request ids, so the next call samples and numbers exactly what a fresh engine's would."""
+    fresh = make_llm(model, CONFIGS["plain"])
+    expected = fresh.generate(PROMPTS[:2], UNSEEDED, use_tqdm=False)
+    llm = make_llm(model, CONFIGS["plain"])
+    with inject(monkeypatch, llm, point, fire_at) as injected, pytest.raises(type(points(llm)[point][2])):
+        llm.generate(PROMPTS[:2], UNSEEDED, use_tqdm=False)
+    assert injected.fired
+    got = llm.generate(PROMPTS[:2], UNSEEDED, use_tqdm=False)
+    assert outputs_of(got) == outputs_of(expected)
+    assert [o.request_id for o in got] == [o.request_id for o in expected]

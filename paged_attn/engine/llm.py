@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import operator
 import threading
@@ -90,8 +89,8 @@ class LLM:
 
     ``generate`` may be called from several threads: the calls run one after another, never interleaved. If it
     raises (an invalid request, an interrupt, an error in the forward pass or the sampler), the engine drops
-    every request of that call and is left as if the call had never been made, apart from prefix-cache entries
-    whose KV had been completely written.
+    every request of that call and is left as if the call had never been made (its random generator and request
+    ids included), apart from prefix-cache entries whose KV had been completely written.
     """
 
     def __init__(self, model=None, *, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
@@ -163,7 +162,7 @@ class LLM:
                                    max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom)
         self.num_generated_tokens = 0  # since the last generate began
         self.generator = torch.Generator(device).manual_seed(seed)
-        self._request_ids = itertools.count()
+        self._next_request_id = 0
         self._lock = threading.Lock()  # one generate at a time
 
     # ---- public API ----
@@ -198,7 +197,11 @@ class LLM:
     # ---- internals ----
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        requests = [self._make_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        first_request_id = self._next_request_id
+        requests = [self._make_request(request_id, prompt, params) for request_id, (prompt, params)
+                    in enumerate(zip(prompts, sampling_params), start=first_request_id)]
+        # what a failed call puts back (the scheduler it empties): as if the call had never been made
+        generator_state = self.generator.get_state()
         scheduler = self.scheduler
         scheduler.reset_stats()
         self.num_generated_tokens = 0
@@ -206,6 +209,7 @@ class LLM:
         progress = _progress_bar(len(requests), use_tqdm)
         start = time.perf_counter()
         try:
+            self._next_request_id += len(requests)
             for request in requests:
                 scheduler.add(request)
             while scheduler.has_unfinished():
@@ -216,12 +220,14 @@ class LLM:
                 progress.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         except BaseException:  # KeyboardInterrupt included: drop every request, publish nothing unwritten
             scheduler.abort_all()
+            self.generator.set_state(generator_state)
+            self._next_request_id = first_request_id
             raise
         finally:
             progress.close()
         return [outputs[request.request_id] for request in requests]
 
-    def _make_request(self, prompt, params: SamplingParams) -> Request:
+    def _make_request(self, request_id: int, prompt, params: SamplingParams) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -241,7 +247,7 @@ class LLM:
         self.scheduler.check_request(len(token_ids), params)
         generator = self.generator if params.seed is None else \
             torch.Generator(self.device).manual_seed(params.seed)
-        return Request(next(self._request_ids), text, token_ids, params, generator)
+        return Request(request_id, text, token_ids, params, generator)
 
     def _step(self) -> list[Request]:
         """Run one scheduled step and sample for the requests whose prefill is complete; return the requests that
