@@ -79,9 +79,11 @@ class LLM:
             twice the tokens of a bfloat16 one (four times float32) in the same memory, and decode reads half the
             bytes; keys and values are stored as the fp8 value nearest to ``x / scale``, with one float32 scale
             per layer for keys and one for values, 1.0 unless calibrated.
-        calibrate_kv_scales: with an fp8 cache, set each layer's scales once, on the first step, to
-            ``amax(|x|) * 2 / largest fp8 value`` of that step's keys and values (the first prompts'), so that
-            small values keep their precision and values up to twice those seen still fit.
+        calibrate_kv_scales: with an fp8 cache, set each layer's scales once, before the first ``generate``
+            call's first step, to ``amax(|x|) * 2 / largest fp8 value`` of the keys and values of that call's
+            prompts (in order, up to 4096 tokens in all, at least the first prompt), each computed whole by a
+            calibration pass whatever the token budget (see ``ModelRunner.calibrate_kv_scales``), so that small
+            values keep their precision and values up to twice those seen still fit.
         torch_compile: run this engine's elementwise work of steps of 128 tokens or more (prefill) as
             ``torch.compile``'d fused kernels (see ``model.compile_elementwise``; the first such step compiles, for
             seconds; outputs may then differ from eager ones in the last bits). Other engines on the same model
@@ -90,7 +92,9 @@ class LLM:
     ``generate`` may be called from several threads: the calls run one after another, never interleaved. If it
     raises (an invalid request, an interrupt, an error in the forward pass or the sampler), the engine drops
     every request of that call and is left as if the call had never been made (its random generator and request
-    ids included), apart from prefix-cache entries whose KV had been completely written.
+    ids included, and, if that call calibrated the fp8 scales, uncalibrated again), apart from prefix-cache
+    entries whose KV had been completely written (none for a call that calibrated: they hold KV stored with the
+    scales it undoes).
     """
 
     def __init__(self, model=None, *, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
@@ -201,7 +205,7 @@ class LLM:
         requests = [self._make_request(request_id, prompt, params) for request_id, (prompt, params)
                     in enumerate(zip(prompts, sampling_params), start=first_request_id)]
         # what a failed call puts back (the scheduler it empties): as if the call had never been made
-        generator_state = self.generator.get_state()
+        generator_state, calibrating = self.generator.get_state(), self.runner.calibrate_pending
         scheduler = self.scheduler
         scheduler.reset_stats()
         self.num_generated_tokens = 0
@@ -212,6 +216,8 @@ class LLM:
             self._next_request_id += len(requests)
             for request in requests:
                 scheduler.add(request)
+            if calibrating:
+                self.runner.calibrate_kv_scales([request.prompt_token_ids for request in requests])
             while scheduler.has_unfinished():
                 for request in self._step():
                     outputs[request.request_id] = self._output(request)
@@ -219,7 +225,9 @@ class LLM:
                 rate = self.num_generated_tokens / (time.perf_counter() - start)
                 progress.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         except BaseException:  # KeyboardInterrupt included: drop every request, publish nothing unwritten
-            scheduler.abort_all()
+            scheduler.abort_all(drop_prefix_cache=calibrating)
+            if calibrating:  # (the prefix cache was empty before this call: no step had completed)
+                self.runner.reset_kv_scales()
             self.generator.set_state(generator_state)
             self._next_request_id = first_request_id
             raise

@@ -323,13 +323,13 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 kv_scales: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
-                calibrate_kv_scales: bool = False,
+                kv_amax: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
                 elementwise: Optional["CompiledElementwise"] = None) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(logits_indices), vocab_size]`` of the rows named there.
-        ``kv_scales``: per layer (k_scale, v_scale) of fp8 caches (float32 ``[1]``); ``calibrate_kv_scales``
-        first sets them from this step's keys and values (see ``model_runner``). ``elementwise``: compiled
-        elementwise kernels (see ``compile_elementwise``), used for steps of at least their ``min_tokens``; the
-        model itself stays eager."""
+        ``kv_scales``: per layer (k_scale, v_scale) of fp8 caches (float32 ``[1]``). ``kv_amax``: a list to which
+        each layer appends (amax(|k|), amax(|v|)) of this step's keys and values (float32 0-d tensors; the fp8
+        calibration pass, see ``model_runner``). ``elementwise``: compiled elementwise kernels (see
+        ``compile_elementwise``), used for steps of at least their ``min_tokens``; the model itself stays eager."""
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
@@ -352,9 +352,8 @@ class LlamaModel:
             with serial:
                 q, k, v = rope_qkv(qkv, cos, signed_sin, *heads)
             k_scale, v_scale = kv_scales[i] if kv_scales is not None else (None, None)
-            if calibrate_kv_scales:
-                _calibrate_scale(k_scale, k, key_cache.dtype)
-                _calibrate_scale(v_scale, v, value_cache.dtype)
+            if kv_amax is not None:
+                kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
             ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale,
                                   v_scale=v_scale)
             attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
@@ -399,17 +398,6 @@ class _Serial:
     def __exit__(self, *exc):
         if self.active:
             torch.set_num_threads(self.threads)
-
-
-KV_SCALE_MARGIN = 2.0  # calibrated fp8 scales leave the first step's largest |x| at half the largest fp8 value
-
-
-def _calibrate_scale(scale: torch.Tensor, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
-    """scale = amax(|x|) * KV_SCALE_MARGIN / the format's largest finite value; left as it was (1.0) when x is
-    all zeros or not finite."""
-    amax = x.abs().amax().float()
-    if torch.isfinite(amax) and amax > 0:
-        scale.fill_(float(amax) * KV_SCALE_MARGIN / torch.finfo(fp8_dtype).max)
 
 
 @dataclass(frozen=True)
