@@ -11,7 +11,7 @@ For each prompt (the main job's six and ten more, chat-formatted), the float32-c
 - free-running: the variant's engine generates greedily itself; how many outputs equal the float32 cache's token
   for token.
 
-Variants: fp8 e4m3 and e5m2, scales 1.0 (vLLM's default) and calibrated on the first step.
+Variants: fp8 e4m3 and e5m2, scales 1.0 (vLLM's default) and calibrated (from the first call's prompts).
 
 Then the format alone, without the fp8 kernels: a float32 cache holding keys and values rounded to a narrower
 format before they are written (``rounded_kv``), teacher-forced the same way: e4m3 keys and values, keys only,
@@ -173,7 +173,7 @@ def measure(model, max_tokens: int = 64, variants=VARIANTS) -> tuple[list[Accura
     results = []
     for kv_cache_dtype, calibrated in variants:
         llm = LLM(model, kv_cache_dtype=kv_cache_dtype, calibrate_kv_scales=calibrated)
-        free = greedy(llm, prompt_ids, max_tokens)  # first: it calibrates the scales on its first step
+        free = greedy(llm, prompt_ids, max_tokens)  # first: this call's prompts calibrate the scales
         same, steps, diffs, margin = compare(llm, prompt_ids, outputs, reference_logprobs)
         results.append(Accuracy(kv_cache_dtype, calibrated, steps, same / steps, float(diffs.mean()),
                                 float(diffs.max()), margin, sum(a == b for a, b in zip(free, outputs)),

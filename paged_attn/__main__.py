@@ -113,7 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"], default="auto",
                         help="auto: the model's dtype; fp8: twice the tokens of bfloat16 in the same memory")
     parser.add_argument("--calibrate-kv-scales", action="store_true",
-                        help="fp8 cache: per-layer scales from the first step's keys and values (default 1.0)")
+                        help="fp8 cache: per-layer scales from the first prompts' keys and values (default 1.0)")
     parser.add_argument("--torch-compile", action="store_true",
                         help="compile the elementwise work of prefill steps (torch.compile; the first compiles)")
     return parser.parse_args(argv)

@@ -229,3 +229,65 @@ def test_concurrent_generate_calls_run_one_after_another(model, expected):
     assert not errors
     assert [results[i] for i in range(3)] == [expected["prefix"]] * 3
     assert_clean(llm)
+
+
+# ---- what else "as if the call had never been made" covers: the engine's generator, request ids, fp8 scales ----
+
+UNSEEDED = [SamplingParams(max_tokens=6, n=2, temperature=1.0, ignore_eos=True),
+            SamplingParams(max_tokens=5, temperature=0.8, top_k=20, ignore_eos=True)]
+
+
+def outputs_of(results):
+    return [[(c.token_ids, c.cumulative_logprob) for c in output.outputs] for output in results]
+
+
+@pytest.mark.parametrize("point, fire_at", [("sampler", 3), ("decode", 2), ("mid_forward", 5)])
+def test_an_interrupted_call_leaves_the_engines_generator_as_it_was(model, monkeypatch, point, fire_at):
+    """Unseeded requests draw from the engine's generator (LLM(seed=...)): a failed call must not have advanced it,
+    nor used up request ids, so the next call samples and numbers exactly what a fresh engine's would."""
+    fresh = make_llm(model, CONFIGS["plain"])
+    expected = fresh.generate(PROMPTS[:2], UNSEEDED, use_tqdm=False)
+    llm = make_llm(model, CONFIGS["plain"])
+    with inject(monkeypatch, llm, point, fire_at) as injected, pytest.raises(type(points(llm)[point][2])):
+        llm.generate(PROMPTS[:2], UNSEEDED, use_tqdm=False)
+    assert injected.fired
+    got = llm.generate(PROMPTS[:2], UNSEEDED, use_tqdm=False)
+    assert outputs_of(got) == outputs_of(expected)
+    assert [o.request_id for o in got] == [o.request_id for o in expected]
+
+
+FP8_CONFIGS = {
+    "fp8": dict(num_gpu_blocks=64, enable_prefix_caching=True, kv_cache_dtype="fp8_e4m3", calibrate_kv_scales=True),
+    "fp8+chunked": dict(num_gpu_blocks=64, enable_prefix_caching=True, kv_cache_dtype="fp8_e4m3",
+                        calibrate_kv_scales=True, max_num_batched_tokens=10, max_num_seqs=10),
+}
+
+
+def kv_scales(llm):
+    return [(k.item(), v.item()) for k, v in llm.runner.kv_scales]
+
+
+# (a forward pass computing prompt tokens: the first, the second; a layer's cache write: the first, the third; the
+# first decode step; the first sampling)
+@pytest.mark.parametrize("point, fire_at", [("prefill", 1), ("prefill", 2), ("mid_forward", 1), ("mid_forward", 3),
+                                            ("decode", 1), ("sampler", 1)])
+@pytest.mark.parametrize("config_name", list(FP8_CONFIGS))
+def test_an_interrupted_call_leaves_fp8_calibration_to_the_next_call(model, monkeypatch, config_name, point,
+                                                                     fire_at):
+    """The call that calibrates the fp8 scales either completes, and fixes them, or fails and leaves the engine
+    uncalibrated (scales 1.0, no prefix-cache entry written with its scales): the next call, on other prompts,
+    calibrates from its own prompts and gives exactly what a fresh engine gives."""
+    config = FP8_CONFIGS[config_name]
+    first, then = (PROMPTS[:3], PARAMS[:3]), (PROMPTS[3:], PARAMS[3:])
+    fresh = make_llm(model, config)
+    expected = fresh.generate(*then, use_tqdm=False)
+    assert all(scales != (1.0, 1.0) for scales in kv_scales(fresh))
+    llm = make_llm(model, config)
+    with inject(monkeypatch, llm, point, fire_at) as injected, pytest.raises(type(points(llm)[point][2])):
+        llm.generate(*first, use_tqdm=False)
+    assert injected.fired
+    assert kv_scales(llm) == [(1.0, 1.0)] * model.config.num_layers
+    assert not llm.scheduler.manager.hash_to_block_id
+    got = llm.generate(*then, use_tqdm=False)
+    assert kv_scales(llm) == kv_scales(fresh)
+    assert outputs_of(got) == outputs_of(expected)

@@ -1,6 +1,7 @@
 """The engine's own logic on a small random model (conftest's ``tiny_model``, nothing loaded): what ``LLM`` and
 ``generate`` accept and refuse, and beam search's ranking of finished hypotheses on scripted logits."""
 
+import dataclasses
 import math
 import time
 
@@ -103,7 +104,7 @@ def test_sampling_params_must_match_the_prompts(llm):
 
 def scripted_forward(distributions, default):
     """A stand-in for the model's forward: the next-token log-probabilities depend only on the last token."""
-    def forward(batch, kv_caches, *scales):
+    def forward(batch, kv_caches, *args, **kwargs):
         last = batch.input_ids[batch.logits_indices].tolist()
         rows = [distributions.get(token, default) for token in last]
         return torch.tensor(rows, dtype=torch.float32)
@@ -222,10 +223,39 @@ def test_torch_compile_runs_large_steps_compiled_with_the_same_tokens(tiny_model
             return fn(*args)
         return call
 
-    model._compiled = tuple(counted(fn) for fn in model._compiled)
+    kernels = compiled.runner.elementwise
+    compiled.runner.elementwise = dataclasses.replace(kernels, rms_norm=counted(kernels.rms_norm),
+                                                      rope_qkv=counted(kernels.rope_qkv),
+                                                      silu_mul=counted(kernels.silu_mul))
     expected, actual = eager.generate(prompts, params, use_tqdm=False), compiled.generate(prompts, params,
                                                                                           use_tqdm=False)
     assert token_ids(actual) == token_ids(expected)
     for a, e in zip(actual, expected):
         assert a.outputs[0].cumulative_logprob == pytest.approx(e.outputs[0].cumulative_logprob, abs=1e-4)
     assert calls and min(calls) >= 128, "the prefill step should run compiled, the decode steps eager"
+
+
+def test_torch_compile_is_the_engines_own_not_the_shared_models(tiny_model, monkeypatch):
+    """LLM(model, torch_compile=True) compiles for that engine only: another LLM on the same LlamaModel (its
+    weights shared) stays eager. (torch.compile is replaced by a recorder here: nothing is compiled.)"""
+    from paged_attn.engine import LlamaModel
+
+    compiled_calls = []
+
+    def recording_compile(fn, **kwargs):
+        def call(*args):
+            compiled_calls.append(fn.__name__)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    prompts = [[(7 * i + 3 * j) % 100 + 1 for j in range(40 + i)] for i in range(4)]  # 166 prompt tokens
+    params = SamplingParams(max_tokens=2)
+    model = LlamaModel(tiny_model.config, tiny_model.state_dict())
+    compiled = LLM(model, block_size=4, num_gpu_blocks=128, torch_compile=True)
+    eager = LLM(model, block_size=4, num_gpu_blocks=128)
+    assert eager.model is compiled.model is model  # shared, not copied
+    expected = eager.generate(prompts, params, use_tqdm=False)
+    assert compiled_calls == [], "an engine built without torch_compile ran compiled kernels"
+    assert token_ids(compiled.generate(prompts, params, use_tqdm=False)) == token_ids(expected)
+    assert compiled_calls, "the torch_compile engine's prefill step should run compiled"

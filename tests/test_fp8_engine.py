@@ -61,7 +61,7 @@ def test_bad_kv_cache_options_raise(model, kwargs, match):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_calibration_puts_the_first_steps_largest_value_at_half_the_format_max(model, prompts, kv_cache_dtype):
+def test_calibration_puts_the_first_prompts_largest_value_at_half_the_format_max(model, prompts, kv_cache_dtype):
     llm = LLM(model, kv_cache_dtype=kv_cache_dtype, calibrate_kv_scales=True, num_gpu_blocks=64)
     for key_cache, value_cache in llm.runner.kv_caches:  # so that the unwritten slots read 0
         key_cache.view(torch.uint8).zero_()
@@ -76,6 +76,29 @@ def test_calibration_puts_the_first_steps_largest_value_at_half_the_format_max(m
     before = [(k.item(), v.item()) for k, v in llm.runner.kv_scales]
     greedy(llm, prompts[3:5], max_tokens=2)
     assert [(k.item(), v.item()) for k, v in llm.runner.kv_scales] == before
+
+
+def test_calibration_covers_the_first_prompts_whole_prefill_at_any_token_budget(model, prompts):
+    """The scales come from the first call's prompts whole, whatever the token budget chunks them into (budget 1:
+    one token a step): the same scales, bit for bit, at budgets 1, 16 and the default, and they are those of the
+    prompts' keys and values as a float32 cache holds them (amax * 2 / 448 per layer)."""
+    first = prompts[:3]
+
+    def calibrated_scales(**kwargs):
+        llm = LLM(model, kv_cache_dtype="fp8_e4m3", calibrate_kv_scales=True, num_gpu_blocks=64, **kwargs)
+        greedy(llm, first, max_tokens=1)
+        return [(k.item(), v.item()) for k, v in llm.runner.kv_scales]
+
+    default = calibrated_scales()
+    assert calibrated_scales(max_num_batched_tokens=16, max_num_seqs=16) == default
+    assert calibrated_scales(max_num_batched_tokens=1, max_num_seqs=1) == default
+    float32 = LLM(model, num_gpu_blocks=64)
+    for key_cache, value_cache in float32.runner.kv_caches:  # so that the unwritten slots read 0
+        key_cache.zero_()
+        value_cache.zero_()
+    greedy(float32, first, max_tokens=1)
+    expected = [cache.abs().max().item() * 2 / 448 for pair in float32.runner.kv_caches for cache in pair]
+    assert [scale for pair in default for scale in pair] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("num_cpu_blocks", [64, 0], ids=["swap", "recompute"])

@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import operator
 import threading
@@ -24,7 +23,7 @@ from typing import Optional, Sequence as SequenceType, Union
 import numpy as np
 import torch
 
-from .model import LlamaModel, Tokenizer
+from .model import LlamaModel, Tokenizer, compile_elementwise
 from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block
 from .sampling import SamplingParams, sample
 from .scheduler import EngineStats, Request, Scheduler, Sequence
@@ -80,17 +79,22 @@ class LLM:
             twice the tokens of a bfloat16 one (four times float32) in the same memory, and decode reads half the
             bytes; keys and values are stored as the fp8 value nearest to ``x / scale``, with one float32 scale
             per layer for keys and one for values, 1.0 unless calibrated.
-        calibrate_kv_scales: with an fp8 cache, set each layer's scales once, on the first step, to
-            ``amax(|x|) * 2 / largest fp8 value`` of that step's keys and values (the first prompts'), so that
-            small values keep their precision and values up to twice those seen still fit.
-        torch_compile: run the elementwise work of steps of 128 tokens or more (prefill) as ``torch.compile``'d
-            fused kernels (see ``LlamaModel.compile_elementwise``; the first such step compiles, for seconds;
-            outputs may then differ from eager ones in the last bits). Needs a C++ compiler on the CPU.
+        calibrate_kv_scales: with an fp8 cache, set each layer's scales once, before the first ``generate``
+            call's first step, to ``amax(|x|) * 2 / largest fp8 value`` of the keys and values of that call's
+            prompts (in order, up to 4096 tokens in all, at least the first prompt), each computed whole by a
+            calibration pass whatever the token budget (see ``ModelRunner.calibrate_kv_scales``), so that small
+            values keep their precision and values up to twice those seen still fit.
+        torch_compile: run this engine's elementwise work of steps of 128 tokens or more (prefill) as
+            ``torch.compile``'d fused kernels (see ``model.compile_elementwise``; the first such step compiles, for
+            seconds; outputs may then differ from eager ones in the last bits). Other engines on the same model
+            stay eager. Needs a C++ compiler on the CPU.
 
     ``generate`` may be called from several threads: the calls run one after another, never interleaved. If it
     raises (an invalid request, an interrupt, an error in the forward pass or the sampler), the engine drops
-    every request of that call and is left as if the call had never been made, apart from prefix-cache entries
-    whose KV had been completely written.
+    every request of that call and is left as if the call had never been made (its random generator and request
+    ids included, and, if that call calibrated the fp8 scales, uncalibrated again), apart from prefix-cache
+    entries whose KV had been completely written (none for a call that calibrated: they hold KV stored with the
+    scales it undoes).
     """
 
     def __init__(self, model=None, *, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
@@ -135,8 +139,6 @@ class LLM:
         else:
             raise ValueError(f"model must be a GGUF path, a LlamaModel or a transformers Llama model, got "
                              f"{type(model).__name__}")
-        if torch_compile:
-            model.compile_elementwise()
         self.model, self.config, self.device = model, model.config, device
         self.tokenizer: Optional[Tokenizer] = tokenizer or model.tokenizer
 
@@ -159,12 +161,12 @@ class LLM:
                              f"({max_num_seqs}): every running sequence decodes a token each step")
         # The cache tensors come first: an oversized pool fails there, at once, before the scheduler's bookkeeping.
         self.runner = ModelRunner(model, block_size, num_gpu_blocks, num_cpu_blocks, kv_cache_dtype,
-                                  calibrate_kv_scales)
+                                  calibrate_kv_scales, compile_elementwise() if torch_compile else None)
         self.scheduler = Scheduler(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, max_num_seqs,
                                    max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom)
         self.num_generated_tokens = 0  # since the last generate began
         self.generator = torch.Generator(device).manual_seed(seed)
-        self._request_ids = itertools.count()
+        self._next_request_id = 0
         self._lock = threading.Lock()  # one generate at a time
 
     # ---- public API ----
@@ -199,7 +201,11 @@ class LLM:
     # ---- internals ----
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        requests = [self._make_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        first_request_id = self._next_request_id
+        requests = [self._make_request(request_id, prompt, params) for request_id, (prompt, params)
+                    in enumerate(zip(prompts, sampling_params), start=first_request_id)]
+        # what a failed call puts back (the scheduler it empties): as if the call had never been made
+        generator_state, calibrating = self.generator.get_state(), self.runner.calibrate_pending
         scheduler = self.scheduler
         scheduler.reset_stats()
         self.num_generated_tokens = 0
@@ -207,8 +213,11 @@ class LLM:
         progress = _progress_bar(len(requests), use_tqdm)
         start = time.perf_counter()
         try:
+            self._next_request_id += len(requests)
             for request in requests:
                 scheduler.add(request)
+            if calibrating:
+                self.runner.calibrate_kv_scales([request.prompt_token_ids for request in requests])
             while scheduler.has_unfinished():
                 for request in self._step():
                     outputs[request.request_id] = self._output(request)
@@ -216,13 +225,17 @@ class LLM:
                 rate = self.num_generated_tokens / (time.perf_counter() - start)
                 progress.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         except BaseException:  # KeyboardInterrupt included: drop every request, publish nothing unwritten
-            scheduler.abort_all()
+            scheduler.abort_all(drop_prefix_cache=calibrating)
+            if calibrating:  # (the prefix cache was empty before this call: no step had completed)
+                self.runner.reset_kv_scales()
+            self.generator.set_state(generator_state)
+            self._next_request_id = first_request_id
             raise
         finally:
             progress.close()
         return [outputs[request.request_id] for request in requests]
 
-    def _make_request(self, prompt, params: SamplingParams) -> Request:
+    def _make_request(self, request_id: int, prompt, params: SamplingParams) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -242,7 +255,7 @@ class LLM:
         self.scheduler.check_request(len(token_ids), params)
         generator = self.generator if params.seed is None else \
             torch.Generator(self.device).manual_seed(params.seed)
-        return Request(next(self._request_ids), text, token_ids, params, generator)
+        return Request(request_id, text, token_ids, params, generator)
 
     def _step(self) -> list[Request]:
         """Run one scheduled step and sample for the requests whose prefill is complete; return the requests that

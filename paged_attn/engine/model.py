@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -215,8 +215,6 @@ class LlamaModel:
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
         self.check_dtype(self.device, self.dtype, use_onednn)
-        self._compiled = None  # (rms_norm, rope_qkv, silu_mul) compiled: see compile_elementwise
-        self._compile_min_tokens = 0
 
         def get(name):
             return weights[name].to(device=self.device, dtype=self.dtype)
@@ -322,23 +320,16 @@ class LlamaModel:
             })
         return weights
 
-    def compile_elementwise(self, min_tokens: int = 128) -> None:
-        """From now on, steps of at least ``min_tokens`` tokens run the elementwise work around the projections
-        (RMSNorm, RoPE, SiLU * up) as ``torch.compile``'d kernels (inductor fuses each into one loop); smaller steps
-        stay eager, where a compiled call's fixed cost outweighs the fusion (measured on the CPU: 4.7x faster per
-        layer at 256 tokens, 1.7x slower at 32). The first large step compiles (seconds). Results may differ from
-        the eager ones in the last bits (a fused reduction sums in another order)."""
-        self._compiled = (torch.compile(_rms_norm, dynamic=True), torch.compile(_rope_qkv, dynamic=True),
-                          torch.compile(_silu_mul, dynamic=True))
-        self._compile_min_tokens = min_tokens
-
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 kv_scales: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
-                calibrate_kv_scales: bool = False) -> torch.Tensor:
+                kv_amax: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
+                elementwise: Optional["CompiledElementwise"] = None) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(logits_indices), vocab_size]`` of the rows named there.
-        ``kv_scales``: per layer (k_scale, v_scale) of fp8 caches (float32 ``[1]``); ``calibrate_kv_scales``
-        first sets them from this step's keys and values (see ``model_runner``)."""
+        ``kv_scales``: per layer (k_scale, v_scale) of fp8 caches (float32 ``[1]``). ``kv_amax``: a list to which
+        each layer appends (amax(|k|), amax(|v|)) of this step's keys and values (float32 0-d tensors; the fp8
+        calibration pass, see ``model_runner``). ``elementwise``: compiled elementwise kernels (see
+        ``compile_elementwise``), used for steps of at least their ``min_tokens``; the model itself stays eager."""
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
@@ -347,8 +338,10 @@ class LlamaModel:
         max_query_len = batch.max_query_len if batch.max_query_len > 1 else None
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         signed_sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
-        compiled = self._compiled is not None and num_tokens >= self._compile_min_tokens
-        rms_norm, rope_qkv, silu_mul = self._compiled if compiled else (_rms_norm, _rope_qkv, _silu_mul)
+        if elementwise is not None and num_tokens >= elementwise.min_tokens:
+            rms_norm, rope_qkv, silu_mul = elementwise.rms_norm, elementwise.rope_qkv, elementwise.silu_mul
+        else:
+            rms_norm, rope_qkv, silu_mul = _rms_norm, _rope_qkv, _silu_mul
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         serial = _Serial(self.device.type == "cpu" and num_tokens < SERIAL_ELEMENTWISE_TOKENS)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
@@ -359,9 +352,8 @@ class LlamaModel:
             with serial:
                 q, k, v = rope_qkv(qkv, cos, signed_sin, *heads)
             k_scale, v_scale = kv_scales[i] if kv_scales is not None else (None, None)
-            if calibrate_kv_scales:
-                _calibrate_scale(k_scale, k, key_cache.dtype)
-                _calibrate_scale(v_scale, v, value_cache.dtype)
+            if kv_amax is not None:
+                kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
             ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale,
                                   v_scale=v_scale)
             attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
@@ -408,15 +400,25 @@ class _Serial:
             torch.set_num_threads(self.threads)
 
 
-KV_SCALE_MARGIN = 2.0  # calibrated fp8 scales leave the first step's largest |x| at half the largest fp8 value
+@dataclass(frozen=True)
+class CompiledElementwise:
+    """``torch.compile``'d versions of a layer's elementwise work, for steps of at least ``min_tokens`` tokens."""
+
+    rms_norm: Callable
+    rope_qkv: Callable
+    silu_mul: Callable
+    min_tokens: int
 
 
-def _calibrate_scale(scale: torch.Tensor, x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
-    """scale = amax(|x|) * KV_SCALE_MARGIN / the format's largest finite value; left as it was (1.0) when x is
-    all zeros or not finite."""
-    amax = x.abs().amax().float()
-    if torch.isfinite(amax) and amax > 0:
-        scale.fill_(float(amax) * KV_SCALE_MARGIN / torch.finfo(fp8_dtype).max)
+def compile_elementwise(min_tokens: int = 128) -> CompiledElementwise:
+    """The elementwise work around the projections (RMSNorm, RoPE, SiLU * up) as ``torch.compile``'d kernels
+    (inductor fuses each into one loop), for ``LlamaModel.forward(elementwise=...)``: an engine's own, so that
+    compiling for one engine changes no other engine on the same model. Smaller steps than ``min_tokens`` stay
+    eager, where a compiled call's fixed cost outweighs the fusion (measured on the CPU: 4.7x faster per layer at
+    256 tokens, 1.7x slower at 32). The first large step compiles (seconds). Results may differ from the eager
+    ones in the last bits (a fused reduction sums in another order)."""
+    return CompiledElementwise(torch.compile(_rms_norm, dynamic=True), torch.compile(_rope_qkv, dynamic=True),
+                               torch.compile(_silu_mul, dynamic=True), min_tokens)
 
 
 # The elementwise work of a layer, as plain functions of tensors (so that torch.compile can take them whole).

@@ -3,8 +3,9 @@ cache operations the scheduler decided, builds each step's tensors and runs the 
 
 The cache holds the model's dtype, or fp8 (``kv_cache_dtype``): e4m3 or e5m2 values with one float32 scale per
 layer for keys and one for values (stored = nearest fp8 of ``x / scale``), 1.0 by default (vLLM's default), or
-calibrated once on the first step: ``amax(|x|) * KV_SCALE_MARGIN / max_finite`` per layer, from that step's keys and
-values, before they are written (a margin for later tokens larger than the first prompts').
+calibrated once (``calibrate_kv_scales``): ``amax(|x|) * KV_SCALE_MARGIN / max_finite`` per layer (a margin for later
+tokens larger than the first prompts'), from the keys and values of the first ``generate`` call's prompts, computed
+by a calibration pass before anything is stored (see ``ModelRunner.calibrate_kv_scales``).
 
 The scheduler decides; the runner moves data. A step's cache operations run before its forward pass, in the order
 swap in, swap out, copy (copy-on-write), which is the order the scheduler decides them in: so a block a swap-out
@@ -15,17 +16,20 @@ the same step.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Optional
 
 import torch
 
 from .. import ops
 from ..block_manager import PAD_BLOCK_ID
-from .model import Batch, LlamaModel, ModelConfig
-from .scheduler import ScheduledStep
+from .model import Batch, CompiledElementwise, LlamaModel, ModelConfig
+from .scheduler import ScheduledStep, Sequence
 
 
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_SCALE_MARGIN = 2.0  # calibrated fp8 scales leave the calibration prompts' largest |x| at half the largest fp8 value
+KV_CALIBRATION_TOKENS = 4096  # the calibration pass takes prompts up to this many tokens in all (at least one)
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -38,8 +42,10 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False):
+                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False,
+                 elementwise: Optional[CompiledElementwise] = None):
         self.model, self.device, self.block_size = model, model.device, block_size
+        self.elementwise = elementwise  # this engine's compiled kernels (LLM(torch_compile=True)), or None
         self.cache_dtype = cache_dtype(kv_cache_dtype, model.dtype)
         self.bytes_per_block = kv_bytes_per_block(model.config, block_size, self.cache_dtype)
         self.kv_caches = _allocate_caches(model.config, num_gpu_blocks, block_size, self.cache_dtype, self.device,
@@ -51,7 +57,7 @@ class ModelRunner:
         fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
         self.kv_scales = [(torch.ones(1, device=self.device), torch.ones(1, device=self.device))
                           for _ in range(model.config.num_layers)] if fp8 else None
-        self.calibrate_pending = calibrate_kv_scales  # until the first step has run (LLM refuses it without fp8)
+        self.calibrate_pending = calibrate_kv_scales  # until calibrate_kv_scales has run (LLM refuses it without fp8)
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Apply the step's cache operations, then run its forward pass (which writes the KV of its tokens).
@@ -62,8 +68,65 @@ class ModelRunner:
         if step.blocks_to_copy:
             ops.copy_blocks([key for key, _ in self.kv_caches], [value for _, value in self.kv_caches],
                             step.blocks_to_copy)
-        calibrate, self.calibrate_pending = self.calibrate_pending, False
-        return self.model.forward(self.prepare(step), self.kv_caches, self.kv_scales, calibrate)
+        return self.model.forward(self.prepare(step), self.kv_caches, self.kv_scales, elementwise=self.elementwise)
+
+    def calibrate_kv_scales(self, prompts: list[list[int]]) -> None:
+        """Set every layer's fp8 scales from ``prompts`` (the first ``generate`` call's, in order: as many as fit
+        KV_CALIBRATION_TOKENS in all, at least the first), before any step of theirs runs; then no longer pending.
+
+        NOTE: calibrating on the first real step would see only what that step holds (one token at a token budget
+        of 1, the first chunk of a long prompt) and, for a prompt computed in chunks, would have written the earlier
+        chunks' KV with provisional scales. Instead a calibration pass runs first: one forward pass over the whole
+        prompts, from token 0, in the model's dtype, into a scratch cache of the model's dtype, collecting amax(|k|)
+        and amax(|v|) per layer; nothing reaches the real cache. Every prompt is computed whole in this one pass,
+        so each layer's keys and values are exactly those of an unchunked prefill, and the scales do not depend
+        on the token budget, the pool or preemption. The scratch cache holds one layer (the pass writes a layer's
+        keys and values and attends over them before the next layer's overwrite them), so it costs
+        ``tokens * num_kv_heads * head_dim * 2`` elements. The pass costs about one more prefill of those prompts,
+        once per engine: measured on SmolLM2-135M (float32, 2-core AMD EPYC Zen 5, shared, medians of 5), 2.8 s
+        for the 16 prompts (644 tokens) of bench/fp8_accuracy.py, against 3.0 s for the first call's own prefill.
+        The scales come from keys and values computed without fp8 rounding in earlier layers (calibrating in the
+        real step saw layer i's input perturbed by layers < i's fp8 cache): e4m3 top-1 agreement with the float32
+        cache 95.6% at token budgets 1, 16 and 4096 alike (before: 82.1%, 96.2%, 95.5%; 95.0% uncalibrated).
+
+        The scales change only once the pass has completed, all together; an exception during the pass leaves
+        them as they were. (``LLM.generate`` also undoes a calibration whose call fails: see ``reset_kv_scales``.)
+        """
+        if not self.calibrate_pending or not prompts:
+            return
+        chosen, num_tokens = [], 0
+        for prompt in prompts:
+            if chosen and num_tokens + len(prompt) > KV_CALIBRATION_TOKENS:
+                break
+            chosen.append(prompt)
+            num_tokens += len(prompt)
+        step, num_blocks = ScheduledStep(), 0
+        for prompt in chosen:
+            blocks = -(-len(prompt) // self.block_size)
+            step.seqs.append(Sequence(list(prompt), len(prompt)))
+            step.num_new_tokens.append(len(prompt))
+            step.block_tables.append(list(range(num_blocks, num_blocks + blocks)))
+            num_blocks += blocks
+        cfg = self.model.config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        scratch = (torch.empty(shape, dtype=self.model.dtype, device=self.device),
+                   torch.empty(shape, dtype=self.model.dtype, device=self.device))
+        amax: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.model.forward(self.prepare(step), [scratch] * cfg.num_layers, None, kv_amax=amax,
+                           elementwise=self.elementwise)
+        fp8_max = torch.finfo(self.cache_dtype).max
+        scales = [(_calibrated_scale(k, fp8_max), _calibrated_scale(v, fp8_max)) for k, v in amax]
+        for (k_scale, v_scale), (k, v) in zip(self.kv_scales, scales):
+            k_scale.fill_(k)
+            v_scale.fill_(v)
+        self.calibrate_pending = False
+
+    def reset_kv_scales(self) -> None:
+        """Back to scales 1.0, calibration pending again (after the call that calibrated them failed)."""
+        for k_scale, v_scale in self.kv_scales:
+            k_scale.fill_(1.0)
+            v_scale.fill_(1.0)
+        self.calibrate_pending = True
 
     def swap(self, mapping: list[tuple[int, int]], to_gpu: bool) -> None:
         """Copy blocks between the pools: ``(cpu_block, gpu_block)`` pairs in, ``(gpu_block, cpu_block)`` out."""
@@ -106,6 +169,12 @@ class ModelRunner:
             max_query_len=max(query_lens, default=0),
             logits_indices=tensor(logits_indices),
         )
+
+
+def _calibrated_scale(amax: torch.Tensor, fp8_max: float) -> float:
+    """amax * KV_SCALE_MARGIN / the format's largest finite value; 1.0 when amax is 0 or not finite."""
+    amax = float(amax)
+    return amax * KV_SCALE_MARGIN / fp8_max if math.isfinite(amax) and amax > 0 else 1.0
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

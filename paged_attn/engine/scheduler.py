@@ -226,9 +226,10 @@ class Scheduler:
         for request in step.sampling_requests:
             request.prefilled = True
 
-    def abort_all(self) -> None:
+    def abort_all(self, drop_prefix_cache: bool = False) -> None:
         """Drop every request and free its blocks (after an error). Blocks of the failed step were never
-        published, so they return to the free list; published ones keep their (written) KV in the prefix cache."""
+        published, so they return to the free list; published ones keep their (written) KV in the prefix cache,
+        unless ``drop_prefix_cache``."""
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
@@ -240,7 +241,7 @@ class Scheduler:
                 manager.num_free_cpu_blocks == manager.num_cpu_blocks
         except Exception:  # the error interrupted the manager itself (e.g. KeyboardInterrupt mid-call)
             consistent = False
-        if not consistent:  # start over with an empty manager (and prefix cache) rather than trust its state
+        if not consistent or drop_prefix_cache:  # start over with an empty manager (and prefix cache)
             self.manager = BlockManager(manager.num_gpu_blocks, manager.block_size,
                                         num_cpu_blocks=manager.num_cpu_blocks,
                                         enable_prefix_caching=manager.enable_prefix_caching)
