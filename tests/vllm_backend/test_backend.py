@@ -5,6 +5,11 @@ These drive the impl directly on a packed K|V cache in vLLM's layouts, and the b
 to end is in test_end_to_end.py.
 """
 
+import gc
+import weakref
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
@@ -135,6 +140,92 @@ def test_a_new_cache_tensor_is_split_anew():
         torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
 
 
+def decode_step(impl, layer, kv_cache, seed):
+    """One decode row after 12 cached tokens (blocks 1, 0), written through the impl: (output, expected), the
+    expected one from the reference on the cache as it is now."""
+    num_heads, num_kv_heads, head_dim = impl.num_heads, impl.num_kv_heads, impl.head_size
+    gen = torch.Generator().manual_seed(seed)
+    block_tables, seq_lens = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([12], dtype=torch.int32)
+    slots = torch.tensor([8 + t for t in range(8)] + [t for t in range(4)])
+    impl.do_kv_cache_update(layer, torch.randn(12, num_kv_heads, head_dim, generator=gen),
+                            torch.randn(12, num_kv_heads, head_dim, generator=gen), kv_cache, slots)
+    metadata = pa_backend.PagedAttnMetadata(
+        num_actual_tokens=1, max_query_len=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=seq_lens, block_tables=block_tables, slot_mapping=torch.tensor([3]))
+    query = torch.randn(1, num_heads, head_dim, generator=gen)
+    output = torch.full((1, num_heads, head_dim), float("nan"))
+    impl.forward(layer, query, None, None, kv_cache, metadata, output)
+    key_cache, value_cache = pa_backend.split_kv_cache(kv_cache, head_dim)
+    return output, reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+
+
+def numpy_cache(num_kv_heads, block_size, head_dim):
+    """A NaN-filled LBNHC packed cache of 2 blocks on numpy memory, and a weak reference to that memory (dead once
+    nothing holds the cache's storage)."""
+    raw = np.full((2, block_size, num_kv_heads, 2 * head_dim), np.nan, dtype=np.float32)
+    # Transposed in numpy, so that the tensor is no view (a view's base would hold the memory through a set_).
+    return torch.from_numpy(raw.transpose(0, 2, 1, 3)), weakref.ref(raw)
+
+
+def test_set_onto_new_memory_is_split_anew():
+    # kv_cache.set_(...) keeps the tensor object and changes its memory: the views must follow the memory.
+    impl, layer = make_impl(4, 32, 2), torch.nn.Module()
+    kv_cache = packed_cache(2, 2, 8, 32, "LBNHC", torch.float32)
+    output, expected = decode_step(impl, layer, kv_cache, seed=0)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    old_memory = torch.empty(0).set_(kv_cache.untyped_storage(), kv_cache.storage_offset(), kv_cache.shape,
+                                     kv_cache.stride())
+    before = old_memory.clone()
+    new = packed_cache(2, 2, 8, 32, "LBNHC", torch.float32)
+    kv_cache.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
+    output, expected = decode_step(impl, layer, kv_cache, seed=1)
+    assert not expected.isnan().any()  # the writes reached the new memory
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(old_memory.view(torch.int32), before.view(torch.int32))  # and none went to the old one
+
+
+def test_a_dropped_cache_is_freed():
+    # The impl must not keep vLLM's cache alive once vLLM drops it: neither the tensor nor its memory.
+    impl, layer = make_impl(4, 32, 2), torch.nn.Module()
+    kv_cache, memory = numpy_cache(2, 8, 32)
+    output, expected = decode_step(impl, layer, kv_cache, seed=0)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    tensor = weakref.ref(kv_cache)
+    del kv_cache
+    gc.collect()
+    assert tensor() is None and memory() is None
+    # After set_ onto new memory, the next call lets the old memory go.
+    kv_cache, first_memory = numpy_cache(2, 8, 32)
+    decode_step(impl, layer, kv_cache, seed=1)
+    new, _ = numpy_cache(2, 8, 32)
+    kv_cache.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
+    del new
+    output, expected = decode_step(impl, layer, kv_cache, seed=2)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    gc.collect()
+    assert first_memory() is None
+    # And the impl is not kept alive by its hold on the cache.
+    impl_ref = weakref.ref(impl)
+    del impl
+    gc.collect()
+    assert impl_ref() is None
+
+
+def test_views_are_reused_for_the_same_memory():
+    impl, layer = make_impl(4, 32, 2), torch.nn.Module()
+    kv_cache = packed_cache(2, 2, 8, 32, "LBNHC", torch.float32)
+    first = impl._caches(kv_cache)
+    assert impl._caches(kv_cache) is first
+    # Another tensor object on the same memory (vLLM could hand a fresh view each step) reuses them too.
+    assert impl._caches(kv_cache.view(kv_cache.shape)) is first
+    # Made in inference mode (as vLLM's steps run), they can be written outside it.
+    impl2 = make_impl(4, 32, 2)
+    with torch.inference_mode():
+        impl2._caches(kv_cache)
+    output, expected = decode_step(impl2, layer, kv_cache, seed=3)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_profiling_run_without_metadata_leaves_output():
     impl = make_impl(4, 32, 2)
     output = torch.zeros(3, 4, 32)
@@ -200,3 +291,95 @@ def test_version_gate():
     check_vllm_version("0.32.0")
     with pytest.raises(RuntimeError, match="supports vLLM"):
         check_vllm_version("0.33.0")
+
+
+def validation_config(**overrides):
+    config = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+                  has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+                  attn_type="decoder")
+    from vllm.platforms.interface import DeviceCapability
+
+    return {**config, "device_capability": DeviceCapability(9, 0), **overrides}
+
+
+def test_device_cpu_query_lens_mismatch_refused():
+    # Adaptive verification trims queries on the device; our op needs query_start_loc[-1] == num_actual_tokens.
+    backend = pa_backend.PagedAttnBackend
+    assert backend.supports_device_cpu_query_lens_mismatch() is False
+    reasons = backend.validate_configuration(**validation_config(use_adaptive_verification=True))
+    assert any("query lens mismatch" in r for r in reasons), reasons
+
+
+def test_rocm_refused(monkeypatch):
+    # ROCm's "fp8" is e4m3fnuz (on MI300), which our kernels would read as e4m3fn.
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    backend = pa_backend.PagedAttnBackend
+    for kv_cache_dtype in ("auto", "fp8"):
+        reasons = backend.validate_configuration(**validation_config(kv_cache_dtype=kv_cache_dtype))
+        assert any("ROCm" in r for r in reasons), reasons
+    with pytest.raises(NotImplementedError, match="ROCm"):
+        make_impl(4, 32, 2, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_float_cache_dtype_offered_only_for_its_model_dtype(monkeypatch, on_cuda):
+    monkeypatch.setattr(pa_backend, "_on_cuda", lambda: on_cuda)
+    backend = pa_backend.PagedAttnBackend
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for kv_cache_dtype in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            reasons = backend.validate_configuration(**validation_config(dtype=dtype, kv_cache_dtype=kv_cache_dtype))
+            runs = kv_cache_dtype not in ("float16", "bfloat16") or getattr(torch, kv_cache_dtype) == dtype
+            assert (reasons == []) == runs, (dtype, kv_cache_dtype, reasons)
+            if not runs:
+                assert reasons == [f"kv_cache_dtype {kv_cache_dtype} needs a {kv_cache_dtype} model, got {dtype} "
+                                   "(paged_attn reads a float cache in the model's dtype only: use 'auto' or an fp8 "
+                                   "cache)"]
+    # On CUDA, an fp8 cache only with the head dims of the fp8 kernels (120 is not one).
+    reasons = backend.validate_configuration(**validation_config(head_size=120, kv_cache_dtype="fp8"))
+    assert reasons == (["head_size 120 not supported with an fp8 cache on CUDA"] if on_cuda else [])
+
+
+def make_builder(model_dtype, cache_dtype=None, head_size=32, head_size_v=None):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=head_size, head_size_v=head_size_v,
+                             dtype=cache_dtype or model_dtype)
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(dtype=model_dtype))
+    return pa_backend.PagedAttnMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], vllm_config,
+                                               torch.device("cpu"))
+
+
+def test_builder_refuses_what_would_fail_at_the_first_step():
+    # vLLM's CPU platform takes the backend without validate_configuration: the builder (made when the engine sets
+    # up its KV cache) refuses a float cache of another dtype than the model's, and values of another head size.
+    for model_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        make_builder(model_dtype)  # "auto"
+        make_builder(model_dtype, torch.uint8)  # fp8
+    with pytest.raises(NotImplementedError, match=r"torch.float16 KV cache only with a torch.float16 model, got "
+                                                  r"torch.bfloat16"):
+        make_builder(torch.bfloat16, torch.float16)
+    with pytest.raises(NotImplementedError, match="head_size 32 and head_size_v 64"):
+        make_builder(torch.float32, head_size_v=64)
+
+
+def common_metadata(**overrides):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    query_start_loc = torch.tensor([0, 3, 4], dtype=torch.int32)
+    fields = dict(query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc.clone(),
+                  seq_lens=torch.tensor([3, 9], dtype=torch.int32), num_reqs=2, num_actual_tokens=4, max_query_len=3,
+                  max_seq_len=9, block_table_tensor=torch.tensor([[0], [1]], dtype=torch.int32),
+                  slot_mapping=torch.tensor([0, 1, 2, 24]))
+    return CommonAttentionMetadata(**{**fields, **overrides})
+
+
+def test_builder_refuses_non_causal_batches():
+    builder = make_builder(torch.float32)
+    metadata = builder.build(0, common_metadata())
+    assert metadata.num_actual_tokens == 4 and metadata.query_start_loc.tolist() == [0, 3, 4]
+    for causal in (False, torch.tensor([True, False]), torch.tensor([True, True])):
+        with pytest.raises(NotImplementedError, match="causal attention only"):
+            builder.build(0, common_metadata(causal=causal))

@@ -76,7 +76,9 @@ def _importable(module: str) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, smollm2_hf) -> tuple[dict, dict]:
     folder = tmp_path_factory.mktemp("vllm_runs")
-    ours = run_vllm(True, COMPARED + ["tp2"] + ["smollm2", "smollm2_fp8"] * bool(smollm2_hf), folder, smollm2_hf)
+    # cache_dtype last: an engine that failed to start is not followed by another in that process.
+    ours = run_vllm(True, COMPARED + ["tp2"] + ["smollm2", "smollm2_fp8"] * bool(smollm2_hf) + ["cache_dtype"], folder,
+                    smollm2_hf)
     theirs = run_vllm(False, COMPARED, folder)
     return ours, theirs
 
@@ -125,6 +127,14 @@ def test_tensor_parallel_2_same_as_one_process(runs):
     for i, (a, b) in enumerate(zip(tp2["requests"], tp1["requests"])):
         assert a["tokens"] == b["tokens"], f"request {i}"
         assert_close_top5(a["logprobs"], b["logprobs"], f"tp2 vs tp1, request {i}")
+
+
+def test_float16_cache_for_bfloat16_model_refused_at_construction(runs):
+    # vLLM's CPU platform takes the backend without validating it; the failure must come when the engine is made,
+    # saying what is wrong, not at the first step.
+    result = runs[0]["cache_dtype"]
+    assert result["failed_at"] == "construction", result
+    assert "torch.float16 KV cache only with a torch.float16 model, got torch.bfloat16" in result["error"], result
 
 
 def test_smollm2_same_tokens_as_our_engine_and_transformers(runs, smollm2_hf):

@@ -12,6 +12,8 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
   tp2         tiny Llama, the plain prompts with ``tensor_parallel_size=2`` (multiprocessing executor)
   smollm2     SmolLM2-135M (a Hugging Face folder given with --smollm2), a few text prompts, greedy tokens only
   smollm2_fp8 the same with an fp8 (e4m3) KV cache, scales 1.0
+  cache_dtype tiny Llama in bfloat16 with kv_cache_dtype="float16", which our ops cannot read: records where it
+              failed (construction or generate) and the error
 
 The result records, per scenario, each request's tokens, top-5 logprobs and cached tokens, and for each worker
 process the number of calls of our backend's ``forward`` (0 everywhere in vLLM's own runs).
@@ -117,6 +119,16 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict
     elif name == "tp2":
         llm = LLM(model=models["llama"], tensor_parallel_size=2, distributed_executor_backend="mp", **kwargs)
         requests = generate(llm, plain_prompts())
+    elif name == "cache_dtype":
+        try:
+            llm = LLM(model=models["llama"], **{**kwargs, "dtype": "bfloat16", "kv_cache_dtype": "float16"})
+        except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
+            return {"failed_at": "construction", "error": f"{type(e).__name__}: {e}"}
+        try:
+            generate(llm, plain_prompts()[:1])
+        except Exception as e:  # noqa: BLE001
+            return {"failed_at": "generate", "error": f"{type(e).__name__}: {e}"}
+        return {"failed_at": None, "error": None}
     elif name in ("smollm2", "smollm2_fp8"):
         llm = LLM(model=smollm2, **{**kwargs, "skip_tokenizer_init": False, "max_model_len": 512,
                                     "kv_cache_dtype": "fp8" if name == "smollm2_fp8" else "auto"})
