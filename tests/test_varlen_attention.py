@@ -239,12 +239,11 @@ def sees(position, token, window):
     return first <= token <= position
 
 
-def poisoned_case(cache_dtype, head_dim, where, poison, token, window):
-    """One sequence (POISON_SEQ_LEN tokens, the last POISON_QUERY_LEN of them query rows, 4 query heads over 2 kv
-    heads) whose key or value (`where`) at `token`, kv head 0, holds `poison` in one element; token None: every
+def poisoned_case(cache_dtype, head_dim, where, poison, token, query_len):
+    """One sequence (POISON_SEQ_LEN tokens, the last query_len of them query rows, 4 query heads over 2 kv heads) whose key or value (`where`) at `token`, kv head 0, holds `poison` in one element; token None: every
     unused slot of the last block, all heads, holds it. fp8 caches are quantized from float32 ones with scales."""
     is_fp8 = cache_dtype in FP8_BYTES
-    case = make_varlen_case([(POISON_SEQ_LEN, POISON_QUERY_LEN)], 4, 2, head_dim, POISON_BLOCK,
+    case = make_varlen_case([(POISON_SEQ_LEN, query_len)], 4, 2, head_dim, POISON_BLOCK,
                             torch.float32 if is_fp8 else cache_dtype, "cpu")
     query, key_cache, value_cache, block_tables, seq_lens, starts = case
     scales = {}
@@ -264,10 +263,11 @@ def poisoned_case(cache_dtype, head_dim, where, poison, token, window):
     return (query, key_cache, value_cache, block_tables, seq_lens, starts), scales
 
 
-def check_poison_reaches_only_rows_that_see_it(cache_dtype, head_dim, where, poison, window):
+def check_poison_reaches_only_rows_that_see_it(cache_dtype, head_dim, where, poison, window,
+                                               query_len=POISON_QUERY_LEN, tokens=POISON_TOKENS):
     kwargs = {} if window is None else {"sliding_window": window}
-    for token in POISON_TOKENS[window]:
-        case, scales = poisoned_case(cache_dtype, head_dim, where, poison, token, window)
+    for token in tokens[window]:
+        case, scales = poisoned_case(cache_dtype, head_dim, where, poison, token, query_len)
         actual = attend(case, **kwargs, **scales)
         query, key_cache, value_cache, block_tables, seq_lens, starts = case
         if scales:  # the reference reads the dequantized caches
@@ -275,9 +275,9 @@ def check_poison_reaches_only_rows_that_see_it(cache_dtype, head_dim, where, poi
             value_cache = reference.dequantize_fp8(value_cache, scales["v_scale"], torch.float64)
         want = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=starts,
                                          compute_dtype=torch.float64, **kwargs).to(query.dtype)
-        positions = range(POISON_SEQ_LEN - POISON_QUERY_LEN, POISON_SEQ_LEN)
+        positions = range(POISON_SEQ_LEN - query_len, POISON_SEQ_LEN)
         blind = [i for i, p in enumerate(positions) if token is None or not sees(p, token, window)]
-        seeing = [i for i in range(POISON_QUERY_LEN) if i not in blind]
+        seeing = [i for i in range(query_len) if i not in blind]
         where_ = f"{where} of token {token} = {poison}"
         assert actual[blind].isfinite().all(), (
             f"{where_}: rows {[i for i in blind if not actual[i].isfinite().all()]} cannot see it and are not finite")
@@ -316,6 +316,25 @@ def test_nan_and_inf_reach_only_the_rows_that_see_them_on_the_portable_path():
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PAGED_ATTN_NO_AVX512="1", PYTHONPATH=os.pathsep.join([tests_dir] + sys.path))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=tests_dir)
+
+
+# NOTE: a -inf value the row sees reads as NaN on the AVX-512 bf16 decode path (bfloat16 query, e5m2 cache): issue
+# 27's finding 7, fixed in the decode kernel separately; the tiled kernel (4 rows) gives -inf.
+E5M2_SEEN_INF = pytest.mark.xfail(reason="issue 27 finding 7: inf reads as NaN on the AVX-512 bf16 decode path",
+                                  strict=False)
+
+
+@pytest.mark.parametrize("cache_dtype,poison", [
+    (torch.bfloat16, "nan"), (torch.float32, "inf"),
+    pytest.param(torch.float8_e5m2, "-inf", marks=E5M2_SEEN_INF)], ids=["bfloat16-nan", "float32-inf", "e5m2--inf"])
+@pytest.mark.parametrize("query_len", [2, 3, 4])
+@pytest.mark.parametrize("window", [None, 8], ids=["causal", "window8"])
+def test_nan_and_inf_in_short_chunks(cache_dtype, poison, query_len, window):
+    """Chunks of a few rows (below 4 the CPU runs them through its decode kernel, row by row): token 69 is seen by
+    the last row only; with a window of 8, 61 by the rows at 61 ... 68, 50 by none."""
+    for where in ("key", "value"):
+        check_poison_reaches_only_rows_that_see_it(cache_dtype, 64, where, poison, window, query_len,
+                                                   {None: [67, 69, None], 8: [50, 61, 69, None]})
 
 
 def test_a_nan_value_reaches_only_the_rows_after_it():

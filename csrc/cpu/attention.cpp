@@ -1,8 +1,8 @@
 // CPU kernels of paged attention (paged_attn::paged_attention). Decode: one query token per sequence, the kernel
 // described first. With query_start_loc (variable-length queries: prefills, prefill chunks, decodes in one call),
-// the rows of sequences with one query token still take the decode kernel (as rows at position seq_len - 1), and
-// sequences with more take the tiled prefill kernel ("Prefill" below), where a query tile shares each key/value
-// tile among its rows.
+// the rows of sequences with fewer than kMinPrefillQueryLen query tokens (decodes, short chunks) still take the
+// decode kernel, each as a row at its own position, and sequences with more take the tiled prefill kernel
+// ("Prefill" below), where a query tile shares each key/value tile among its rows.
 //
 // Math, per sequence s of length L, query head h (reading kv head h / group_size) and token t in [start, L),
 // start = max(0, L - sliding_window) (0 without a window):
@@ -874,7 +874,7 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Prefill: the query rows of sequences with more than one query token (query_start_loc), in tiles.
+// Prefill: the query rows of sequences with at least kMinPrefillQueryLen query tokens (query_start_loc), in tiles.
 //
 // A task is (sequence, kv head, query tile): up to kPrefillRows rows (or one position's group_size if larger),
 // r = i * group_size + j for the tile's query positions p0 + i and the group's query heads j, so that query heads
@@ -897,6 +897,10 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
 // Then out = O / sum. Micro-kernels: AVX-512 FMA, 6 rows x 32 keys (S) and 6 rows x 64 dims (O), where the CPU has
 // it and head_dim % 16 == 0; plain loops the compiler vectorizes elsewhere. Tasks are pulled from a shared counter,
 // most keys first: tiles late in a causal sequence cost more, and a static split would leave a thread idle.
+// NOTE: below 4 query tokens, sharing a key tile among the rows does not pay for packing it: a 2-row chunk after a
+// 16k-token prefix costs about 1.8x two decode rows in the tiled kernel, a 4-row one the same as 4 decode rows, an
+// 8-row one 0.85x (bench/RESULTS.md, 2026-12-02). Such sequences' rows take the decode kernel.
+constexpr int64_t kMinPrefillQueryLen = 4;
 constexpr int64_t kPrefillRows = 48;  // rows of a query tile (a multiple of the micro-kernels' 6)
 constexpr int64_t kPrefillKeys = 32;  // keys of a key tile: two AVX-512 vectors of logits per row
 constexpr int kMicroRows = 6;
@@ -1284,7 +1288,7 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
   }
 }
 
-// Every query row of the sequences in `seqs` (each with more than one query token), in tiles.
+// Every query row of the sequences in `seqs` (each with at least kMinPrefillQueryLen query tokens), in tiles.
 template <typename scalar_t, typename cache_t>
 void prefill_kernel(const Problem<scalar_t, cache_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
                     const std::vector<int32_t>& seqs, scalar_t* out) {  // out: [num_tokens, num_heads, head_dim]
@@ -1351,20 +1355,24 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const auto slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
-  // With query_start_loc: sequences with several query tokens go to the tiled prefill kernel; the rows of those
-  // with one (decodes) to the decode kernel, as rows at position L_s - 1 of their sequence.
+  // With query_start_loc: sequences with at least kMinPrefillQueryLen query tokens go to the tiled prefill kernel;
+  // the rows of those with fewer (decodes, short chunks) to the decode kernel: row i of the q_s rows of sequence s,
+  // at position L_s - q_s + i, as a row of length L_s - q_s + i + 1.
   std::vector<int32_t> decode_lens, decode_seqs, decode_tokens, prefill_seqs;
   const auto starts = query_start_loc.has_value() ? query_start_loc->contiguous() : at::Tensor();
   if (starts.defined()) {
     const int32_t* qsl = starts.const_data_ptr<int32_t>();
     const int32_t* len = lens.const_data_ptr<int32_t>();
     for (int32_t s = 0; s + 1 < starts.size(0); ++s) {
-      if (qsl[s + 1] - qsl[s] > 1) {
+      const int32_t query_len = qsl[s + 1] - qsl[s];
+      if (query_len >= kMinPrefillQueryLen) {
         prefill_seqs.push_back(s);
-      } else if (qsl[s + 1] - qsl[s] == 1) {
-        decode_lens.push_back(len[s]);
+        continue;
+      }
+      for (int32_t i = 0; i < query_len; ++i) {
+        decode_lens.push_back(len[s] - query_len + i + 1);
         decode_seqs.push_back(s);
-        decode_tokens.push_back(qsl[s]);
+        decode_tokens.push_back(qsl[s] + i);
       }
     }
   }
