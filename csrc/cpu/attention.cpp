@@ -1,8 +1,8 @@
 // CPU kernels of paged attention (paged_attn::paged_attention). Decode: one query token per sequence, the kernel
 // described first. With query_start_loc (variable-length queries: prefills, prefill chunks, decodes in one call),
-// the rows of sequences with one query token still take the decode kernel (as rows at position seq_len - 1), and
-// sequences with more take the tiled prefill kernel ("Prefill" below), where a query tile shares each key/value
-// tile among its rows.
+// the rows of sequences with fewer than kMinPrefillQueryLen query tokens (decodes, short chunks) still take the
+// decode kernel, each as a row at its own position, and sequences with more take the tiled prefill kernel
+// ("Prefill" below), where a query tile shares each key/value tile among its rows.
 //
 // Math, per sequence s of length L, query head h (reading kv head h / group_size) and token t in [start, L),
 // start = max(0, L - sliding_window) (0 without a window):
@@ -70,6 +70,7 @@
 #include <limits>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../common.h"
@@ -873,22 +874,33 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Prefill: the query rows of sequences with more than one query token (query_start_loc), in tiles.
+// Prefill: the query rows of sequences with at least kMinPrefillQueryLen query tokens (query_start_loc), in tiles.
 //
-// First a parallel pass packs each (sequence, kv head)'s keys and values as float32 tiles of kPrefillKeys tokens:
-// keys transposed, [head_dim][kPrefillKeys], values [kPrefillKeys][head_dim], the last tile padded with zeros
-// (never with the poisoned slots that follow). Every cache row is read once, whatever the number of query tiles.
-// Then a task is (sequence, kv head, query tile): up to kPrefillRows rows (or one position's group_size if
-// larger), r = i * group_size + j for the tile's query positions p0 + i and the group's query heads j, so that
-// query heads sharing a kv head share its key and value tiles. The task walks the key tiles the query tile can
-// see (from the one holding its first position's window start to the one holding its last position):
+// A task is (sequence, kv head, query tile): up to kPrefillRows rows (or one position's group_size if larger),
+// r = i * group_size + j for the tile's query positions p0 + i and the group's query heads j, so that query heads
+// sharing a kv head share its key and value tiles. The task walks the keys its rows can see, [first_visible(p0),
+// last position], kPrefillKeys tokens at a time; per key tile:
+//   1. pack the tile's keys and values of the kv head as float32 into the task's scratch: keys transposed,
+//      [head_dim][kPrefillKeys], values [kPrefillKeys][head_dim]. Only these tokens' rows are read (never the
+//      slots past the sequence's end, nor tokens before the window), and nothing is packed ahead: a key is
+//      converted once per query tile that sees it, about 1/rows of the tile's multiply-adds, and a chunk after a
+//      long cached prefix costs no whole-sequence copy;
 //   2. S = Q K^T for every row (Q pre-scaled, float32),
 //   3. soft cap, ALiBi, the causal and window mask (-inf), then the online softmax per row: raise the row's max
 //      (rescaling its sum and O), P = exp(S - max), sum += P,
-//   4. O += P V.
+//   4. O += P V, each row over exactly the keys it sees: a masked key's P is 0, but 0 * NaN = NaN, so a NaN or inf
+//      value a row cannot see (after its position, before its window) must not be multiplied into it at all.
+//      The tile's keys are cut into segments at every row's first and last visible key; each segment goes into
+//      the rows that see all of it (a contiguous run: both ends of a row's visible range grow with its position).
+//      A row's keys are still added in order, so this is the plain loop's sum, bit for bit.
+// (A NaN key a row cannot see needs no such care: its logit is overwritten by the mask in step 3.)
 // Then out = O / sum. Micro-kernels: AVX-512 FMA, 6 rows x 32 keys (S) and 6 rows x 64 dims (O), where the CPU has
 // it and head_dim % 16 == 0; plain loops the compiler vectorizes elsewhere. Tasks are pulled from a shared counter,
 // most keys first: tiles late in a causal sequence cost more, and a static split would leave a thread idle.
+// NOTE: below 4 query tokens, sharing a key tile among the rows does not pay for packing it: a 2-row chunk after a
+// 16k-token prefix costs about 1.8x two decode rows in the tiled kernel, a 4-row one the same as 4 decode rows, an
+// 8-row one 0.85x (bench/RESULTS.md, 2026-12-02). Such sequences' rows take the decode kernel.
+constexpr int64_t kMinPrefillQueryLen = 4;
 constexpr int64_t kPrefillRows = 48;  // rows of a query tile (a multiple of the micro-kernels' 6)
 constexpr int64_t kPrefillKeys = 32;  // keys of a key tile: two AVX-512 vectors of logits per row
 constexpr int kMicroRows = 6;
@@ -898,23 +910,33 @@ struct PrefillScratch {
   float* q;          // [max_rows, head_dim], pre-scaled
   float* o;          // [max_rows, head_dim]
   float* s;          // [max_rows, kPrefillKeys]: logits, then P
+  float* k;          // [kPrefillKeys, head_dim]: the keys as they are read, then transposed into kt
   float* kt;         // [head_dim, kPrefillKeys]
   float* v;          // [kPrefillKeys, head_dim]
   float* max_logit;  // [max_rows]
   float* sum;        // [max_rows]
   PrefillScratch(int64_t max_rows, int64_t head_dim)
-      : buffer(2 * max_rows * head_dim + max_rows * kPrefillKeys + 2 * kPrefillKeys * head_dim + 2 * max_rows) {
+      : buffer(2 * max_rows * head_dim + max_rows * kPrefillKeys + 3 * kPrefillKeys * head_dim + 2 * max_rows) {
     q = buffer.data();
     o = q + max_rows * head_dim;
     s = o + max_rows * head_dim;
-    kt = s + max_rows * kPrefillKeys;
+    k = s + max_rows * kPrefillKeys;
+    kt = k + kPrefillKeys * head_dim;
     v = kt + head_dim * kPrefillKeys;
     max_logit = v + kPrefillKeys * head_dim;
     sum = max_logit + max_rows;
   }
 };
 
-// Portable micro-kernels. s[r] = q[r] . kt (all kPrefillKeys lanes), for `rows` rows.
+// Portable micro-kernels. kt = k transposed: kt[d][n] = k[n][d] for n < num_keys, 0 from num_keys on.
+inline void transpose_keys_portable(const float* k, int64_t num_keys, int64_t head_dim, float* kt) {
+  for (int64_t d = 0; d < head_dim; ++d) {
+    for (int64_t n = 0; n < num_keys; ++n) kt[d * kPrefillKeys + n] = k[n * head_dim + d];
+    std::fill(kt + d * kPrefillKeys + num_keys, kt + (d + 1) * kPrefillKeys, 0.f);
+  }
+}
+
+// s[r] = q[r] . kt (all kPrefillKeys lanes), for `rows` rows.
 inline void qk_rows_portable(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = s + r * kPrefillKeys;
@@ -1026,10 +1048,13 @@ PAGED_ATTN_AVX512 void pv_rows_avx512(const float* p, int64_t rows, int64_t num_
 }
 
 // Step 3 for one row whose logits x (2 vectors; -inf where masked) are final: raise the max (rescaling sum and
-// the row of O), x = P = exp(x - max), sum += P. A row that sees nothing yet (max -inf) gets P = 0.
+// the row of O), x = P = exp(x - max), sum += P. A row that sees nothing yet (max -inf) gets P = 0. A NaN logit
+// makes the max NaN, and so the row's sum and O (vmaxps and std::max may each drop a NaN operand).
 PAGED_ATTN_AVX512 void softmax_row_avx512(float* x, float* max_logit, float* sum, float* orow, int64_t head_dim) {
   const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-  const float new_max = std::max(*max_logit, _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+  const bool nan = _mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q) != 0;  // a NaN in either
+  const float new_max = nan ? std::numeric_limits<float>::quiet_NaN()
+                            : std::max(*max_logit, _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
   if (new_max == kNegInf) {
     _mm512_storeu_ps(x, _mm512_setzero_ps());
     _mm512_storeu_ps(x + 16, _mm512_setzero_ps());
@@ -1049,61 +1074,92 @@ PAGED_ATTN_AVX512 void softmax_row_avx512(float* x, float* max_logit, float* sum
   *sum += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
 }
 
+// The 16 x 16 matrix r[0 .. 15] transposed in place: three rounds of shuffles, pairs of elements, then of 4-lane
+// quarters, then of 8-lane halves.
+PAGED_ATTN_AVX512 inline void transpose_16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // rows i and i + 1 interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // then 4 x 4 blocks transposed within each quarter
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 16; i += 8) {  // then the quarters moved: twice, by 4 rows, then by 8
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + 4 + j], 0x88);
+      t[i + 4 + j] = _mm512_shuffle_f32x4(r[i + j], r[i + 4 + j], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
+// transpose_keys_portable for head_dim % 16 == 0, by 16 x 16 blocks.
+PAGED_ATTN_AVX512 void transpose_keys_avx512(const float* k, int64_t num_keys, int64_t head_dim, float* kt) {
+  for (int64_t n0 = 0; n0 < kPrefillKeys; n0 += 16) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        r[i] = n0 + i < num_keys ? _mm512_loadu_ps(k + (n0 + i) * head_dim + d0) : _mm512_setzero_ps();
+      }
+      transpose_16x16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(kt + (d0 + j) * kPrefillKeys + n0, r[j]);
+    }
+  }
+}
+
 inline bool use_avx512f() {
   static const bool use = __builtin_cpu_supports("avx512f") && std::getenv("PAGED_ATTN_NO_AVX512") == nullptr;
   return use;
 }
 #endif
 
-// The packed keys and values of the prefill sequences: tile k of (sequence seqs[i], kv head g) is tile
-// (first_tile[i] + k) * num_kv_heads + g.
-struct PackedKV {
-  std::vector<int64_t> first_tile;  // [seqs + 1]
-  std::vector<float> keys;          // [tiles, head_dim, kPrefillKeys]
-  std::vector<float> values;        // [tiles, kPrefillKeys, head_dim]
-};
-
-template <typename scalar_t, typename cache_t>
-PackedKV pack_kv(const Problem<scalar_t, cache_t>& pb, const int32_t* seq_lens, const std::vector<int32_t>& seqs) {
-  const int64_t head_dim = pb.head_dim, num_kv_heads = pb.num_kv_heads, tile_size = kPrefillKeys * head_dim;
-  PackedKV packed;
-  packed.first_tile.push_back(0);
-  for (const int32_t seq : seqs) {
-    packed.first_tile.push_back(packed.first_tile.back() + (seq_lens[seq] + kPrefillKeys - 1) / kPrefillKeys);
-  }
-  const int64_t num_tiles = packed.first_tile.back() * num_kv_heads;
-  packed.keys.resize(num_tiles * tile_size);
-  packed.values.resize(num_tiles * tile_size);
-  at::parallel_for(0, static_cast<int64_t>(seqs.size()) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t i = unit / num_kv_heads, kv_head = unit % num_kv_heads, seq = seqs[i], len = seq_lens[seq];
-      const int32_t* block_table = pb.block_tables + seq * pb.max_blocks_per_seq;
-      for (int64_t tile = 0; tile * kPrefillKeys < len; ++tile) {
-        const int64_t index = (packed.first_tile[i] + tile) * num_kv_heads + kv_head;
-        float* kt = packed.keys.data() + index * tile_size;
-        float* v = packed.values.data() + index * tile_size;
-        const int64_t num_keys = std::min(kPrefillKeys, len - tile * kPrefillKeys);
-        for (int64_t n = 0; n < num_keys; ++n) {
-          const int64_t t = tile * kPrefillKeys + n;
-          const int32_t block = block_table[t / pb.block_size];
-          const cache_t* k = pb.kv.keys(block, t % pb.block_size) + kv_head * pb.kv.key_head_stride;
-          const cache_t* vr = pb.kv.values(block, t % pb.block_size) + kv_head * pb.kv.value_head_stride;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            kt[d * kPrefillKeys + n] = to_float(k[d]);
-            v[n * head_dim + d] = to_float(vr[d]);
-          }
-        }
-        for (int64_t n = num_keys; n < kPrefillKeys; ++n) {  // zeros: never NaN from the slots that follow
-          for (int64_t d = 0; d < head_dim; ++d) kt[d * kPrefillKeys + n] = v[n * head_dim + d] = 0.f;
-        }
+// Step 1: the keys and values of tokens [t0, t0 + num_keys) of one sequence (its block table), kv head kv_head,
+// as float32: sc.kt [head_dim][kPrefillKeys] (lanes from num_keys on zero), sc.v [kPrefillKeys][head_dim] (rows
+// from num_keys on left as they are: step 4 never reads them). The rows are converted as they lie (into sc.k and
+// sc.v), then the keys transposed. Meanwhile the next tile's rows, tokens [t0 + kPrefillKeys, + next_num_keys),
+// are prefetched into L2, one token's per token packed (the hardware prefetchers do not follow the block table;
+// without this the packing waits on memory most of the time).
+template <typename cache_t>
+void pack_key_tile(const PagedKV<cache_t>& kv, const int32_t* block_table, int64_t block_size, int64_t kv_head,
+                   int64_t head_dim, int64_t t0, int64_t num_keys, int64_t next_num_keys, bool avx512,
+                   PrefillScratch& sc) {
+  const auto rows = [&](int64_t t) {  // token t's key and value rows of kv_head
+    const int32_t block = block_table[t / block_size];
+    return std::pair{kv.keys(block, t % block_size) + kv_head * kv.key_head_stride,
+                     kv.values(block, t % block_size) + kv_head * kv.value_head_stride};
+  };
+  const int64_t row_bytes = head_dim * int64_t{sizeof(cache_t)};
+  for (int64_t n = 0; n < std::max(num_keys, next_num_keys); ++n) {
+    if (n < next_num_keys) {
+      const auto [k, vr] = rows(t0 + kPrefillKeys + n);
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k) + byte, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(vr) + byte, 0, 2);
       }
     }
-  });
-  return packed;
+    if (n < num_keys) {
+      const auto [k, vr] = rows(t0 + n);
+      float* kn = sc.k + n * head_dim;
+      float* vn = sc.v + n * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) kn[d] = to_float(k[d]);
+      for (int64_t d = 0; d < head_dim; ++d) vn[d] = to_float(vr[d]);
+    }
+  }
+#if defined(CPU_CAPABILITY_AVX2)
+  if (avx512) return transpose_keys_avx512(sc.k, num_keys, head_dim, sc.kt);
+#endif
+  transpose_keys_portable(sc.k, num_keys, head_dim, sc.kt);
 }
 
 struct PrefillTask {
-  int32_t seq_index;  // into the prefill sequences (and PackedKV::first_tile)
+  int32_t seq;       // the sequence
   int32_t kv_head;
   int32_t first;     // the tile's first query token within the sequence's rows
   int32_t num_keys;  // keys the tile walks (its cost)
@@ -1111,17 +1167,17 @@ struct PrefillTask {
 
 template <typename scalar_t, typename cache_t>
 void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
-                  const std::vector<int32_t>& seqs, const PackedKV& packed, const PrefillTask& task,
-                  int64_t positions_per_tile, bool avx512, PrefillScratch& sc, scalar_t* out) {
-  const int64_t group_size = pb.group_size, head_dim = pb.head_dim, seq = seqs[task.seq_index];
+                  const PrefillTask& task, int64_t positions_per_tile, bool avx512, PrefillScratch& sc,
+                  scalar_t* out) {
+  const int64_t group_size = pb.group_size, head_dim = pb.head_dim, seq = task.seq;
   const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
   const int64_t num_positions = std::min<int64_t>(positions_per_tile, query_len - task.first);
   const int64_t rows = num_positions * group_size;
   const int64_t first_position = seq_lens[seq] - query_len + task.first;  // of the tile's first row
   const int64_t last_position = first_position + num_positions - 1;
-  const int64_t first_token = pb.first_visible(first_position);
   const int64_t first_head = task.kv_head * group_size;
   const int64_t first_query_row = query_start_loc[seq] + task.first;  // in query / out
+  const int32_t* block_table = pb.block_tables + seq * pb.max_blocks_per_seq;
   const bool logit_mods = pb.logits_soft_cap > 0 || pb.alibi_slopes != nullptr;
 
   for (int64_t i = 0; i < num_positions; ++i) {
@@ -1136,18 +1192,19 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
   std::fill_n(sc.max_logit, rows, kNegInf);
   std::fill_n(sc.sum, rows, 0.f);
 
-  for (int64_t tile = first_token / kPrefillKeys; tile * kPrefillKeys <= last_position; ++tile) {
-    const int64_t t0 = tile * kPrefillKeys, num_keys = std::min(kPrefillKeys, last_position + 1 - t0);
-    const int64_t index = (packed.first_tile[task.seq_index] + tile) * pb.num_kv_heads + task.kv_head;
-    const float* kt = packed.keys.data() + index * kPrefillKeys * head_dim;
-    const float* v = packed.values.data() + index * kPrefillKeys * head_dim;
+  // Every key in [first_visible(first_position), last_position] is seen by some row of the tile.
+  for (int64_t t0 = pb.first_visible(first_position); t0 <= last_position; t0 += kPrefillKeys) {
+    const int64_t num_keys = std::min(kPrefillKeys, last_position + 1 - t0);
+    const int64_t next_num_keys = std::clamp<int64_t>(last_position + 1 - (t0 + kPrefillKeys), 0, kPrefillKeys);
+    // 1. Pack.
+    pack_key_tile(pb.kv, block_table, pb.block_size, task.kv_head, head_dim, t0, num_keys, next_num_keys, avx512, sc);
     // 2. S = Q K^T.
 #if defined(CPU_CAPABILITY_AVX2)
     if (avx512) {
-      qk_rows_avx512(sc.q, rows, head_dim, kt, sc.s);
+      qk_rows_avx512(sc.q, rows, head_dim, sc.kt, sc.s);
     } else
 #endif
-      qk_rows_portable(sc.q, rows, head_dim, kt, sc.s);
+      qk_rows_portable(sc.q, rows, head_dim, sc.kt, sc.s);
     // 3. Logit mods, mask, online softmax.
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t position = first_position + r / group_size, head = first_head + r % group_size;
@@ -1157,7 +1214,7 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
       if (logit_mods || !all_visible) {
         for (int64_t n = 0; n < kPrefillKeys; ++n) {
           const int64_t t = t0 + n;
-          if (t > position || t < visible_begin) {  // keys past the tile's own are past every row's position
+          if (t > position || t < visible_begin) {  // lanes past num_keys are past every row's position
             x[n] = kNegInf;
             continue;
           }
@@ -1171,11 +1228,12 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
         continue;
       }
 #endif
-      Vec tile_max(kNegInf);
-      for (int64_t n = 0; n < kPrefillKeys; n += kVecSize) tile_max = at::vec::maximum(tile_max, Vec::loadu(x + n));
+      // at::vec::maximum propagates NaN (std::max would drop a NaN logit, and with it the row's whole tile).
       const float old_max = sc.max_logit[r];
-      const float new_max = std::max(
-          old_max, at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, tile_max));
+      Vec tile_max(old_max);
+      for (int64_t n = 0; n < kPrefillKeys; n += kVecSize) tile_max = at::vec::maximum(tile_max, Vec::loadu(x + n));
+      const float new_max =
+          at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, tile_max);
       if (new_max == kNegInf) {  // nothing visible to this row yet
         std::fill_n(x, kPrefillKeys, 0.f);
         continue;
@@ -1195,14 +1253,32 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
       }
       sc.sum[r] += at::vec::vec_reduce_all<float>(std::plus<Vec>(), row_sum);
     }
-    // 4. O += P V.
-#if defined(CPU_CAPABILITY_AVX2)
-    if (avx512) {
-      pv_rows_avx512(sc.s, rows, num_keys, v, head_dim, sc.o);
-      continue;
+    // 4. O += P V, by segments. Position i sees the tile's keys [lo[i], hi[i]) (empty if hi[i] <= lo[i]).
+    int64_t lo[kPrefillRows], hi[kPrefillRows];
+    bool cut[kPrefillKeys + 1] = {};
+    for (int64_t i = 0; i < num_positions; ++i) {
+      const int64_t position = first_position + i;
+      lo[i] = std::clamp<int64_t>(pb.first_visible(position) - t0, 0, num_keys);
+      hi[i] = std::clamp<int64_t>(position + 1 - t0, 0, num_keys);
+      if (lo[i] < hi[i]) cut[lo[i]] = cut[hi[i]] = true;
     }
+    int64_t i_begin = 0;  // the segment's positions: [i_begin, i_end)
+    for (int64_t a = 0, b = 1; b <= num_keys; ++b) {
+      if (!cut[b]) continue;
+      while (hi[i_begin] < b) ++i_begin;  // some position sees key a, so this stops within the tile
+      int64_t i_end = i_begin;
+      while (i_end < num_positions && lo[i_end] <= a) ++i_end;
+      const int64_t first_row = i_begin * group_size, seg_rows = (i_end - i_begin) * group_size;
+      const float* p = sc.s + first_row * kPrefillKeys + a;
+      float* o = sc.o + first_row * head_dim;
+#if defined(CPU_CAPABILITY_AVX2)
+      if (avx512) {
+        pv_rows_avx512(p, seg_rows, b - a, sc.v + a * head_dim, head_dim, o);
+      } else
 #endif
-    pv_rows_portable(sc.s, rows, num_keys, v, head_dim, sc.o);
+        pv_rows_portable(p, seg_rows, b - a, sc.v + a * head_dim, head_dim, o);
+      a = b;
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / group_size, head = first_head + r % group_size;
@@ -1212,38 +1288,42 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
   }
 }
 
-// Every query row of the sequences in `seqs` (each with more than one query token), in tiles.
+// Every query row of the sequences in `seqs` (each with at least kMinPrefillQueryLen query tokens), in tiles.
 template <typename scalar_t, typename cache_t>
 void prefill_kernel(const Problem<scalar_t, cache_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
                     const std::vector<int32_t>& seqs, scalar_t* out) {  // out: [num_tokens, num_heads, head_dim]
   const int64_t positions_per_tile = std::max<int64_t>(1, kPrefillRows / pb.group_size);
   std::vector<PrefillTask> tasks;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const int64_t seq = seqs[i], query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+  for (const int32_t seq : seqs) {
+    const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
     for (int64_t first = 0; first < query_len; first += positions_per_tile) {
       const int64_t last_position = seq_lens[seq] - query_len + std::min(query_len, first + positions_per_tile) - 1;
       const int64_t first_position = seq_lens[seq] - query_len + first;
       const int64_t first_token = pb.first_visible(first_position);
       for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
-        tasks.push_back({static_cast<int32_t>(i), static_cast<int32_t>(kv_head), static_cast<int32_t>(first),
+        tasks.push_back({seq, static_cast<int32_t>(kv_head), static_cast<int32_t>(first),
                          static_cast<int32_t>(last_position + 1 - first_token)});
       }
     }
   }
-  const PackedKV packed = pack_kv(pb, seq_lens, seqs);
   std::stable_sort(tasks.begin(), tasks.end(), [](const auto& a, const auto& b) { return a.num_keys > b.num_keys; });
 #if defined(CPU_CAPABILITY_AVX2)
   const bool avx512 = pb.head_dim % 16 == 0 && use_avx512f();
 #else
   const bool avx512 = false;
 #endif
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+  // Threads only for work worth waking them (kMinBytesPerCpuTask of keys and values walked per thread).
+  int64_t keys_walked = 0;
+  for (const PrefillTask& task : tasks) keys_walked += task.num_keys;
+  const int64_t kv_bytes = keys_walked * 2 * pb.head_dim * int64_t{sizeof(cache_t)};
+  const int64_t num_workers = std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1,
+                                                  std::min<int64_t>(at::get_num_threads(), tasks.size()));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     if (begin >= end) return;
     PrefillScratch sc(positions_per_tile * pb.group_size, pb.head_dim);
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
-      prefill_task(pb, query_start_loc, seq_lens, seqs, packed, tasks[i], positions_per_tile, avx512, sc, out);
+      prefill_task(pb, query_start_loc, seq_lens, tasks[i], positions_per_tile, avx512, sc, out);
     }
   });
 }
@@ -1276,20 +1356,24 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const auto slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
-  // With query_start_loc: sequences with several query tokens go to the tiled prefill kernel; the rows of those
-  // with one (decodes) to the decode kernel, as rows at position L_s - 1 of their sequence.
+  // With query_start_loc: sequences with at least kMinPrefillQueryLen query tokens go to the tiled prefill kernel;
+  // the rows of those with fewer (decodes, short chunks) to the decode kernel: row i of the q_s rows of sequence s,
+  // at position L_s - q_s + i, as a row of length L_s - q_s + i + 1.
   std::vector<int32_t> decode_lens, decode_seqs, decode_tokens, prefill_seqs;
   const auto starts = query_start_loc.has_value() ? query_start_loc->contiguous() : at::Tensor();
   if (starts.defined()) {
     const int32_t* qsl = starts.const_data_ptr<int32_t>();
     const int32_t* len = lens.const_data_ptr<int32_t>();
     for (int32_t s = 0; s + 1 < starts.size(0); ++s) {
-      if (qsl[s + 1] - qsl[s] > 1) {
+      const int32_t query_len = qsl[s + 1] - qsl[s];
+      if (query_len >= kMinPrefillQueryLen) {
         prefill_seqs.push_back(s);
-      } else if (qsl[s + 1] - qsl[s] == 1) {
-        decode_lens.push_back(len[s]);
+        continue;
+      }
+      for (int32_t i = 0; i < query_len; ++i) {
+        decode_lens.push_back(len[s] - query_len + i + 1);
         decode_seqs.push_back(s);
-        decode_tokens.push_back(qsl[s]);
+        decode_tokens.push_back(qsl[s] + i);
       }
     }
   }
