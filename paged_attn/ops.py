@@ -1,27 +1,41 @@
 """Typed wrappers over ``torch.ops.paged_attn.*`` (their fake kernels are in ``paged_attn/fakes.py``).
 
-The paged KV cache, for every op: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` tensors (float32, float16, bfloat16, or fp8: see below) whose last dimension is contiguous; the other
-dimensions may have any strides under which no two elements share memory (e.g. the two halves of one ``[num_blocks, 2,
-block_size, num_kv_heads, head_dim]`` allocation, or the K and V halves of vLLM's packed ``[num_blocks, block_size,
-num_kv_heads, 2 * head_dim]`` cache). Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at
-offset ``t % block_size``; its *slot* is ``block * block_size + offset``.
+The cache layout (the one full description; every other file points here):
 
-An fp8 cache (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) holds half the bytes of bfloat16; keys, values and
-queries stay float32, float16 or bfloat16. Each cache has a scale, ``k_scale`` / ``v_scale``: a float32 tensor of one
-element on the caches' device (default 1.0), finite and nonzero: 0, -0, NaN and +-inf are refused (on the CPU always;
-on CUDA with validation on, see :func:`set_validation`, since reading the value there synchronizes; a fake kernel
-knows the value only of a constant made while tracing). :func:`reshape_and_cache` stores the fp8 value nearest to
-``x / scale`` (round to nearest even, saturated to the largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN
-stays NaN); :func:`paged_attention` reads ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy
-the bytes. ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
+- Shape: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the "NHD" layout
+  FlashAttention and FlashInfer also read), both of one shape, dtype and device; ``block_size``, ``num_kv_heads`` and
+  ``head_dim`` are positive, ``num_blocks`` may be 0 (an empty pool).
+- Strides: the last dimension (``head_dim``) is contiguous; the block, token and head dimensions may have any strides
+  under which no two elements share memory (taken by increasing stride, each dimension steps past everything the
+  smaller ones cover). So the caches can be the two halves of one ``[num_blocks, 2, block_size, num_kv_heads,
+  head_dim]`` allocation, the K and V halves of vLLM's packed ``[num_blocks, block_size, num_kv_heads, 2 * head_dim]``
+  cache (head stride ``2 * head_dim``), or have the token and head dimensions transposed.
+- Slots: token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset ``t % block_size``; its
+  *slot* is ``block * block_size + offset``, so a cache holds ``num_blocks * block_size`` slots. Kv head ``h``'s row
+  of ``head_dim`` elements starts at ``block * block_stride + offset * token_stride + h * head_stride``. A negative
+  slot (``slot_mapping``) marks a padding token.
+- Dtypes: float32, float16 or bfloat16 (keys, values and queries then have the caches' dtype), or fp8
+  (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, half the bytes of bfloat16; keys, values and queries stay
+  float32, float16 or bfloat16). Each fp8 cache has a scale, ``k_scale`` / ``v_scale``: a float32 tensor of one
+  element on the caches' device (default 1.0), finite and nonzero: 0, -0, NaN and +-inf are refused (on the CPU
+  always; on CUDA with validation on, see :func:`set_validation`, since reading the value there synchronizes; a fake
+  kernel knows the value only of a constant made while tracing). Scales are an error with any other dtype.
+  :func:`reshape_and_cache` stores the fp8 value nearest to ``x / scale`` (round to nearest even, saturated to the
+  largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN stays NaN); :func:`paged_attention` reads
+  ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy the bytes.
+  ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
+- Block spans (:func:`swap_blocks`): ``src`` and ``dst`` are any ``[num_blocks, ...]`` tensors with the same
+  per-block shape, strides and dtype. Each block is copied as the run of bytes it *spans*, from its first element to
+  the end of its last, the bytes between its rows included (the V rows of a packed K|V block when its K half is
+  swapped); the block stride must reach past a block's span.
 
 Memory: a tensor an op writes (the caches of :func:`reshape_and_cache` and :func:`copy_blocks`, ``dst`` of
 :func:`swap_blocks`, ``out`` of :func:`paged_attention`) must not share a byte with any other argument; the tensors
 an op only reads may share memory with each other (one scale tensor as both ``k_scale`` and ``v_scale``, one tensor
 as ``key`` and ``value``, or as both caches of :func:`paged_attention`). Memory is compared element by element, so
 interleaved but disjoint layouts (the halves of a ``[num_blocks, 2, ...]`` allocation) are fine; :func:`swap_blocks`
-compares the runs of bytes its blocks span (see there).
+compares the block spans of ``dst`` with those of ``src`` and with ``block_mapping`` (unless ``src`` and ``dst`` are
+one cache: the same data pointer, shape and strides).
 """
 
 from __future__ import annotations
