@@ -1,8 +1,11 @@
-// Host-side helpers shared by every backend: argument checks, index range checks, and the opt-in
-// validation switch. Kernels never validate; host entry points call these before anything is written.
+// Host-side helpers shared by every backend: argument checks, index range checks, and the opt-in validation
+// switch (the memory-overlap geometry the checks use is in overlap.h). Kernels never validate; host entry points
+// call these before anything is written.
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include "overlap.h"  // has_self_overlap, block_span_bytes, tensors_overlap, same_memory, address_of
 
 #include <cstdint>
 #include <optional>
@@ -41,35 +44,13 @@ void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor
 // validation_enabled() (the CPU ones always: they read the values anyway).
 void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
-// A paged cache: float32, float16, bfloat16 or fp8 (is_fp8), [num_blocks, block_size, num_kv_heads, head_dim] with the last three dims positive (num_blocks may
-// be 0), the last dimension contiguous and the others with any strides under which no two elements overlap
-// (has_self_overlap): e.g. one half of a [num_blocks, 2, ...] allocation, or the K (or V) half of vLLM's packed
-// [num_blocks, block_size, num_kv_heads, 2 * head_dim] cache.
+// A paged cache as the ops accept it (cache layout: see paged_attn/ops.py): 4 dims, a cache dtype, block_size,
+// num_kv_heads and head_dim positive (num_blocks may be 0), head_dim contiguous, no self-overlap (has_self_overlap).
 void check_cache(const at::Tensor& cache, const char* name);
 
 // Whether a cache's block is one contiguous run: [block_size, num_kv_heads, head_dim] packed (strides
 // num_kv_heads * head_dim, head_dim, 1).
 bool has_packed_rows(const at::Tensor& cache);
-
-// The bytes one block of t ([num_blocks, ...]) spans, from its first element to the end of its last one: the
-// block's size when it is contiguous, more for a strided view (e.g. the K half of a packed K|V block spans the V
-// rows between its own). 0 when a block is empty.
-int64_t block_span_bytes(const at::Tensor& t);
-
-// Whether some layouts' elements could share memory: false when, dims taken by increasing stride, each stride
-// reaches past everything the smaller-stride dims cover (what views of contiguous tensors satisfy).
-bool has_self_overlap(const at::Tensor& t);
-
-// Whether a and b share at least one byte of memory. Exact: it compares the bytes their elements cover, not their
-// [min, max) ranges, so the interleaved halves of one [num_blocks, 2, ...] allocation, or the key and value slices
-// of one fused QKV tensor, do not overlap. O(1) for tensors in separate allocations, for two lattices of
-// contiguous runs with one common stride (as those two layouts are), and for one nested lattice at two nearby
-// offsets (the K and V halves of vLLM's packed cache); other layouts list and sweep their runs.
-// Empty tensors, and tensors on different devices, never overlap.
-bool tensors_overlap(const at::Tensor& a, const at::Tensor& b);
-
-// a and b are exactly the same memory: same device, data pointer, sizes and strides (e.g. two views of one cache).
-bool same_memory(const at::Tensor& a, const at::Tensor& b);
 
 // A tensor argument, its name, and whether the op writes it, for check_no_overlap.
 struct NamedTensor {
@@ -139,9 +120,7 @@ void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at
 void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu, int64_t num_blocks,
                              int64_t block_size);
 
-// (access_width, the widest access that divides a set of addresses and strides, is in cuda/launch_plan.h.)
-inline uint64_t address_of(const at::Tensor& t) {
-  return reinterpret_cast<uint64_t>(t.data_ptr());
-}
+// (address_of is in overlap.h; access_width, the widest access that divides a set of addresses and strides, is in
+// cuda/launch_plan.h.)
 
 }  // namespace paged_attn

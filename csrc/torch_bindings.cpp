@@ -1,15 +1,9 @@
 // The table of contents: every op of the paged_attn library, declared once. Each backend file
 // (csrc/cpu/*.cpp, csrc/cuda/*.cu) registers its kernels at its bottom with TORCH_LIBRARY_IMPL, so a
 // CPU-only build simply leaves the .cu files out. Fake (meta) kernels for torch.compile live in
-// paged_attn/ops.py.
+// paged_attn/fakes.py.
 //
-// Cache layout (every op): key_cache, value_cache are [num_blocks, block_size, num_kv_heads, head_dim] with the
-// last dimension contiguous and any strides on the others (elements must not overlap), e.g. the K and V halves of
-// one [num_blocks, block_size, num_kv_heads, 2 * head_dim] allocation. Slot = block * block_size + offset.
-// Caches are float32, float16, bfloat16 (the keys, values and queries have the same dtype) or fp8 (float8_e4m3fn,
-// float8_e5m2; keys, values and queries float32, float16 or bfloat16), which stores x as the fp8 value nearest to
-// x / scale (round to nearest even, saturated to the largest finite value, NaN kept) and reads float(stored) * scale;
-// k_scale, v_scale: float32 [1] on the caches' device, default 1, finite and nonzero, only with fp8 caches.
+// Every op takes caches [num_blocks, block_size, num_kv_heads, head_dim]; cache layout: see paged_attn/ops.py.
 // Memory: a tensor an op writes (marked (a!), (b!)) overlaps no other argument; the ones it only reads may overlap.
 #include <torch/library.h>
 

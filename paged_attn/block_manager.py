@@ -2,7 +2,7 @@
 
 The KV cache is cut into *blocks* of ``block_size`` token *slots*. Each sequence keeps a *block table*, the
 list of physical block ids that hold its tokens in order, so token ``i`` (prompt and generated alike) lives at
-slot ``block_table[i // block_size] * block_size + i % block_size``. Only the last block of a sequence is ever
+slot ``block_table[i // block_size] * block_size + i % block_size`` (cache layout: see ``paged_attn/ops.py``). Only the last block of a sequence is ever
 partly empty. The manager does the bookkeeping only; the caller moves the data with the cache ops
 (``reshape_and_cache``, ``copy_blocks``, ``swap_blocks``) using the slots and block pairs it returns.
 

@@ -1,38 +1,53 @@
-"""Typed wrappers over ``torch.ops.paged_attn.*``, with the fake (meta) kernels that ``torch.compile`` needs.
+"""Typed wrappers over ``torch.ops.paged_attn.*`` (their fake kernels are in ``paged_attn/fakes.py``).
 
-The paged KV cache, for every op: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` tensors (float32, float16, bfloat16, or fp8: see below) whose last dimension is contiguous; the other
-dimensions may have any strides under which no two elements share memory (e.g. the two halves of one ``[num_blocks, 2,
-block_size, num_kv_heads, head_dim]`` allocation, or the K and V halves of vLLM's packed ``[num_blocks, block_size,
-num_kv_heads, 2 * head_dim]`` cache). Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at
-offset ``t % block_size``; its *slot* is ``block * block_size + offset``.
+The cache layout (the one full description; every other file points here):
 
-An fp8 cache (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) holds half the bytes of bfloat16; keys, values and
-queries stay float32, float16 or bfloat16. Each cache has a scale, ``k_scale`` / ``v_scale``: a float32 tensor of one
-element on the caches' device (default 1.0), finite and nonzero: 0, -0, NaN and +-inf are refused (on the CPU always;
-on CUDA with validation on, see :func:`set_validation`, since reading the value there synchronizes; a fake kernel
-knows the value only of a constant made while tracing). :func:`reshape_and_cache` stores the fp8 value nearest to
-``x / scale`` (round to nearest even, saturated to the largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN
-stays NaN); :func:`paged_attention` reads ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy
-the bytes. ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
+- Shape: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the "NHD" layout
+  FlashAttention and FlashInfer also read), both of one shape, dtype and device; ``block_size``, ``num_kv_heads`` and
+  ``head_dim`` are positive, ``num_blocks`` may be 0 (an empty pool).
+- Strides: the last dimension (``head_dim``) is contiguous; the block, token and head dimensions may have any strides
+  under which no two elements share memory (taken by increasing stride, each dimension steps past everything the
+  smaller ones cover). So the caches can be the two halves of one ``[num_blocks, 2, block_size, num_kv_heads,
+  head_dim]`` allocation, the K and V halves of vLLM's packed ``[num_blocks, block_size, num_kv_heads, 2 * head_dim]``
+  cache (head stride ``2 * head_dim``), or have the token and head dimensions transposed.
+- Slots: token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset ``t % block_size``; its
+  *slot* is ``block * block_size + offset``, so a cache holds ``num_blocks * block_size`` slots. Kv head ``h``'s row
+  of ``head_dim`` elements starts at ``block * block_stride + offset * token_stride + h * head_stride``. A negative
+  slot (``slot_mapping``) marks a padding token.
+- Dtypes: float32, float16 or bfloat16 (keys, values and queries then have the caches' dtype), or fp8
+  (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, half the bytes of bfloat16; keys, values and queries stay
+  float32, float16 or bfloat16). Each fp8 cache has a scale, ``k_scale`` / ``v_scale``: a float32 tensor of one
+  element on the caches' device (default 1.0), finite and nonzero: 0, -0, NaN and +-inf are refused (on the CPU
+  always; on CUDA with validation on, see :func:`set_validation`, since reading the value there synchronizes; a fake
+  kernel knows the value only of a constant made while tracing). Scales are an error with any other dtype.
+  :func:`reshape_and_cache` stores the fp8 value nearest to ``x / scale`` (round to nearest even, saturated to the
+  largest finite value, 448 for e4m3fn and 57344 for e5m2; NaN stays NaN); :func:`paged_attention` reads
+  ``float(stored) * scale``. :func:`copy_blocks` and :func:`swap_blocks` copy the bytes.
+  ``paged_attn.reference.quantize_fp8`` / ``dequantize_fp8`` say the same in PyTorch.
+- Block spans (:func:`swap_blocks`): ``src`` and ``dst`` are any ``[num_blocks, ...]`` tensors with the same
+  per-block shape, strides and dtype. Each block is copied as the run of bytes it *spans*, from its first element to
+  the end of its last, the bytes between its rows included (the V rows of a packed K|V block when its K half is
+  swapped); the block stride must reach past a block's span.
 
 Memory: a tensor an op writes (the caches of :func:`reshape_and_cache` and :func:`copy_blocks`, ``dst`` of
 :func:`swap_blocks`, ``out`` of :func:`paged_attention`) must not share a byte with any other argument; the tensors
 an op only reads may share memory with each other (one scale tensor as both ``k_scale`` and ``v_scale``, one tensor
 as ``key`` and ``value``, or as both caches of :func:`paged_attention`). Memory is compared element by element, so
 interleaved but disjoint layouts (the halves of a ``[num_blocks, 2, ...]`` allocation) are fine; :func:`swap_blocks`
-compares the runs of bytes its blocks span (see there).
+compares the block spans of ``dst`` with those of ``src`` and with ``block_mapping`` (unless ``src`` and ``dst`` are
+one cache: the same data pointer, shape and strides).
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _C
+from . import fakes  # noqa: F401  (registers the fake kernels)
+from .fakes import _is_finite
 
 BlockMapping = Union[torch.Tensor, Sequence[Sequence[int]]]
 
@@ -228,10 +243,6 @@ def _is_int(x) -> bool:
     return isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
 
 
-def _is_finite(x) -> bool:
-    return abs(x) < math.inf  # False for inf and NaN; unlike math.isfinite, torch.compile traces it on dynamic floats
-
-
 def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:
     """A tensor as it is (the op checks it); a sequence must be of (src_block, dst_block) integer pairs."""
     if isinstance(block_mapping, torch.Tensor):
@@ -240,191 +251,3 @@ def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:
     if not all(hasattr(pair, "__len__") and len(pair) == 2 and all(map(_is_int, pair)) for pair in pairs):
         raise ValueError(f"block_mapping must be a list of (src_block, dst_block) integer pairs, got {block_mapping!r}")
     return torch.tensor(pairs, dtype=torch.int64).reshape(len(pairs), 2)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Fake kernels. torch.compile traces the ops with them, and an eager call with an argument on the meta device
-# dispatches to them (meta wins over CPU and CUDA). The ops only mutate their arguments and return nothing, so all a
-# fake does is check: the shape, dtype and device rules of csrc/common.cpp, with the same messages, so that bad input
-# fails while tracing and an index tensor on the meta device next to real caches is refused instead of ignored.
-# Strides, memory overlap, index ranges and scale values need the real tensors; the kernels check those when they run
-# (on CUDA index ranges and scale values only with validation on). The one value a fake can know: a scale made as a
-# constant while tracing (torch.tensor([0.0]) inside the traced code) carries it, and is checked (_known_value).
-
-_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_DTYPE_NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double",
-                torch.int64: "Long", torch.int32: "Int", torch.float8_e4m3fn: "Float8_e4m3fn",
-                torch.float8_e5m2: "Float8_e5m2"}  # as c10 prints them
-
-
-def _require(condition, *message) -> None:
-    if not condition:
-        raise RuntimeError("".join(_DTYPE_NAMES.get(m, str(m)) if isinstance(m, torch.dtype) else str(m)
-                                   for m in message))
-
-
-def _shape(t: torch.Tensor) -> list:
-    return list(t.shape)
-
-
-def _check_cache(cache, name) -> None:
-    _require(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
-             _shape(cache))
-    _require(cache.dtype in _KV_DTYPES + _FP8_DTYPES, name,
-             " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.dtype)
-    _require(all(n > 0 for n in cache.shape[1:]), name,
-             ": block_size, num_kv_heads and head_dim must be positive, got shape ", _shape(cache))
-
-
-def _check_same_layout(a, a_name, b, b_name) -> None:
-    _require(a.device == b.device, a_name, " and ", b_name, " must be on the same device, got ", a.device, " and ",
-             b.device)
-    _require(a.dtype == b.dtype, a_name, " and ", b_name, " must have the same dtype, got ", a.dtype, " and ", b.dtype)
-    _require(a.shape == b.shape, a_name, " and ", b_name, " must have the same shape, got ", _shape(a), " and ",
-             _shape(b))
-
-
-def _check_cache_pair(key_cache, value_cache) -> None:
-    _check_cache(key_cache, "key_cache")
-    _check_cache(value_cache, "value_cache")
-    _check_same_layout(key_cache, "key_cache", value_cache, "value_cache")
-
-
-def _check_index_tensor(t, name, dtype, dim, device) -> None:
-    _require(t.dtype == dtype, name, " must be ", dtype, ", got ", t.dtype)
-    _require(t.dim() == dim, name, " must have ", dim, " dimension(s), got shape ", _shape(t))
-    _require(t.device == device, name, " must be on ", device, ", got ", t.device)
-
-
-def _check_block_mapping_shape(block_mapping, device) -> None:
-    _check_index_tensor(block_mapping, "block_mapping", torch.int64, 2, device)
-    _require(block_mapping.shape[1] == 2, "block_mapping must have shape [num_pairs, 2] of (src_block, dst_block), got ",
-             _shape(block_mapping))
-
-
-def _check_like_cache(t, name, key_cache) -> None:
-    """t (key or query) on key_cache's device, with its dtype (any of float32, float16, bfloat16 for fp8 caches)."""
-    _require(t.device == key_cache.device, name, " and key_cache must be on the same device, got ", t.device, " and ",
-             key_cache.device)
-    if key_cache.dtype in _FP8_DTYPES:
-        _require(t.dtype in _KV_DTYPES, name, " must be float32, float16 or bfloat16 with an fp8 cache (",
-                 key_cache.dtype, "), got ", t.dtype)
-        return
-    _require(t.dtype == key_cache.dtype, name, " and key_cache must have the same dtype, got ", t.dtype, " and ",
-             key_cache.dtype)
-
-
-def _check_kv_scales(key_cache, k_scale, v_scale) -> None:
-    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-        if scale is None:
-            continue
-        _require(key_cache.dtype in _FP8_DTYPES, name, " is given but the cache is ", key_cache.dtype,
-                 ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)")
-        _require(scale.dtype == torch.float32 and scale.numel() == 1, name,
-                 " must be a float32 tensor of one element, got ", scale.dtype, " of shape ", _shape(scale))
-        _require(scale.device == key_cache.device, name, " must be on the cache's device ", key_cache.device,
-                 ", got ", scale.device)
-    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):  # values last, as the kernels check them
-        value = None if scale is None else _known_value(scale)
-        if value is not None:
-            _require(_is_finite(value) and value != 0, name, " must be finite and nonzero, got ", f"{value:g}",
-                     ": an fp8 cache stores x as the fp8 value nearest to x / ", name, " and reads it back times ",
-                     name, " (0 would store NaN and +-max, inf zeros that read back NaN)")
-
-
-def _known_value(t: torch.Tensor) -> Optional[float]:
-    """The value of a one-element tensor, where a fake kernel can know it: a fake tensor made from a constant while
-    tracing carries it (FakeTensor.constant); any other fake (an input, or computed) has none, and neither does a
-    meta tensor."""
-    constant = getattr(t, "constant", None)
-    if constant is None:
-        return None
-    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # constant is a real tensor
-        return float(constant.reshape(()).item())
-
-
-@torch.library.register_fake("paged_attn::reshape_and_cache")
-def _(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
-    _check_cache_pair(key_cache, value_cache)
-    _require(key.dim() == 3, "key must have shape [num_tokens, num_kv_heads, head_dim], got ", _shape(key))
-    _check_same_layout(key, "key", value, "value")
-    _check_like_cache(key, "key", key_cache)
-    _require(key.shape[1:] == key_cache.shape[2:], "key is [num_tokens, num_kv_heads, head_dim] = ", _shape(key),
-             " but the cache holds [num_kv_heads, head_dim] = ", _shape(key_cache)[2:])
-    _check_index_tensor(slot_mapping, "slot_mapping", torch.int64, 1, key_cache.device)
-    _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping must have num_tokens = ", key.shape[0],
-             " entries, got ", slot_mapping.shape[0])
-    _check_kv_scales(key_cache, k_scale, v_scale)
-
-
-@torch.library.register_fake("paged_attn::copy_blocks")
-def _(key_caches, value_caches, block_mapping) -> None:
-    _require(len(key_caches) == len(value_caches), "key_caches and value_caches must have the same number of layers, "
-             "got ", len(key_caches), " and ", len(value_caches))
-    if not key_caches:
-        return
-    first = key_caches[0]
-    for layer, (key_cache, value_cache) in enumerate(zip(key_caches, value_caches)):
-        for cache, name in ((key_cache, f"key_caches[{layer}]"), (value_cache, f"value_caches[{layer}]")):
-            _check_cache(cache, name)
-            _check_same_layout(first, "key_caches[0]", cache, name)
-    _require(block_mapping.device.type == "cpu" or block_mapping.device == first.device,
-             "block_mapping must be on the CPU or on the caches' device ", first.device, ", got ", block_mapping.device)
-    _check_block_mapping_shape(block_mapping, block_mapping.device)
-
-
-@torch.library.register_fake("paged_attn::swap_blocks")
-def _(src, dst, block_mapping) -> None:
-    _require(src.dim() >= 1 and dst.dim() >= 1, "src and dst must be caches with a leading block dimension")
-    _require(src.dtype == dst.dtype, "src and dst must have the same dtype, got ", src.dtype, " and ", dst.dtype)
-    _require(src.shape[1:] == dst.shape[1:], "src and dst must have the same per-block shape, got ", _shape(src),
-             " and ", _shape(dst))
-    _require(all(n > 0 for n in src.shape[1:]), "src and dst must have positive sizes after the block dimension, got ",
-             _shape(src))
-    for t in (src, dst):
-        _require(t.device.type in ("cpu", "cuda"), "swap_blocks supports CPU and CUDA tensors, got ", t.device)
-    _check_block_mapping_shape(block_mapping, torch.device("cpu"))
-
-
-@torch.library.register_fake("paged_attn::paged_attention")
-def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-      logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None) -> None:
-    _check_cache_pair(key_cache, value_cache)
-    _require(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", _shape(query))
-    _check_like_cache(query, "query", key_cache)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    num_seqs = num_tokens
-    if query_start_loc is not None:
-        _check_index_tensor(query_start_loc, "query_start_loc", torch.int32, 1, query.device)
-        _require(query_start_loc.shape[0] >= 1, "query_start_loc must have num_seqs + 1 entries (at least 1), got 0")
-        num_seqs = query_start_loc.shape[0] - 1
-        _require(max_query_len is None or max_query_len >= 0, "max_query_len must be >= 0, got ", max_query_len)
-    else:
-        _require(max_query_len is None, "max_query_len is given without query_start_loc")
-    _require(num_heads > 0 and head_dim > 0, "query must have positive num_heads and head_dim, got shape ",
-             _shape(query))
-    _require(key_cache.shape[3] == head_dim, "query has head_dim ", head_dim, " but the cache has head_dim ",
-             key_cache.shape[3])
-    _require(num_heads % num_kv_heads == 0, "num_heads (", num_heads, ") must be a multiple of num_kv_heads (",
-             num_kv_heads, ")")
-    _require(out.shape == query.shape and out.dtype == query.dtype and out.device == query.device,
-             "out must be a ", query.dtype, " tensor of shape ", _shape(query), " on ", query.device, ", got ",
-             out.dtype, " ", _shape(out), " on ", out.device)
-    seqs_from = " (query_start_loc has num_seqs + 1 entries)" if query_start_loc is not None else " (query rows)"
-    _check_index_tensor(block_tables, "block_tables", torch.int32, 2, query.device)
-    _require(block_tables.shape[0] == num_seqs, "block_tables must have num_seqs = ", num_seqs, seqs_from,
-             " rows, got ", block_tables.shape[0])
-    _check_index_tensor(seq_lens, "seq_lens", torch.int32, 1, query.device)
-    _require(seq_lens.shape[0] == num_seqs, "seq_lens must have num_seqs = ", num_seqs, seqs_from, " entries, got ",
-             seq_lens.shape[0])
-    if alibi_slopes is not None:
-        _check_index_tensor(alibi_slopes, "alibi_slopes", torch.float32, 1, query.device)
-        _require(alibi_slopes.shape[0] == num_heads, "alibi_slopes must have num_heads = ", num_heads,
-                 " entries, got ", alibi_slopes.shape[0])
-    _require(sliding_window >= 0, "sliding_window must be positive (or 0 for none), got ", sliding_window)
-    _require(_is_finite(scale), "scale must be finite, got ", scale)
-    _require(_is_finite(logits_soft_cap) and logits_soft_cap >= 0,
-             "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap)
-    _check_kv_scales(key_cache, k_scale, v_scale)

@@ -26,6 +26,7 @@
 
 #include "../common.h"
 #include "attention_launch.cuh"
+#include "paged_cache_host.h"
 
 namespace paged_attn {
 namespace {
@@ -56,16 +57,12 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
                                        double scale, const std::optional<at::Tensor>& alibi_slopes,
                                        double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
                                        const std::optional<at::Tensor>& v_scale) {
-  const auto cache = [](const at::Tensor& t) {  // 16-byte aligned rows (checked by the caller)
-    return PagedCache<const C>{static_cast<const C*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2),
-                               static_cast<int>(t.size(1)), static_cast<int>(t.size(2)),
-                               static_cast<int>(t.size(3))};
-  };
   AttentionParams<T, C> params{};
   params.out = static_cast<T*>(out.data_ptr());
   params.query = static_cast<const T*>(query.data_ptr());
   params.query_token_stride = query.stride(0), params.query_head_stride = query.stride(1);
-  params.key_cache = cache(key_cache), params.value_cache = cache(value_cache);
+  // 16-byte aligned rows (checked by the caller)
+  params.key_cache = paged_cache_of<const C>(key_cache), params.value_cache = paged_cache_of<const C>(value_cache);
   params.block_tables = block_tables.data_ptr<int32_t>();
   params.seq_lens = seq_lens.data_ptr<int32_t>();
   params.query_start_loc = query_start_loc.has_value() ? query_start_loc->data_ptr<int32_t>() : nullptr;

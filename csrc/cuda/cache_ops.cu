@@ -20,6 +20,7 @@
 
 #include "../common.h"
 #include "cache_ops_kernels.cuh"
+#include "paged_cache_host.h"
 
 namespace paged_attn {
 namespace {
@@ -43,16 +44,12 @@ void reshape_and_cache_fp8(const at::Tensor& key,          // [num_tokens, num_k
   TORCH_CHECK(plan.error.empty(), "reshape_and_cache: this call cannot be launched on CUDA: ", plan.error);
   const auto slots = slot_mapping.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto cache = [&](at::Tensor& t) {
-    return PagedCache<__nv_fp8_storage_t>{static_cast<__nv_fp8_storage_t*>(t.data_ptr()), t.stride(0), t.stride(1),
-                                          t.stride(2), static_cast<int>(t.size(1)), static_cast<int>(num_kv_heads),
-                                          static_cast<int>(head_dim)};
-  };
   const auto run = [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const ReshapeAndCacheFp8Params<T> params{
         static_cast<const T*>(key.data_ptr()), static_cast<const T*>(value.data_ptr()), key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1), cache(key_cache), cache(value_cache), slots.data_ptr<int64_t>(),
+        value.stride(0), value.stride(1), paged_cache_of<__nv_fp8_storage_t>(key_cache),
+        paged_cache_of<__nv_fp8_storage_t>(value_cache), slots.data_ptr<int64_t>(),
         k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr,
         v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr,
         key_cache.scalar_type() == at::kFloat8_e5m2 ? __NV_E5M2 : __NV_E4M3};
@@ -106,19 +103,14 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
 
   dispatch_width(width, [&](auto unit) {
     using Unit = decltype(unit);
-    const auto cache = [&](at::Tensor& t) {
-      return PagedCache<Unit>{static_cast<Unit*>(t.data_ptr()), to_units(t.stride(0)), to_units(t.stride(1)),
-                              to_units(t.stride(2)), static_cast<int>(block_size), static_cast<int>(num_kv_heads),
-                              static_cast<int>(head_units)};
-    };
     const ReshapeAndCacheParams<Unit> params{static_cast<const Unit*>(key.data_ptr()),
                                              static_cast<const Unit*>(value.data_ptr()),
                                              to_units(key.stride(0)),
                                              to_units(key.stride(1)),
                                              to_units(value.stride(0)),
                                              to_units(value.stride(1)),
-                                             cache(key_cache),
-                                             cache(value_cache),
+                                             paged_cache_of<Unit>(key_cache),
+                                             paged_cache_of<Unit>(value_cache),
                                              slots.data_ptr<int64_t>()};
     reshape_and_cache_kernel<Unit><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -162,19 +154,13 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
   const int64_t width = access_width({alignment_bits});
   const int64_t block_units = block_size * num_kv_heads * head_dim * static_cast<int64_t>(elem) / width;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto byte_cache = [&](const at::Tensor& t) {  // PagedCache<char>: counts in bytes
-    return PagedCache<char>{static_cast<char*>(t.data_ptr()), t.stride(0) * static_cast<int64_t>(elem),
-                            t.stride(1) * static_cast<int64_t>(elem), t.stride(2) * static_cast<int64_t>(elem),
-                            static_cast<int>(block_size), static_cast<int>(num_kv_heads),
-                            static_cast<int>(head_dim * elem)};
-  };
 
   for (int64_t first_layer = 0; first_layer < num_layers; first_layer += kMaxLayersPerLaunch) {
     const int64_t launch_layers = std::min<int64_t>(kMaxLayersPerLaunch, num_layers - first_layer);
     CopyBlocksParams params{};
     for (int64_t i = 0; i < launch_layers; ++i) {
-      params.key[i] = byte_cache(key_caches[first_layer + i]);
-      params.value[i] = byte_cache(value_caches[first_layer + i]);
+      params.key[i] = paged_cache_of<char>(key_caches[first_layer + i]);  // counts in bytes
+      params.value[i] = paged_cache_of<char>(value_caches[first_layer + i]);
     }
     params.block_mapping = mapping.data_ptr<int64_t>();
     const CopyPlan plan = plan_copy_blocks(num_pairs, launch_layers, block_units);

@@ -1,11 +1,8 @@
 // The paged KV cache on CUDA, and all of its address arithmetic: every CUDA kernel (attention and the cache ops)
 // reaches cache memory through PagedCache. (The CPU kernels compute addresses their own way, in csrc/cpu.)
 //
-// Layout: [num_blocks, block_size, num_kv_heads, head_dim], the last dimension contiguous, the other three with any
-// strides (e.g. one half of a [num_blocks, 2, ...] allocation, the K or V half of vLLM's packed
-// [..., 2 * head_dim] cache, whose head stride is 2 * head_dim, or token and head dimensions transposed). Token t of
-// a sequence lives in block block_table[t / block_size] at offset t % block_size; its slot is
-// block * block_size + offset. Kv head h's row of that token starts h * head_stride elements after the token's.
+// It needs the block, token and head strides (head_dim contiguous) and slot = block * block_size + offset; cache
+// layout: see paged_attn/ops.py. (paged_cache_host.h builds one from a tensor.)
 #pragma once
 
 #include "device.cuh"
