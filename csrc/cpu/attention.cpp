@@ -33,10 +33,11 @@
 //  - AVX-512 bf16 (bfloat16 caches, head_dim a multiple of 32, CPU with AVX512_BF16; chosen at run time): both
 //    products use vdpbf16ps (32 bf16 multiply-adds into 16 float32 lanes per instruction, products exact, sums in
 //    float32): q . k on the bf16 query and keys as they are; p * v on token pairs, the value rows of tokens t and
-//    t + 1 interleaved element by element, p split into two bfloat16 terms hi + lo (together within about 2^-17
+//    t + 1 interleaved element by element, p split into two bfloat16 terms hi + lo (together within about 2^-16
 //    of p, where FlashAttention rounds P to half precision, 2^-9) and one vdpbf16ps for each; the running sum adds
 //    the same hi + lo, so the weights still sum to one. The output agrees with the float32 reference to float32
-//    rounding, not just to the half-type tolerance.
+//    rounding, not just to the half-type tolerance. hi and lo are both > 0 where p > 0, and rows past a tile's
+//    tokens are not multiplied, so that a value of inf gives inf as in float32 (never 0 * inf or inf - inf).
 //
 // fp8 caches (float8_e4m3fn, float8_e5m2; the query float32, float16 or bfloat16): every fp8 value is exactly a
 // bfloat16 and a float32. A bfloat16 query takes the AVX-512 path, which decodes 32 cache bytes at a time into
@@ -568,10 +569,17 @@ PAGED_ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(poly, n);
 }
 
+// 16 bfloat16 -> 16 float32 (exact).
+PAGED_ATTN_AVX512 inline __m512 widen_bf16(__m256i bf16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+}
+
 // Step 2 for one head: x = its logits of the tile (lanes past the tile's tokens -inf). Raises the running max if
-// needed, splits p = exp(x - max) into two bfloat16 terms, hi = bf16(p) and lo = bf16(p - hi) (together p to
-// about 2^-17 relative), writes them as pairs, p_pairs[i] = (hi_2i, hi_2i+1) and p_pairs[8 + i] = (lo_2i,
-// lo_2i+1), and adds hi + lo to the lane sums.
+// needed, splits p = exp(x - max) into two bfloat16 terms, hi = p truncated to bfloat16 (one bf16 ulp less where
+// that is p itself) and lo = bf16(p - hi) (together p to about 2^-16 relative), writes them as pairs,
+// p_pairs[i] = (hi_2i, hi_2i+1) and p_pairs[8 + i] = (lo_2i, lo_2i+1), and adds hi + lo to the lane sums.
+// NOTE: hi and lo are both > 0 wherever p > 0, so that a value of inf gives inf: rounding hi to nearest would
+// leave lo = 0 (p = 1 at the max, any p exact in bf16: 0 * inf = NaN) or lo < 0 (inf - inf = NaN).
 PAGED_ATTN_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, float* exp_sums, float* acc,
                                                   int64_t head_dim, uint32_t* p_pairs) {
   if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(*max_logit), _CMP_GT_OQ)) {  // rarely, after the first tiles
@@ -584,23 +592,29 @@ PAGED_ATTN_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, fl
     *max_logit = new_max;
   }
   const __m512 p = exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(*max_logit)));
-  const __m256bh hi = _mm512_cvtneps_pbh(p);
-  const __m512 hi_float = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
-  const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(p, hi_float));  // exact difference, then rounded
-  const __m512 lo_float = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)lo), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs), (__m256i)hi);
+  __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16));  // truncated: hi <= p
+  const __mmask16 exact = _mm512_cmp_ps_mask(p, widen_bf16(hi), _CMP_EQ_OQ) &
+                          _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_GT_OQ);
+  hi = _mm256_mask_sub_epi16(hi, exact, hi, _mm256_set1_epi16(1));  // the bf16 below p: hi < p where p > 0
+  const __m512 hi_float = widen_bf16(hi);
+  const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(p, hi_float));  // exact difference (>= 0), then rounded
+  const __m512 lo_float = widen_bf16((__m256i)lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs), hi);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + kTileTokens / 2), (__m256i)lo);
   _mm512_storeu_ps(exp_sums, _mm512_add_ps(_mm512_loadu_ps(exp_sums), _mm512_add_ps(hi_float, lo_float)));
 }
 
 // Step 3: acc_j += sum_i p_j[i] * v_i for kHeads heads (acc_j = acc + j * head_dim in acc_index order, p_j the
-// pairs p_pairs + j * 16) over the tile's 16 value rows v_i = rows[i] + offset, elements [d_begin, d_end), C
-// chunks of 32 at a time. Per token pair and chunk: the two rows interleaved into lo/hi (see acc_index), then per
-// head and half two vdpbf16ps, with the high and the low parts of the pair (p_2i, p_2i+1) broadcast.
+// pairs p_pairs + j * 16) over the tile's value rows v_i = rows[i] + offset, i < num_tokens, elements
+// [d_begin, d_end), C chunks of 32 at a time. Per token pair and chunk: the two rows interleaved into lo/hi (see
+// acc_index), then per head and half two vdpbf16ps, with the high and the low parts of the pair (p_2i, p_2i+1)
+// broadcast. NOTE: the rows past num_tokens (the tile's padding, whose p is 0) are not multiplied: with an odd
+// num_tokens the last pair's second row is zeros; a padding row repeats the last token's, and 0 * inf is NaN.
 template <int kHeads, int C, typename cache_t>
 PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const cache_t* const* rows,
-                                                 int64_t offset, int64_t head_dim, int64_t d_begin, int64_t d_end,
-                                                 float* acc, Prefetcher<cache_t>* prefetcher) {
+                                                 int64_t num_tokens, int64_t offset, int64_t head_dim,
+                                                 int64_t d_begin, int64_t d_end, float* acc,
+                                                 Prefetcher<cache_t>* prefetcher) {
   const Bf16Decoder decoder = bf16_decoder<cache_t>();
   for (int64_t d = d_begin; d + C * kChunk <= d_end; d += C * kChunk) {
     __m512 sum[kHeads][C][2];
@@ -611,16 +625,18 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) sum[j][c][h] = _mm512_loadu_ps(acc + j * head_dim + d + c * kChunk + h * 16);
 #pragma GCC unroll 2
-    for (int64_t i = 0; i < kTileTokens; i += 2) {
+    for (int64_t i = 0; i < num_tokens; i += 2) {
       if (prefetcher && d == d_begin) {
         prefetcher->step(), prefetcher->step();
         prefetcher->values(i), prefetcher->values(i + 1);
       }
+      const bool pair = i + 1 < num_tokens;
       __m512bh half[C][2];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         const __m512i a = load_bf16x32(rows[i] + offset + d + c * kChunk, decoder);
-        const __m512i b = load_bf16x32(rows[i + 1] + offset + d + c * kChunk, decoder);
+        const __m512i b =
+            pair ? load_bf16x32(rows[i + 1] + offset + d + c * kChunk, decoder) : _mm512_setzero_si512();
         half[c][0] = (__m512bh)_mm512_unpacklo_epi16(a, b);
         half[c][1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
       }
@@ -648,12 +664,13 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
 }
 
 template <int kHeads, typename cache_t>
-PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t offset,
-                                          int64_t head_dim, float* acc, Prefetcher<cache_t>* prefetcher) {
+PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t num_tokens,
+                                          int64_t offset, int64_t head_dim, float* acc,
+                                          Prefetcher<cache_t>* prefetcher) {
   constexpr int C = kHeads >= 3 ? 1 : 4 / kHeads;  // at least 8 accumulators, at most 16
   const int64_t main = head_dim / (C * kChunk) * (C * kChunk);
-  tile_values_avx512_chunks<kHeads, C>(p_pairs, rows, offset, head_dim, 0, main, acc, prefetcher);
-  tile_values_avx512_chunks<kHeads, 1>(p_pairs, rows, offset, head_dim, main, head_dim, acc,
+  tile_values_avx512_chunks<kHeads, C>(p_pairs, rows, num_tokens, offset, head_dim, 0, main, acc, prefetcher);
+  tile_values_avx512_chunks<kHeads, 1>(p_pairs, rows, num_tokens, offset, head_dim, main, head_dim, acc,
                                        main == 0 ? prefetcher : nullptr);
 }
 
@@ -680,7 +697,7 @@ PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16, cache_t>&
                         sc.exp_sums + head * kTileTokens, sc.acc + head * head_dim, head_dim,
                         sc.p_pairs + j * kTileTokens);
   }
-  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, kv_head * pb.kv.value_head_stride, head_dim,
+  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * pb.kv.value_head_stride, head_dim,
                              sc.acc + head0 * head_dim, prefetcher);
 }
 
