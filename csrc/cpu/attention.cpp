@@ -179,27 +179,70 @@ struct Tile {
 // Software prefetch, two levels (the hardware prefetchers do not follow the block table):
 //  - the next tile's rows, all kv heads, into L2 in address order, a few lines per step; the kernel takes two steps
 //    per token and kv head (one in step 1, one in step 3), which cover the tile. Prefetches issued in one burst
-//    would fill the core's miss buffers and stall it; lines out of address order cost DRAM bandwidth.
+//    would fill the core's miss buffers and stall it; lines out of address order cost DRAM bandwidth. The rows are
+//    walked as spans of contiguous memory: a token's rows of all kv heads when they are contiguous (NHD), else
+//    each row alone, token by token for each kv head where that is the address order (head-major caches: HND,
+//    vLLM's LBHNC halves), head by head for each token otherwise (vLLM's LBNHC halves). Only the rows are
+//    prefetched, never the memory between them (another head's or token's rows, the other half of a packed cache).
 //  - the next (tile, kv head) unit's key and value rows into L1, a row at a time as the same token's row of the
 //    current unit is worked on; they are in L2 by then.
 // NOTE: both levels, and prefetching every line rather than leaving some to the hardware, were chosen on paired
-// runs; the figures are in bench/RESULTS.md ("Two-level prefetch").
+// runs; the figures are in bench/RESULTS.md ("Two-level prefetch"; the cache layouts: "Cache layouts").
 template <typename scalar_t>
 struct Prefetcher {
+  // The layout, for every tile of a task.
+  int64_t key_head_stride = 0, value_head_stride = 0;  // elements
+  int64_t spans_per_token = 0;  // 1 (a token's rows are one span) or num_kv_heads (a span per row)
+  bool heads_outer = false;     // walk a kv head's spans of every token, then the next kv head's
+  int64_t span_lines = 0;       // cache lines prefetched per span (its lines, and one more if rows are unaligned)
+  int64_t steps_per_tile = 0;   // step() calls per tile
+  // The next tile's L2 prefetch.
   const Tile<scalar_t>* tile = nullptr;  // next tile (nullptr: none)
-  int64_t row_bytes = 0;                 // of a token's rows (all kv heads)
   int64_t lines_per_step = 0;            // cache lines of keys (and as many of values) per step
-  int64_t token = 0, byte = 0;           // the cursor: next line to prefetch
+  int64_t token = 0, head = 0, line = 0;  // the cursor: next line to prefetch (head: span index within a token)
+  // The next unit's L1 prefetch.
   const Tile<scalar_t>* unit_tile = nullptr;  // the next unit's tile (nullptr: none)
   int64_t key_offset = 0, value_offset = 0;   // its kv head's rows: elements into a token's rows
   int64_t head_bytes = 0;                     // bytes of a row
 
+  Prefetcher(const PagedKV<scalar_t>& kv, int64_t num_kv_heads, int64_t head_dim) {
+    key_head_stride = kv.key_head_stride, value_head_stride = kv.value_head_stride;
+    head_bytes = head_dim * int64_t{sizeof(scalar_t)};
+    const bool token_rows_contiguous =
+        num_kv_heads == 1 || (kv.key_head_stride == head_dim && kv.value_head_stride == head_dim);
+    spans_per_token = token_rows_contiguous ? 1 : num_kv_heads;
+    heads_outer = !token_rows_contiguous && kv.key_token_stride < kv.key_head_stride;
+    const int64_t span_bytes = (token_rows_contiguous ? num_kv_heads : 1) * head_bytes;
+    // Every row starts on a cache line when the caches and their strides (in bytes) are multiples of 64.
+    const uintptr_t strides = static_cast<uintptr_t>(kv.key_block_stride | kv.key_token_stride | kv.key_head_stride |
+                                                     kv.value_block_stride | kv.value_token_stride |
+                                                     kv.value_head_stride) * sizeof(scalar_t);
+    const bool aligned = ((reinterpret_cast<uintptr_t>(kv.key_cache) | reinterpret_cast<uintptr_t>(kv.value_cache) |
+                           strides | static_cast<uintptr_t>(span_bytes)) & 63) == 0;
+    span_lines = (span_bytes + 63) / 64 + (aligned ? 0 : 1);
+    steps_per_tile = 2 * num_kv_heads * kTileTokens;
+  }
+
+  void start_tile(const Tile<scalar_t>* next) {  // the tile to prefetch into L2 from now on (nullptr: none)
+    tile = next, token = 0, head = 0, line = 0;
+    if (next == nullptr) return;
+    lines_per_step = (span_lines * spans_per_token * next->num_tokens + steps_per_tile - 1) / steps_per_tile;
+  }
+
   void step() {
     if (tile == nullptr) return;
-    for (int64_t n = 0; n < lines_per_step && token < tile->num_tokens; ++n) {
-      __builtin_prefetch(reinterpret_cast<const char*>(tile->keys[token]) + byte, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(tile->values[token]) + byte, 0, 2);
-      if ((byte += 64) >= row_bytes) byte = 0, ++token;
+    for (int64_t n = 0; n < lines_per_step && token < tile->num_tokens && head < spans_per_token; ++n) {
+      const uintptr_t key = reinterpret_cast<uintptr_t>(tile->keys[token] + head * key_head_stride);
+      const uintptr_t value = reinterpret_cast<uintptr_t>(tile->values[token] + head * value_head_stride);
+      __builtin_prefetch(reinterpret_cast<const void*>((key & ~uintptr_t{63}) + 64 * line), 0, 2);
+      __builtin_prefetch(reinterpret_cast<const void*>((value & ~uintptr_t{63}) + 64 * line), 0, 2);
+      if (++line < span_lines) continue;
+      line = 0;
+      if (heads_outer) {
+        if (++token == tile->num_tokens) token = 0, ++head;
+      } else {
+        if (++head == spans_per_token) head = 0, ++token;
+      }
     }
   }
   void keys(int64_t i) const {  // the next unit's key row of its token i
@@ -763,22 +806,16 @@ void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, in
   for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) {
     tiles[k].load(pb.kv, block_table, pb.block_size, begin + k * kTileTokens, end);
   }
+  Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim);
   for (int64_t k = 0; k < num_tiles; ++k) {
     const Tile<cache_t>& tile = tiles[k % kRing];
-    Prefetcher<cache_t> prefetcher;
     if (k + kPrefetchTiles < num_tiles) {
       Tile<cache_t>& ahead = tiles[(k + kPrefetchTiles) % kRing];
       ahead.load(pb.kv, block_table, pb.block_size, begin + (k + kPrefetchTiles) * kTileTokens, end);
-      // A token's rows of all kv heads: from its first row to the end of its last one (in the longer cache).
-      const int64_t row_bytes =
-          ((pb.num_kv_heads - 1) * std::max(pb.kv.key_head_stride, pb.kv.value_head_stride) + pb.head_dim) *
-          int64_t{sizeof(cache_t)};
-      const int64_t steps = 2 * pb.num_kv_heads * kTileTokens;
-      prefetcher.tile = &ahead;
-      prefetcher.row_bytes = row_bytes;
-      prefetcher.lines_per_step = ((row_bytes + 63) / 64 * ahead.num_tokens + steps - 1) / steps;
+      prefetcher.start_tile(&ahead);
+    } else {
+      prefetcher.start_tile(nullptr);
     }
-    prefetcher.head_bytes = pb.head_dim * int64_t{sizeof(cache_t)};
     for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
       // The next unit: the next kv head of this tile, or the first of the next tile (loaded: kPrefetchTiles >= 1).
       const bool last_head = kv_head + 1 == pb.num_kv_heads;
