@@ -187,7 +187,7 @@ struct Tile {
 //  - the next (tile, kv head) unit's key and value rows into L1, a row at a time as the same token's row of the
 //    current unit is worked on; they are in L2 by then.
 // NOTE: both levels, and prefetching every line rather than leaving some to the hardware, were chosen on paired
-// runs; the figures are in bench/RESULTS.md ("Two-level prefetch"; the cache layouts: "Cache layouts").
+// runs; the figures are in bench/RESULTS.md ("Two-level prefetch"; by cache layout: "CPU decode by cache layout").
 template <typename scalar_t>
 struct Prefetcher {
   // The layout, for every tile of a task.
