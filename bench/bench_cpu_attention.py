@@ -25,6 +25,12 @@ Usage::
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --quick    # a small smoke run
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --dtype float32 --num-seqs 8
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --kv-dtype fp8_e4m3  # + fp8 cache vs bf16
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_cpu_attention.py --layouts all        # the cache layouts
+
+``--layouts`` (``all`` or a comma-separated list of LAYOUTS' names) times our kernel alone on the same keys/values
+held in each cache layout the README lists (contiguous NHD; the halves of one ``[num_blocks, 2, ...]``
+allocation; vLLM's packed ``[..., 2 * head_dim]`` halves, NHD (LBNHC) and head-major (LBHNC); head-major HND), in
+the same rounds, each checked to give the contiguous cache's bits, and reports each against the contiguous one.
 
 GOMP_SPINCOUNT=0 is recommended: by default OpenMP worker threads spin for a while after each parallel region,
 which steals cycles from whatever runs next on a machine with few cores and makes the timings noisy. Other
@@ -75,6 +81,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth-test tensor")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layouts", default=None,
+                        help="'all' or a comma-separated list of " + ", ".join(LAYOUTS) + ": time our kernel "
+                             "alone on the same cache in each layout, against the contiguous one (nhd)")
     parser.add_argument("--quick", action="store_true",
                         help="small smoke run: 4 sequences x 512 tokens, 3 repeats, 256 MiB bandwidth test")
     args = parser.parse_args()
@@ -100,6 +109,60 @@ def make_paged_cache(args: argparse.Namespace, dtype: torch.dtype, generator: to
         value_cache[last_blocks, args.seq_len % args.block_size:] = float("nan")
     query = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=generator).to(dtype)
     return query, key_cache, value_cache, block_tables, seq_lens
+
+
+def _packed(key_cache: torch.Tensor, value_cache: torch.Tensor, head_major: bool):
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if head_major:  # [num_blocks, num_kv_heads, block_size, 2 * head_dim]
+        packed = torch.cat([key_cache, value_cache], dim=-1).transpose(1, 2).contiguous().transpose(1, 2)
+    else:  # [num_blocks, block_size, num_kv_heads, 2 * head_dim]
+        packed = torch.cat([key_cache, value_cache], dim=-1)
+    return packed[..., :head_dim], packed[..., head_dim:]
+
+
+# name: (description, function (key_cache, value_cache) -> the same keys/values as views in that layout)
+LAYOUTS = {
+    "nhd": ("contiguous [num_blocks, block_size, num_kv_heads, head_dim]", lambda k, v: (k, v)),
+    "kv_halves": ("[:, 0] and [:, 1] of one [num_blocks, 2, block_size, num_kv_heads, head_dim]",
+                  lambda k, v: tuple(torch.stack([k, v], dim=1).unbind(1))),
+    "packed_nhd": ("vLLM's packed LBNHC halves: [num_blocks, block_size, num_kv_heads, 2 * head_dim]",
+                   lambda k, v: _packed(k, v, head_major=False)),
+    "hnd": ("head-major: [num_blocks, num_kv_heads, block_size, head_dim].transpose(1, 2), keys and values",
+            lambda k, v: (k.transpose(1, 2).contiguous().transpose(1, 2),
+                          v.transpose(1, 2).contiguous().transpose(1, 2))),
+    "packed_hnd": ("vLLM's packed LBHNC halves: [num_blocks, num_kv_heads, block_size, 2 * head_dim]",
+                   lambda k, v: _packed(k, v, head_major=True)),
+}
+
+
+def bench_layouts(args: argparse.Namespace, names: Sequence[str], query, key_cache, value_cache, block_tables,
+                  seq_lens) -> None:
+    """Our kernel on each layout's copy of the same cache, in the same rounds; the outputs must be the same bits."""
+    kv_bytes = 2 * args.num_seqs * args.seq_len * args.num_kv_heads * args.head_dim * key_cache.element_size()
+    expected = paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+    methods, caches = {}, {}
+    for name in names:
+        k, v = LAYOUTS[name][1](key_cache, value_cache)
+        actual = paged_attn.paged_attention(query, k, v, block_tables, seq_lens)
+        if not torch.equal(actual, expected):
+            raise SystemExit(f"layout {name} gives other bits than the contiguous cache")
+        caches[name] = (k, v, torch.empty_like(query))
+        methods[name] = (lambda k=k, v=v, out=caches[name][2]:
+                         paged_attn.paged_attention(query, k, v, block_tables, seq_lens, out=out))
+    seconds = time_interleaved(methods, {name: args.repeats for name in methods}, args.warmup, settle=list(methods))
+    base = seconds.get("nhd", seconds[names[0]])
+    print(f"## CPU paged decode attention by cache layout: {args.num_seqs} seqs x {args.seq_len} tokens, "
+          f"{args.num_heads} query heads / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, "
+          f"block {args.block_size}, {args.dtype}")
+    print(f"\n{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, torch {torch.__version__}; KV cache "
+          f"{kv_bytes / 2**20:.0f} MiB per layout; medians of {args.repeats} repeats; every layout gives the "
+          f"contiguous cache's bits\n")
+    print("| layout | strides (key cache, elements) | time (ms) | GB/s | time / contiguous |")
+    print("|---|---|---:|---:|---:|")
+    for name in names:
+        stride = tuple(caches[name][0].stride())
+        print(f"| {name}: {LAYOUTS[name][0]} | {stride} | {seconds[name] * 1e3:.2f} "
+              f"| {kv_bytes / seconds[name] / 1e9:.1f} | {seconds[name] / base:.2f} |")
 
 
 def dense_layout(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -146,6 +209,13 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(args.seed)
     query, key_cache, value_cache, block_tables, seq_lens = make_paged_cache(args, dtype, generator)
+    if args.layouts is not None:
+        names = list(LAYOUTS) if args.layouts == "all" else args.layouts.split(",")
+        unknown = [name for name in names if name not in LAYOUTS]
+        if unknown:
+            raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+        bench_layouts(args, names, query, key_cache, value_cache, block_tables, seq_lens)
+        return
     keys = dense_layout(key_cache, block_tables, args.seq_len)
     values = dense_layout(value_cache, block_tables, args.seq_len)
     query_4d = query.unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]

@@ -33,10 +33,11 @@
 //  - AVX-512 bf16 (bfloat16 caches, head_dim a multiple of 32, CPU with AVX512_BF16; chosen at run time): both
 //    products use vdpbf16ps (32 bf16 multiply-adds into 16 float32 lanes per instruction, products exact, sums in
 //    float32): q . k on the bf16 query and keys as they are; p * v on token pairs, the value rows of tokens t and
-//    t + 1 interleaved element by element, p split into two bfloat16 terms hi + lo (together within about 2^-17
+//    t + 1 interleaved element by element, p split into two bfloat16 terms hi + lo (together within about 2^-16
 //    of p, where FlashAttention rounds P to half precision, 2^-9) and one vdpbf16ps for each; the running sum adds
 //    the same hi + lo, so the weights still sum to one. The output agrees with the float32 reference to float32
-//    rounding, not just to the half-type tolerance.
+//    rounding, not just to the half-type tolerance. hi and lo are both > 0 where p > 0, and rows past a tile's
+//    tokens are not multiplied, so that a value of inf gives inf as in float32 (never 0 * inf or inf - inf).
 //
 // fp8 caches (float8_e4m3fn, float8_e5m2; the query float32, float16 or bfloat16): every fp8 value is exactly a
 // bfloat16 and a float32. A bfloat16 query takes the AVX-512 path, which decodes 32 cache bytes at a time into
@@ -179,27 +180,70 @@ struct Tile {
 // Software prefetch, two levels (the hardware prefetchers do not follow the block table):
 //  - the next tile's rows, all kv heads, into L2 in address order, a few lines per step; the kernel takes two steps
 //    per token and kv head (one in step 1, one in step 3), which cover the tile. Prefetches issued in one burst
-//    would fill the core's miss buffers and stall it; lines out of address order cost DRAM bandwidth.
+//    would fill the core's miss buffers and stall it; lines out of address order cost DRAM bandwidth. The rows are
+//    walked as spans of contiguous memory: a token's rows of all kv heads when they are contiguous (NHD), else
+//    each row alone, token by token for each kv head where that is the address order (head-major caches: HND,
+//    vLLM's LBHNC halves), head by head for each token otherwise (vLLM's LBNHC halves). Only the rows are
+//    prefetched, never the memory between them (another head's or token's rows, the other half of a packed cache).
 //  - the next (tile, kv head) unit's key and value rows into L1, a row at a time as the same token's row of the
 //    current unit is worked on; they are in L2 by then.
 // NOTE: both levels, and prefetching every line rather than leaving some to the hardware, were chosen on paired
-// runs; the figures are in bench/RESULTS.md ("Two-level prefetch").
+// runs; the figures are in bench/RESULTS.md ("Two-level prefetch"; by cache layout: "CPU decode by cache layout").
 template <typename scalar_t>
 struct Prefetcher {
+  // The layout, for every tile of a task.
+  int64_t key_head_stride = 0, value_head_stride = 0;  // elements
+  int64_t spans_per_token = 0;  // 1 (a token's rows are one span) or num_kv_heads (a span per row)
+  bool heads_outer = false;     // walk a kv head's spans of every token, then the next kv head's
+  int64_t span_lines = 0;       // cache lines prefetched per span (its lines, and one more if rows are unaligned)
+  int64_t steps_per_tile = 0;   // step() calls per tile
+  // The next tile's L2 prefetch.
   const Tile<scalar_t>* tile = nullptr;  // next tile (nullptr: none)
-  int64_t row_bytes = 0;                 // of a token's rows (all kv heads)
   int64_t lines_per_step = 0;            // cache lines of keys (and as many of values) per step
-  int64_t token = 0, byte = 0;           // the cursor: next line to prefetch
+  int64_t token = 0, head = 0, line = 0;  // the cursor: next line to prefetch (head: span index within a token)
+  // The next unit's L1 prefetch.
   const Tile<scalar_t>* unit_tile = nullptr;  // the next unit's tile (nullptr: none)
   int64_t key_offset = 0, value_offset = 0;   // its kv head's rows: elements into a token's rows
   int64_t head_bytes = 0;                     // bytes of a row
 
+  Prefetcher(const PagedKV<scalar_t>& kv, int64_t num_kv_heads, int64_t head_dim) {
+    key_head_stride = kv.key_head_stride, value_head_stride = kv.value_head_stride;
+    head_bytes = head_dim * int64_t{sizeof(scalar_t)};
+    const bool token_rows_contiguous =
+        num_kv_heads == 1 || (kv.key_head_stride == head_dim && kv.value_head_stride == head_dim);
+    spans_per_token = token_rows_contiguous ? 1 : num_kv_heads;
+    heads_outer = !token_rows_contiguous && kv.key_token_stride < kv.key_head_stride;
+    const int64_t span_bytes = (token_rows_contiguous ? num_kv_heads : 1) * head_bytes;
+    // Every row starts on a cache line when the caches and their strides (in bytes) are multiples of 64.
+    const uintptr_t strides = static_cast<uintptr_t>(kv.key_block_stride | kv.key_token_stride | kv.key_head_stride |
+                                                     kv.value_block_stride | kv.value_token_stride |
+                                                     kv.value_head_stride) * sizeof(scalar_t);
+    const bool aligned = ((reinterpret_cast<uintptr_t>(kv.key_cache) | reinterpret_cast<uintptr_t>(kv.value_cache) |
+                           strides | static_cast<uintptr_t>(span_bytes)) & 63) == 0;
+    span_lines = (span_bytes + 63) / 64 + (aligned ? 0 : 1);
+    steps_per_tile = 2 * num_kv_heads * kTileTokens;
+  }
+
+  void start_tile(const Tile<scalar_t>* next) {  // the tile to prefetch into L2 from now on (nullptr: none)
+    tile = next, token = 0, head = 0, line = 0;
+    if (next == nullptr) return;
+    lines_per_step = (span_lines * spans_per_token * next->num_tokens + steps_per_tile - 1) / steps_per_tile;
+  }
+
   void step() {
     if (tile == nullptr) return;
-    for (int64_t n = 0; n < lines_per_step && token < tile->num_tokens; ++n) {
-      __builtin_prefetch(reinterpret_cast<const char*>(tile->keys[token]) + byte, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(tile->values[token]) + byte, 0, 2);
-      if ((byte += 64) >= row_bytes) byte = 0, ++token;
+    for (int64_t n = 0; n < lines_per_step && token < tile->num_tokens && head < spans_per_token; ++n) {
+      const uintptr_t key = reinterpret_cast<uintptr_t>(tile->keys[token] + head * key_head_stride);
+      const uintptr_t value = reinterpret_cast<uintptr_t>(tile->values[token] + head * value_head_stride);
+      __builtin_prefetch(reinterpret_cast<const void*>((key & ~uintptr_t{63}) + 64 * line), 0, 2);
+      __builtin_prefetch(reinterpret_cast<const void*>((value & ~uintptr_t{63}) + 64 * line), 0, 2);
+      if (++line < span_lines) continue;
+      line = 0;
+      if (heads_outer) {
+        if (++token == tile->num_tokens) token = 0, ++head;
+      } else {
+        if (++head == spans_per_token) head = 0, ++token;
+      }
     }
   }
   void keys(int64_t i) const {  // the next unit's key row of its token i
@@ -569,10 +613,17 @@ PAGED_ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(poly, n);
 }
 
+// 16 bfloat16 -> 16 float32 (exact).
+PAGED_ATTN_AVX512 inline __m512 widen_bf16(__m256i bf16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+}
+
 // Step 2 for one head: x = its logits of the tile (lanes past the tile's tokens -inf). Raises the running max if
-// needed, splits p = exp(x - max) into two bfloat16 terms, hi = bf16(p) and lo = bf16(p - hi) (together p to
-// about 2^-17 relative), writes them as pairs, p_pairs[i] = (hi_2i, hi_2i+1) and p_pairs[8 + i] = (lo_2i,
-// lo_2i+1), and adds hi + lo to the lane sums.
+// needed, splits p = exp(x - max) into two bfloat16 terms, hi = p truncated to bfloat16 (one bf16 ulp less where
+// that is p itself) and lo = bf16(p - hi) (together p to about 2^-16 relative), writes them as pairs,
+// p_pairs[i] = (hi_2i, hi_2i+1) and p_pairs[8 + i] = (lo_2i, lo_2i+1), and adds hi + lo to the lane sums.
+// NOTE: hi and lo are both > 0 wherever p > 0, so that a value of inf gives inf: rounding hi to nearest would
+// leave lo = 0 (p = 1 at the max, any p exact in bf16: 0 * inf = NaN) or lo < 0 (inf - inf = NaN).
 PAGED_ATTN_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, float* exp_sums, float* acc,
                                                   int64_t head_dim, uint32_t* p_pairs) {
   if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(*max_logit), _CMP_GT_OQ)) {  // rarely, after the first tiles
@@ -585,23 +636,29 @@ PAGED_ATTN_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, fl
     *max_logit = new_max;
   }
   const __m512 p = exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(*max_logit)));
-  const __m256bh hi = _mm512_cvtneps_pbh(p);
-  const __m512 hi_float = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
-  const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(p, hi_float));  // exact difference, then rounded
-  const __m512 lo_float = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)lo), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs), (__m256i)hi);
+  __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16));  // truncated: hi <= p
+  const __mmask16 exact = _mm512_cmp_ps_mask(p, widen_bf16(hi), _CMP_EQ_OQ) &
+                          _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_GT_OQ);
+  hi = _mm256_mask_sub_epi16(hi, exact, hi, _mm256_set1_epi16(1));  // the bf16 below p: hi < p where p > 0
+  const __m512 hi_float = widen_bf16(hi);
+  const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(p, hi_float));  // exact difference (>= 0), then rounded
+  const __m512 lo_float = widen_bf16((__m256i)lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs), hi);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + kTileTokens / 2), (__m256i)lo);
   _mm512_storeu_ps(exp_sums, _mm512_add_ps(_mm512_loadu_ps(exp_sums), _mm512_add_ps(hi_float, lo_float)));
 }
 
 // Step 3: acc_j += sum_i p_j[i] * v_i for kHeads heads (acc_j = acc + j * head_dim in acc_index order, p_j the
-// pairs p_pairs + j * 16) over the tile's 16 value rows v_i = rows[i] + offset, elements [d_begin, d_end), C
-// chunks of 32 at a time. Per token pair and chunk: the two rows interleaved into lo/hi (see acc_index), then per
-// head and half two vdpbf16ps, with the high and the low parts of the pair (p_2i, p_2i+1) broadcast.
+// pairs p_pairs + j * 16) over the tile's value rows v_i = rows[i] + offset, i < num_tokens, elements
+// [d_begin, d_end), C chunks of 32 at a time. Per token pair and chunk: the two rows interleaved into lo/hi (see
+// acc_index), then per head and half two vdpbf16ps, with the high and the low parts of the pair (p_2i, p_2i+1)
+// broadcast. NOTE: the rows past num_tokens (the tile's padding, whose p is 0) are not multiplied: with an odd
+// num_tokens the last pair's second row is zeros; a padding row repeats the last token's, and 0 * inf is NaN.
 template <int kHeads, int C, typename cache_t>
 PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const cache_t* const* rows,
-                                                 int64_t offset, int64_t head_dim, int64_t d_begin, int64_t d_end,
-                                                 float* acc, Prefetcher<cache_t>* prefetcher) {
+                                                 int64_t num_tokens, int64_t offset, int64_t head_dim,
+                                                 int64_t d_begin, int64_t d_end, float* acc,
+                                                 Prefetcher<cache_t>* prefetcher) {
   const Bf16Decoder decoder = bf16_decoder<cache_t>();
   for (int64_t d = d_begin; d + C * kChunk <= d_end; d += C * kChunk) {
     __m512 sum[kHeads][C][2];
@@ -612,16 +669,18 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) sum[j][c][h] = _mm512_loadu_ps(acc + j * head_dim + d + c * kChunk + h * 16);
 #pragma GCC unroll 2
-    for (int64_t i = 0; i < kTileTokens; i += 2) {
+    for (int64_t i = 0; i < num_tokens; i += 2) {
       if (prefetcher && d == d_begin) {
         prefetcher->step(), prefetcher->step();
         prefetcher->values(i), prefetcher->values(i + 1);
       }
+      const bool pair = i + 1 < num_tokens;
       __m512bh half[C][2];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         const __m512i a = load_bf16x32(rows[i] + offset + d + c * kChunk, decoder);
-        const __m512i b = load_bf16x32(rows[i + 1] + offset + d + c * kChunk, decoder);
+        const __m512i b =
+            pair ? load_bf16x32(rows[i + 1] + offset + d + c * kChunk, decoder) : _mm512_setzero_si512();
         half[c][0] = (__m512bh)_mm512_unpacklo_epi16(a, b);
         half[c][1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
       }
@@ -649,12 +708,13 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
 }
 
 template <int kHeads, typename cache_t>
-PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t offset,
-                                          int64_t head_dim, float* acc, Prefetcher<cache_t>* prefetcher) {
+PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t num_tokens,
+                                          int64_t offset, int64_t head_dim, float* acc,
+                                          Prefetcher<cache_t>* prefetcher) {
   constexpr int C = kHeads >= 3 ? 1 : 4 / kHeads;  // at least 8 accumulators, at most 16
   const int64_t main = head_dim / (C * kChunk) * (C * kChunk);
-  tile_values_avx512_chunks<kHeads, C>(p_pairs, rows, offset, head_dim, 0, main, acc, prefetcher);
-  tile_values_avx512_chunks<kHeads, 1>(p_pairs, rows, offset, head_dim, main, head_dim, acc,
+  tile_values_avx512_chunks<kHeads, C>(p_pairs, rows, num_tokens, offset, head_dim, 0, main, acc, prefetcher);
+  tile_values_avx512_chunks<kHeads, 1>(p_pairs, rows, num_tokens, offset, head_dim, main, head_dim, acc,
                                        main == 0 ? prefetcher : nullptr);
 }
 
@@ -681,7 +741,7 @@ PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16, cache_t>&
                         sc.exp_sums + head * kTileTokens, sc.acc + head * head_dim, head_dim,
                         sc.p_pairs + j * kTileTokens);
   }
-  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, kv_head * pb.kv.value_head_stride, head_dim,
+  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * pb.kv.value_head_stride, head_dim,
                              sc.acc + head0 * head_dim, prefetcher);
 }
 
@@ -747,22 +807,16 @@ void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, in
   for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) {
     tiles[k].load(pb.kv, block_table, pb.block_size, begin + k * kTileTokens, end);
   }
+  Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim);
   for (int64_t k = 0; k < num_tiles; ++k) {
     const Tile<cache_t>& tile = tiles[k % kRing];
-    Prefetcher<cache_t> prefetcher;
     if (k + kPrefetchTiles < num_tiles) {
       Tile<cache_t>& ahead = tiles[(k + kPrefetchTiles) % kRing];
       ahead.load(pb.kv, block_table, pb.block_size, begin + (k + kPrefetchTiles) * kTileTokens, end);
-      // A token's rows of all kv heads: from its first row to the end of its last one (in the longer cache).
-      const int64_t row_bytes =
-          ((pb.num_kv_heads - 1) * std::max(pb.kv.key_head_stride, pb.kv.value_head_stride) + pb.head_dim) *
-          int64_t{sizeof(cache_t)};
-      const int64_t steps = 2 * pb.num_kv_heads * kTileTokens;
-      prefetcher.tile = &ahead;
-      prefetcher.row_bytes = row_bytes;
-      prefetcher.lines_per_step = ((row_bytes + 63) / 64 * ahead.num_tokens + steps - 1) / steps;
+      prefetcher.start_tile(&ahead);
+    } else {
+      prefetcher.start_tile(nullptr);
     }
-    prefetcher.head_bytes = pb.head_dim * int64_t{sizeof(cache_t)};
     for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
       // The next unit: the next kv head of this tile, or the first of the next tile (loaded: kPrefetchTiles >= 1).
       const bool last_head = kv_head + 1 == pb.num_kv_heads;
