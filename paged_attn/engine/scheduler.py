@@ -6,11 +6,11 @@ prefill is under way continue it, then waiting requests are admitted; each prefi
 tokens as the step's budget (``max_num_batched_tokens``) leaves, so a long prompt is computed in chunks over
 several steps. A request's sequences are scheduled, swapped and preempted together.
 
-Admission (or re-admission after preemption by
-recomputation) allocates blocks for all its tokens, prefix-cache hits counted as computed; the request is then in
-*prefill* until every one of them is computed. It samples only in the step that computes the last token of each
-of its sequences (a chunk that ends earlier gives no token); from then on it decodes, and the slot of each newly
-sampled token is reserved (``append_slot``) when the step that writes its KV is scheduled.
+Admission (or re-admission after preemption by recomputation) allocates blocks for all of a request's tokens,
+prefix-cache hits counted as computed; the request is then in *prefill* until every one of them is computed. It
+samples only in the step that computes the last token of each of its sequences (a chunk that ends earlier gives no
+token); from then on it decodes, and the slot of each newly sampled token is reserved (``append_slot``) when the
+step that writes its KV is scheduled.
 
 The scheduler decides; ``ModelRunner`` applies the cache operations the step asks for (swap in, swap out,
 copy-on-write) and runs it. Once the forward pass has completed, ``mark_computed`` advances the sequences and
