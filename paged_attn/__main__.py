@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
     bytes_per_token = stats.bytes_per_block // stats.block_size
     paged_slots = stats.peak_gpu_blocks_used * stats.block_size
-    contiguous_slots = sum(params[mode].width * (len(output.prompt_token_ids) + params[mode].max_tokens)
+    contiguous_slots = sum(params[mode].num_seqs * (len(output.prompt_token_ids) + params[mode].max_tokens)
                            for mode, output in zip(modes, outputs))
     print(f"KV cache, paged: peak {stats.peak_gpu_blocks_used} blocks = {paged_slots} token slots = "
           f"{_mib(paged_slots * bytes_per_token)}; {stats.utilization_at_peak:.0%} of their slots held a token; "

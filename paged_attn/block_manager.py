@@ -43,11 +43,31 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from paged_attn.prefix_cache import PrefixCache
 
 PAD_BLOCK_ID = -1  # fills the rows of block_tables_tensor past a sequence's last block
+
+
+# ---- paged metadata: the one place that turns block tables into what the kernels read ----
+
+def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Cache slots of token positions ``[start, end)`` of a sequence with this block table: token ``i`` lives at
+    ``block_table[i // block_size] * block_size + i % block_size`` (the ``slot_mapping`` of ``reshape_and_cache``)."""
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
+
+
+def block_tables_tensor(tables: list[list[int]]) -> torch.Tensor:
+    """int32 ``[len(tables), max_blocks]`` block tables on the CPU, each row padded with ``PAD_BLOCK_ID`` (the
+    ``block_tables`` of ``paged_attention``). Filled row by row through NumPy: converting a nested list with
+    ``torch.tensor`` costs several times more."""
+    max_blocks = max(map(len, tables), default=0)
+    rows = np.full((len(tables), max_blocks), PAD_BLOCK_ID, dtype=np.int32)
+    for row, table in zip(rows, tables):
+        row[:len(table)] = table
+    return torch.from_numpy(rows)
 
 
 class OutOfBlocksError(RuntimeError):
@@ -265,16 +285,12 @@ class BlockManager:
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"positions [{start}, {end}) are out of range for sequence {seq_id!r} "
                              f"of {len(seq.token_ids)} tokens")
-        table, block_size = seq.block_table, self.block_size
-        return [table[i // block_size] * block_size + i % block_size for i in range(start, end)]
+        return token_slots(seq.block_table, self.block_size, start, end)
 
     def block_tables_tensor(self, seq_ids: Iterable[Hashable],
                             device: Union[torch.device, str] = "cpu") -> torch.Tensor:
         """int32 ``[len(seq_ids), max_blocks]`` block tables, padded with ``PAD_BLOCK_ID``, for paged_attention."""
-        tables = [self._gpu_seq(seq_id).block_table for seq_id in seq_ids]
-        max_blocks = max(map(len, tables), default=0)
-        rows = [table + [PAD_BLOCK_ID] * (max_blocks - len(table)) for table in tables]
-        return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), max_blocks)
+        return block_tables_tensor([self._gpu_seq(seq_id).block_table for seq_id in seq_ids]).to(device)
 
     # ---- swapping ----
 

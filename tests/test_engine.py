@@ -87,9 +87,9 @@ def make_llm(model):
     for llm in made:
         scheduler = llm.scheduler
         assert not scheduler.has_unfinished()
-        assert not scheduler.manager.seqs
-        assert scheduler.manager.num_free_blocks == scheduler.manager.num_gpu_blocks
-        assert scheduler.manager.num_free_cpu_blocks == scheduler.manager.num_cpu_blocks
+        assert not scheduler.block_manager.seqs
+        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_gpu_blocks
+        assert scheduler.block_manager.num_free_cpu_blocks == scheduler.block_manager.num_cpu_blocks
         assert llm.stats().gpu_blocks_used == 0
 
 
@@ -386,7 +386,7 @@ def test_bad_input_raises_value_error(make_llm, prompts):
     with pytest.raises(ValueError, match="never fit"):
         reserving.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
     # Nothing was admitted by the failed calls; the engine still serves.
-    assert llm.scheduler.manager.num_free_blocks == 16
+    assert llm.scheduler.block_manager.num_free_blocks == 16
     assert len(greedy_tokens(llm, [prompts[2]], max_tokens=2)[0]) == 2
 
 

@@ -20,7 +20,7 @@ import torch
 
 from paged_attn import OutOfBlocksError, ops
 from paged_attn.engine import LLM, SamplingParams
-from paged_attn.engine import llm as llm_module
+from paged_attn.engine import output_processor as output_processor_module
 
 BLOCK_SIZE = 4
 
@@ -126,12 +126,12 @@ def points(llm):
         "block_fill": ((model, "forward"), is_decode_filling_a_block, Injected("a decode step that fills a block")),
         # raised after the call: a layer's KV is written, the next layers' are not
         "mid_forward": ((ops, "reshape_and_cache"), None, KeyboardInterrupt()),
-        "sampler": ((llm_module, "sample"), lambda *args: True, Injected("sampler")),
+        "sampler": ((output_processor_module, "sample"), lambda *args: True, Injected("sampler")),
         "swap_out": ((ops, "swap_blocks"), lambda src, dst, mapping: dst.data_ptr() in cpu_caches, Injected("out")),
         "swap_in": ((ops, "swap_blocks"), lambda src, dst, mapping: src.data_ptr() in cpu_caches, Injected("in")),
         "copy_on_write": ((ops, "copy_blocks"), lambda *args: True, Injected("copy_on_write")),
         "fork": ((scheduler, "fork"), lambda *args: True, Injected("fork")),
-        "out_of_blocks": ((scheduler.manager, "append_slot"), lambda *args: True, OutOfBlocksError("injected")),
+        "out_of_blocks": ((scheduler.block_manager, "append_slot"), lambda *args: True, OutOfBlocksError("injected")),
     }
 
 
@@ -164,7 +164,7 @@ def inject(monkeypatch, llm, name, fire_at=None):
 
 def assert_clean(llm):
     scheduler = llm.scheduler
-    manager = scheduler.manager
+    manager = scheduler.block_manager
     assert not scheduler.waiting and not scheduler.running and not scheduler.swapped
     assert not manager.seqs
     assert manager.num_free_blocks == manager.num_gpu_blocks
@@ -203,7 +203,7 @@ def test_prefix_cache_survives_an_interrupted_prefill(model, expected, monkeypat
     llm = make_llm(model, CONFIGS["prefix"])
     with inject(monkeypatch, llm, "mid_forward", fire_at=1), pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
-    assert not llm.scheduler.manager.prefix_cache.hash_to_block_id
+    assert not llm.scheduler.block_manager.prefix_cache.hash_to_block_id
     assert llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)[0].outputs[0].token_ids == expected["plain"][0][0]
     assert llm.stats().prefix_cache_hit_tokens == 0
     again = llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)  # now written: hit, and the same tokens
@@ -287,7 +287,7 @@ def test_an_interrupted_call_leaves_fp8_calibration_to_the_next_call(model, monk
         llm.generate(*first, use_tqdm=False)
     assert injected.fired
     assert kv_scales(llm) == [(1.0, 1.0)] * model.config.num_layers
-    assert not llm.scheduler.manager.hash_to_block_id
+    assert not llm.scheduler.block_manager.prefix_cache.hash_to_block_id
     got = llm.generate(*then, use_tqdm=False)
     assert kv_scales(llm) == kv_scales(fresh)
     assert outputs_of(got) == outputs_of(expected)

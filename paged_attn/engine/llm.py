@@ -12,40 +12,26 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import operator
 import threading
 import time
-from dataclasses import dataclass
+import warnings
 from typing import Optional, Sequence as SequenceType, Union
 
-import numpy as np
 import torch
 
 from .model import LlamaModel, Tokenizer, compile_elementwise
 from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block
-from .sampling import SamplingParams, sample
-from .scheduler import EngineStats, Request, Scheduler, Sequence
+from .output_processor import CompletionOutput, OutputProcessor, RequestOutput, request_output
+from .prompts import prompt_list
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Request
+from .stats import EngineStats, StatsCollector
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput"]  # (the output types live in output_processor)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: Optional[str]  # None without a tokenizer
-    token_ids: list[int]  # ends with the EOS / stop token when finish_reason is "stop"
-    cumulative_logprob: float  # sum of the model's log-probabilities of the tokens (temperature 1, unfiltered)
-    finish_reason: str  # "stop" (EOS or a stop token) or "length"
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]  # best first (beam score, else cumulative log-probability)
 
 
 class LLM:
@@ -70,9 +56,10 @@ class LLM:
             sequence remain after its prompt, so that running sequences can grow without being preempted (0:
             whenever its prompt fits). On a full pool it trades a little concurrency for fewer preemptions.
         max_model_len: the longest sequence (prompt and output) served; default and at most the model's context.
-        kv_reservation: ``"none"`` (paged: blocks are taken as tokens arrive), or ``"max_tokens"`` /
+        kv_reservation: ``"paged"`` (blocks are taken as tokens arrive), or ``"max_tokens"`` /
             ``"max_model_len"``: each request reserves blocks for prompt + max_tokens / the whole context at
             admission, as a contiguous KV allocator must (a baseline for comparisons; see ``scheduler``).
+            ``"none"`` is a deprecated spelling of ``"paged"``.
         seed: seeds the sampling of requests that give no seed of their own.
         tokenizer: for a transformers model, anything with ``encode``/``decode`` (e.g. its tokenizer).
         kv_cache_dtype: ``"auto"`` (the model's dtype), ``"fp8_e4m3"`` or ``"fp8_e5m2"``: an 8-bit cache holds
@@ -101,7 +88,7 @@ class LLM:
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, admission_headroom: int = 2,
-                 kv_reservation: str = "none", seed: int = 0, tokenizer=None, torch_compile: bool = False,
+                 kv_reservation: str = "paged", seed: int = 0, tokenizer=None, torch_compile: bool = False,
                  kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False):
         try:
             device = torch.device(device)
@@ -114,6 +101,10 @@ class LLM:
         if dtype is not None:
             LlamaModel.check_dtype(device, dtype)
         cache_dtype(kv_cache_dtype, torch.float32)  # raises for an unknown name, before the model loads
+        if kv_reservation == "none":
+            warnings.warn('kv_reservation="none" is deprecated; use "paged" (the default)', DeprecationWarning,
+                          stacklevel=2)
+            kv_reservation = "paged"
         if calibrate_kv_scales and kv_cache_dtype == "auto":
             raise ValueError("calibrate_kv_scales needs an fp8 KV cache (kv_cache_dtype 'fp8_e4m3' or 'fp8_e5m2')")
         if device.type == "cuda" and block_size not in (8, 16, 32):
@@ -164,7 +155,9 @@ class LLM:
                                   calibrate_kv_scales, compile_elementwise() if torch_compile else None)
         self.scheduler = Scheduler(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, max_num_seqs,
                                    max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom)
-        self.num_generated_tokens = 0  # since the last generate began
+        self.stats_collector = StatsCollector(self.scheduler.block_manager.stats())  # since the last generate began
+        self.output_processor = OutputProcessor(self.scheduler, self.stats_collector, cfg.eos_token_id,
+                                                self.max_model_len)
         self.generator = torch.Generator(device).manual_seed(seed)
         self._next_request_id = 0
         self._lock = threading.Lock()  # one generate at a time
@@ -180,7 +173,7 @@ class LLM:
         those; a 2-D integer array or tensor is a batch of equal-length prompts, one per row.
         ``sampling_params``: one for all prompts, or one per prompt. Calls from several threads are serialized.
         """
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -195,8 +188,13 @@ class LLM:
     def stats(self) -> EngineStats:
         """KV-cache figures: blocks used now and at the peak of the last ``generate``, utilization, blocks saved
         by sharing, preemptions, prefix-cache hits, steps."""
-        stats = self.scheduler.stats(self.runner.bytes_per_block, self.num_generated_tokens)
-        return dataclasses.replace(stats, kv_cache_dtype=str(self.runner.cache_dtype).replace("torch.", ""))
+        return self.stats_collector.snapshot(self.scheduler.block_manager, self.runner.bytes_per_block,
+                                             str(self.runner.cache_dtype).replace("torch.", ""))
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens sampled (over all samples and beams) since the last ``generate`` began."""
+        return self.stats_collector.num_generated_tokens
 
     # ---- internals ----
 
@@ -207,8 +205,7 @@ class LLM:
         # what a failed call puts back (the scheduler it empties): as if the call had never been made
         generator_state, calibrating = self.generator.get_state(), self.runner.calibrate_pending
         scheduler = self.scheduler
-        scheduler.reset_stats()
-        self.num_generated_tokens = 0
+        self.stats_collector.reset(scheduler.block_manager.stats())
         outputs: dict[int, RequestOutput] = {}
         progress = _progress_bar(len(requests), use_tqdm)
         start = time.perf_counter()
@@ -220,7 +217,7 @@ class LLM:
                 self.runner.calibrate_kv_scales([request.prompt_token_ids for request in requests])
             while scheduler.has_unfinished():
                 for request in self._step():
-                    outputs[request.request_id] = self._output(request)
+                    outputs[request.request_id] = request_output(request, self.tokenizer)
                     progress.update(1)
                 rate = self.num_generated_tokens / (time.perf_counter() - start)
                 progress.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
@@ -258,158 +255,13 @@ class LLM:
         return Request(request_id, text, token_ids, params, generator)
 
     def _step(self) -> list[Request]:
-        """Run one scheduled step and sample for the requests whose prefill is complete; return the requests that
-        finished."""
+        """Schedule one step, run it, and sample for the requests whose prefill is complete; return the requests
+        that finished."""
         step = self.scheduler.schedule()
+        self.stats_collector.record_step(step, self.scheduler.block_manager.stats())
         logits = self.runner.run(step)  # [num_sampling_seqs, vocab_size]
         self.scheduler.mark_computed(step)  # the step's KV is written: its full blocks may now be hit
-        logprobs = torch.log_softmax(logits, dim=-1)
-        greedy = logprobs.argmax(dim=-1)
-        greedy_ids, greedy_logprobs = greedy.tolist(), logprobs.gather(-1, greedy[:, None]).squeeze(-1).tolist()
-        finished, row = [], 0
-        for request in step.sampling_requests:
-            rows = slice(row, row + len(request.seqs))
-            row = rows.stop
-            if request.params.beam_width > 1:
-                self._beam_search_step(request, logprobs[rows])
-            else:
-                self._sampling_step(request, logits[rows], logprobs[rows], greedy_ids[rows], greedy_logprobs[rows])
-            if not request.seqs:
-                self.scheduler.finish(request)
-                finished.append(request)
-        return finished
-
-    def _sampling_step(self, request: Request, logits, logprobs, greedy_ids, greedy_logprobs) -> None:
-        params = request.params
-        if not request.forked and params.n > 1:  # the prompt's logits give the first token of all n samples
-            logits, logprobs = logits.expand(params.n, -1), logprobs.expand(params.n, -1)
-            greedy_ids, greedy_logprobs = greedy_ids * params.n, greedy_logprobs * params.n
-            root = request.seqs[0]
-            for _ in range(params.n - 1):
-                child = Sequence(list(root.token_ids), root.num_prompt_tokens)
-                self.scheduler.fork(root, child)
-                request.seqs.append(child)
-        request.forked = True
-        if params.is_greedy:
-            token_ids, token_logprobs = greedy_ids, greedy_logprobs
-        else:
-            tokens = sample(logits, params, request.generator)
-            token_ids, token_logprobs = tokens.tolist(), logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-        for seq, token_id, logprob in zip(request.seqs, token_ids, token_logprobs):
-            seq.token_ids.append(token_id)
-            seq.cumulative_logprob += logprob
-            seq.finish_reason = self._finish_reason(seq, params)
-            if seq.finish_reason is not None:
-                self.scheduler.free(seq)
-                request.finished.append(seq)
-        self.num_generated_tokens += len(token_ids)
-        request.seqs = [seq for seq in request.seqs if seq.finish_reason is None]
-
-    def _beam_search_step(self, request: Request, logprobs: torch.Tensor) -> None:
-        """One step of transformers' beam search (early_stopping=True, length_penalty=1.0): extend every beam by
-        every token, keep the best 2 * beam_width candidates; those among the first beam_width that end (EOS,
-        stop token, length) become finished hypotheses scored by log-probability / length, and the best
-        beam_width that do not end are the next beams, forked from their parents' blocks."""
-        params, beams, width = request.params, request.seqs, request.params.beam_width
-        scores = logprobs + torch.tensor([seq.cumulative_logprob for seq in beams], dtype=logprobs.dtype,
-                                         device=logprobs.device)[:, None]
-        vocab_size = scores.shape[-1]
-        top_scores, top_indices = scores.view(-1).topk(min(2 * width, scores.numel()))
-        length = len(beams[0].output_token_ids) + 1
-        at_max_length = length >= params.max_tokens or len(beams[0].token_ids) + 1 >= self.max_model_len
-        stop_ids = self._stop_ids(params)
-        was_full = len(request.finished) >= width
-        candidates = []  # (parent, child): the next beams
-        for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_indices.tolist())):
-            parent, token_id = beams[index // vocab_size], index % vocab_size
-            if token_id in stop_ids or at_max_length:
-                if rank < width and not was_full:
-                    request.finished.append(Sequence(
-                        parent.token_ids + [token_id], parent.num_prompt_tokens, score,
-                        finish_reason="stop" if token_id in stop_ids else "length", score=score / length))
-            elif len(candidates) < width:
-                candidates.append((parent, Sequence(parent.token_ids + [token_id], parent.num_prompt_tokens, score)))
-        request.finished = sorted(request.finished, key=lambda seq: seq.score, reverse=True)[:width]
-        done = len(request.finished) >= width or at_max_length or not candidates
-        for parent, child in [] if done else candidates:
-            self.scheduler.fork(parent, child)
-        for seq in beams:
-            self.scheduler.free(seq)
-        self.num_generated_tokens += len(beams)
-        request.forked = True
-        request.seqs = [] if done else [child for _, child in candidates]
-
-    def _stop_ids(self, params: SamplingParams) -> set[int]:
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos and self.config.eos_token_id is not None:
-            stop_ids.add(self.config.eos_token_id)
-        return stop_ids
-
-    def _finish_reason(self, seq: Sequence, params: SamplingParams) -> Optional[str]:
-        if seq.token_ids[-1] in self._stop_ids(params):
-            return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, request: Request) -> RequestOutput:
-        if request.params.beam_width > 1:
-            ranked = request.finished  # sorted by beam score
-        else:
-            ranked = sorted(request.finished, key=lambda seq: seq.cumulative_logprob, reverse=True)
-        completions = [
-            CompletionOutput(index, self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else None,
-                             seq.output_token_ids, seq.cumulative_logprob, seq.finish_reason)
-            for index, seq in enumerate(ranked)
-        ]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions)
-
-
-def _prompt_list(prompts) -> list[Union[str, list[int]]]:
-    """The prompts of a ``generate`` call as a list of strings and token-id lists; anything ambiguous (a list
-    mixing strings and ids, float ids) raises ValueError."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (torch.Tensor, np.ndarray)):
-        if prompts.ndim not in (1, 2):
-            raise ValueError(f"a tensor or array of prompts must be 1-D (one prompt) or 2-D (one prompt per row), "
-                             f"got shape {tuple(prompts.shape)}")
-        return [_token_ids(prompts)] if prompts.ndim == 1 else [_token_ids(row) for row in prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a string, a list of token ids or a list of prompts, got "
-                         f"{type(prompts).__name__}")
-    if prompts and all(_is_token_id(item) for item in prompts):
-        return [_token_ids(prompts)]
-    return [item if isinstance(item, str) else _token_ids(item) for item in prompts]
-
-
-def _is_token_id(value) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return False
-    try:
-        operator.index(value)
-        return True
-    except TypeError:
-        return False
-
-
-def _token_ids(prompt) -> list[int]:
-    """One prompt of token ids: a list or tuple of ints, or a 1-D integer array or tensor."""
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):
-        is_int = (not prompt.dtype.is_floating_point and not prompt.dtype.is_complex and prompt.dtype != torch.bool) \
-            if isinstance(prompt, torch.Tensor) else np.issubdtype(prompt.dtype, np.integer)
-        if prompt.ndim != 1 or not is_int:
-            raise ValueError(f"a prompt of token ids must be 1-D and of an integer dtype, got shape "
-                             f"{tuple(prompt.shape)} of {prompt.dtype}")
-        return [int(t) for t in prompt.tolist()]
-    if not isinstance(prompt, (list, tuple)) or not all(_is_token_id(t) for t in prompt):
-        raise ValueError(f"each prompt must be a string or a list of integer token ids, got {_describe(prompt)}")
-    return [operator.index(t) for t in prompt]
-
-
-def _describe(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+        return self.output_processor.process(step, logits)
 
 
 class _NoProgress:

@@ -22,9 +22,10 @@ from typing import Optional
 import torch
 
 from .. import ops
-from ..block_manager import PAD_BLOCK_ID
+from ..block_manager import block_tables_tensor, token_slots
 from .model import Batch, CompiledElementwise, LlamaModel, ModelConfig
-from .scheduler import ScheduledStep, Sequence
+from .scheduler import ScheduledStep
+from .sequence import Sequence
 
 
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -83,11 +84,9 @@ class ModelRunner:
         on the token budget, the pool or preemption. The scratch cache holds one layer (the pass writes a layer's
         keys and values and attends over them before the next layer's overwrite them), so it costs
         ``tokens * num_kv_heads * head_dim * 2`` elements. The pass costs about one more prefill of those prompts,
-        once per engine: measured on SmolLM2-135M (float32, 2-core AMD EPYC Zen 5, shared, medians of 5), 2.8 s
-        for the 16 prompts (644 tokens) of bench/fp8_accuracy.py, against 3.0 s for the first call's own prefill.
-        The scales come from keys and values computed without fp8 rounding in earlier layers (calibrating in the
-        real step saw layer i's input perturbed by layers < i's fp8 cache): e4m3 top-1 agreement with the float32
-        cache 95.6% at token budgets 1, 16 and 4096 alike (before: 82.1%, 96.2%, 95.5%; 95.0% uncalibrated).
+        once per engine. The scales come from keys and values computed without fp8 rounding in earlier layers
+        (calibrating in the real step saw layer i's input perturbed by layers < i's fp8 cache). Accuracy figures:
+        bench/RESULTS.md, "fp8 KV cache in the engine: accuracy against the float32 cache".
 
         The scales change only once the pass has completed, all together; an exception during the pass leaves
         them as they were. (``LLM.generate`` also undoes a calibration whose call fails: see ``reset_kv_scales``.)
@@ -147,14 +146,12 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += [table[i // block_size] * block_size + i % block_size for i in range(start, end)]
+            slots += token_slots(table, block_size, start, end)
             query_lens.append(num_new_tokens)
             seq_lens.append(end)
             num_tokens += num_new_tokens
             if end == len(seq.token_ids):  # its last token: the logits of the next one
                 logits_indices.append(num_tokens - 1)
-        max_blocks = max(map(len, step.block_tables), default=0)
-        block_tables = [table + [PAD_BLOCK_ID] * (max_blocks - len(table)) for table in step.block_tables]
 
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -163,7 +160,7 @@ class ModelRunner:
             input_ids=tensor(input_ids),
             positions=tensor(positions),
             slot_mapping=tensor(slots),
-            block_tables=tensor(block_tables, torch.int32).reshape(len(block_tables), max_blocks),
+            block_tables=block_tables_tensor(step.block_tables).to(self.device, non_blocking=True),
             seq_lens=tensor(seq_lens, torch.int32),
             query_start_loc=tensor([0, *itertools.accumulate(query_lens)], torch.int32),
             max_query_len=max(query_lens, default=0),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
@@ -76,9 +77,15 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     @property
-    def width(self) -> int:
-        """Sequences the request runs at once."""
+    def num_seqs(self) -> int:
+        """Sequences the request runs at once: its ``n`` samples or its ``beam_width`` beams."""
         return max(self.n, self.beam_width)
+
+    @property
+    def width(self) -> int:
+        """Deprecated alias of ``num_seqs``."""
+        warnings.warn("SamplingParams.width is deprecated; use num_seqs", DeprecationWarning, stacklevel=2)
+        return self.num_seqs
 
 
 def _int(name: str, value) -> int:

@@ -1,4 +1,4 @@
-"""Sequences, requests and the iteration-level scheduler: which requests run each step, and how many tokens each.
+"""The scheduler's policy: which requests run each step, how many tokens each, and what is preempted.
 
 Every step is one forward pass over a mixed batch, as in vLLM v1: first each running request that decodes gets one
 token per sequence (its slot reserved, preempting the newest requests if blocks run out), then requests whose
@@ -6,19 +6,18 @@ prefill is under way continue it, then waiting requests are admitted; each prefi
 tokens as the step's budget (``max_num_batched_tokens``) leaves, so a long prompt is computed in chunks over
 several steps. A request's sequences are scheduled, swapped and preempted together.
 
-Each sequence's ``token_ids`` are its prompt plus every token sampled so far, and the first
-``num_computed_tokens`` of them have their KV in the cache. Admission (or re-admission after preemption by
-recomputation) allocates blocks for all its tokens, prefix-cache hits counted as computed; the request is then in
-*prefill* until every one of them is computed. It samples only in the step that computes the last token of each
-of its sequences (a chunk that ends earlier gives no token); from then on it decodes, and the slot of each newly
-sampled token is reserved (``append_slot``) when the step that writes its KV is scheduled.
+Admission (or re-admission after preemption by recomputation) allocates blocks for all of a request's tokens,
+prefix-cache hits counted as computed; the request is then in *prefill* until every one of them is computed. It
+samples only in the step that computes the last token of each of its sequences (a chunk that ends earlier gives no
+token); from then on it decodes, and the slot of each newly sampled token is reserved (``append_slot``) when the
+step that writes its KV is scheduled.
 
 The scheduler decides; ``ModelRunner`` applies the cache operations the step asks for (swap in, swap out,
 copy-on-write) and runs it. Once the forward pass has completed, ``mark_computed`` advances the sequences and
 publishes the blocks written so far to the prefix cache; if anything fails before that, ``abort_all`` drops every
 request and no unwritten block is ever published.
 
-``kv_reservation`` picks how KV memory is promised to requests. ``"none"`` (paged, the default): blocks are taken
+``kv_reservation`` picks how KV memory is promised to requests. ``"paged"`` (the default): blocks are taken
 as tokens arrive and a request holds only what it has written. The other two emulate the contiguous allocators
 the paper compares against (Orca): at admission a request reserves room for its worst case, for every one of its
 sequences (no sharing), and that room stays unavailable to others until it finishes; ``"max_tokens"`` reserves
@@ -26,54 +25,21 @@ prompt + max_tokens tokens (an oracle when max_tokens is the true output length)
 whole context. The blocks themselves are still paged and the kernels are the same, so the policies differ only
 in how many requests fit at once; and since reserved room needs no contiguous run here, the emulation is kinder
 to them than a real contiguous allocator (no external fragmentation).
+
+The scheduler keeps no statistics: each ``ScheduledStep`` says what it did (prefill tokens, decodes, preemptions,
+prefix-cache hits), and the engine's ``StatsCollector`` (``stats.py``) counts them.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
-
-import torch
 
 from ..block_manager import BlockManager
 from .sampling import SamplingParams
+from .sequence import Request, Sequence
 
-_seq_ids = itertools.count()
-KV_RESERVATIONS = ("none", "max_tokens", "max_model_len")
-
-
-@dataclass(eq=False)
-class Sequence:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    cumulative_logprob: float = 0.0
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
-    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
-    finish_reason: Optional[str] = None
-    score: float = 0.0  # beam search: cumulative log-probability / length
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: int  # arrival order: a lower id is older
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    seqs: list[Sequence] = field(default_factory=list)  # live (running, swapped or waiting) sequences
-    finished: list[Sequence] = field(default_factory=list)
-    forked: bool = False  # whether the prompt's sequence has been fanned out into n samples / beams
-    prefilled: bool = False  # every token allocated at admission is computed: the request decodes
-
-    def __post_init__(self):
-        if not self.seqs:
-            self.seqs = [Sequence(list(self.prompt_token_ids), len(self.prompt_token_ids))]
+KV_RESERVATIONS = ("paged", "max_tokens", "max_model_len")
 
 
 @dataclass
@@ -90,37 +56,19 @@ class ScheduledStep:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src_block, dst_block)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """KV-cache and scheduling figures since the last ``generate`` began (peaks over its steps) and now."""
-
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    bytes_per_block: int  # key and value, all layers
-    gpu_blocks_used: int  # now
-    peak_gpu_blocks_used: int
-    peak_tokens: int  # tokens stored (counted per sequence) at the peak
-    utilization_at_peak: float  # slots holding a token / slots in used blocks, at the peak
-    peak_blocks_saved_by_sharing: int  # block-table entries minus physical blocks (fork, prefix hits)
-    num_preemptions: int
-    num_swapped_out: int
-    num_recomputed: int
-    prefix_cache_hit_tokens: int
-    num_prefill_tokens: int  # tokens computed in prefill (prompts, and recomputation after preemption)
-    num_generated_tokens: int
-    num_steps: int  # forward passes
-    num_decode_steps: int  # steps that decoded at least one token
-    num_mixed_steps: int  # steps that decoded and computed prefill tokens together
-    peak_running_seqs: int  # sequences in one step, at most
-    kv_cache_dtype: str = ""  # the cache tensors' dtype, e.g. "bfloat16" or "float8_e4m3fn" (set by LLM.stats)
+    # what the step did, for the engine's statistics
+    num_swapped_out: int = 0  # requests preempted by swapping out
+    num_recomputed: int = 0  # requests preempted by dropping their KV, to recompute
+    prefix_cache_hit_tokens: int = 0  # tokens of admitted requests found in the prefix cache
+    num_running_seqs: int = 0  # sequences of the running requests once the step is scheduled
 
 
 class Scheduler:
+    """Decides each step (``schedule``) and keeps the requests' queues and blocks (``block_manager``); the engine
+    runs the step and reports back (``mark_computed``, ``fork``, ``free``, ``finish``)."""
+
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "none",
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "paged",
                  admission_headroom: int = 0):
         if kv_reservation not in KV_RESERVATIONS:
             raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {kv_reservation!r}")
@@ -128,47 +76,13 @@ class Scheduler:
         self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                                    enable_prefix_caching=enable_prefix_caching)
+        self.block_manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                                          enable_prefix_caching=enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.swapped: list[Request] = []  # oldest first
-        self.reset_stats()
 
     # ---- bookkeeping ----
-
-    def reset_stats(self) -> None:
-        self.peak = self.manager.stats()
-        self.peak_saved = self.peak.blocks_saved_by_sharing
-        self.num_preemptions = self.num_swapped_out = self.num_recomputed = 0
-        self.prefix_cache_hit_tokens = self.num_prefill_tokens = 0
-        self.num_steps = self.num_decode_steps = self.num_mixed_steps = self.peak_running_seqs = 0
-
-    def stats(self, bytes_per_block: int, num_generated_tokens: int) -> EngineStats:
-        now = self.manager.stats()
-        return EngineStats(
-            block_size=self.block_size, num_gpu_blocks=now.num_gpu_blocks,
-            num_cpu_blocks=self.manager.num_cpu_blocks, bytes_per_block=bytes_per_block,
-            gpu_blocks_used=now.gpu_blocks_used, peak_gpu_blocks_used=self.peak.gpu_blocks_used,
-            peak_tokens=self.peak.num_tokens, utilization_at_peak=self.peak.utilization,
-            peak_blocks_saved_by_sharing=self.peak_saved, num_preemptions=self.num_preemptions,
-            num_swapped_out=self.num_swapped_out, num_recomputed=self.num_recomputed,
-            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens, num_prefill_tokens=self.num_prefill_tokens,
-            num_generated_tokens=num_generated_tokens, num_steps=self.num_steps,
-            num_decode_steps=self.num_decode_steps, num_mixed_steps=self.num_mixed_steps,
-            peak_running_seqs=self.peak_running_seqs,
-        )
-
-    def _record_step(self, step: ScheduledStep) -> None:
-        self.num_steps += 1
-        self.num_prefill_tokens += step.num_prefill_tokens
-        self.num_decode_steps += step.num_decode_tokens > 0
-        self.num_mixed_steps += step.num_decode_tokens > 0 and step.num_prefill_tokens > 0
-        self.peak_running_seqs = max(self.peak_running_seqs, self._running_seqs())
-        now = self.manager.stats()
-        if now.gpu_blocks_used > self.peak.gpu_blocks_used:
-            self.peak = now
-        self.peak_saved = max(self.peak_saved, now.blocks_saved_by_sharing)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -177,27 +91,27 @@ class Scheduler:
         """The most blocks a request can ever hold, and what it reserves under a kv_reservation policy."""
         max_len = self.max_model_len if self.kv_reservation == "max_model_len" else \
             min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        return params.width * self.blocks_for(max_len)
+        return params.num_seqs * self.blocks_for(max_len)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError for a request that could never run: too many sequences, or more blocks than the pool."""
-        if params.width > self.max_num_seqs:
-            raise ValueError(f"n / beam_width of {params.width} exceeds max_num_seqs={self.max_num_seqs}")
+        if params.num_seqs > self.max_num_seqs:
+            raise ValueError(f"n / beam_width of {params.num_seqs} exceeds max_num_seqs={self.max_num_seqs}")
         needed = self.max_blocks(num_prompt_tokens, params)
-        if needed > self.manager.num_gpu_blocks:
+        if needed > self.block_manager.num_gpu_blocks:
             raise ValueError(
-                f"request can never fit in the KV cache: {params.width} sequence(s) of up to "
-                f"{needed // params.width} blocks of {self.block_size} tokens "
+                f"request can never fit in the KV cache: {params.num_seqs} sequence(s) of up to "
+                f"{needed // params.num_seqs} blocks of {self.block_size} tokens "
                 f"(kv_reservation={self.kv_reservation!r}) need {needed} blocks, but the cache has "
-                f"{self.manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
+                f"{self.block_manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
 
     def _reserved_unused_blocks(self) -> int:
         """Blocks that running requests have reserved but not yet taken (0 when paged)."""
-        if self.kv_reservation == "none":
+        if self.kv_reservation == "paged":
             return 0
         unused = 0
         for request in self.running:
-            held = {block for seq in request.seqs for block in self.manager.block_table(seq.seq_id)}
+            held = {block for seq in request.seqs for block in self.block_manager.block_table(seq.seq_id)}
             unused += max(0, self.max_blocks(len(request.prompt_token_ids), request.params) - len(held))
         return unused
 
@@ -208,11 +122,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        self.manager.fork(parent.seq_id, child.seq_id)
+        self.block_manager.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
-        self.manager.free(seq.seq_id)
+        self.block_manager.free(seq.seq_id)
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
@@ -222,7 +136,7 @@ class Scheduler:
         its full blocks written so far to the prefix cache."""
         for seq, num_new_tokens in zip(step.seqs, step.num_new_tokens):
             seq.num_computed_tokens += num_new_tokens
-            self.manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+            self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
         for request in step.sampling_requests:
             request.prefilled = True
 
@@ -233,7 +147,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
-        manager = self.manager
+        manager = self.block_manager
         try:
             for seq_id in list(manager.seqs):
                 manager.free(seq_id)
@@ -242,9 +156,9 @@ class Scheduler:
         except Exception:  # the error interrupted the manager itself (e.g. KeyboardInterrupt mid-call)
             consistent = False
         if not consistent or drop_prefix_cache:  # start over with an empty manager (and prefix cache)
-            self.manager = BlockManager(manager.num_gpu_blocks, manager.block_size,
-                                        num_cpu_blocks=manager.num_cpu_blocks,
-                                        enable_prefix_caching=manager.enable_prefix_caching)
+            self.block_manager = BlockManager(manager.num_gpu_blocks, manager.block_size,
+                                              num_cpu_blocks=manager.num_cpu_blocks,
+                                              enable_prefix_caching=manager.enable_prefix_caching)
 
     # ---- scheduling ----
 
@@ -261,14 +175,15 @@ class Scheduler:
             self._admit(step)
         if not step.seqs:
             raise RuntimeError("scheduler is stuck: requests are waiting but none can run")
-        self._record_step(step)
+        step.num_running_seqs = self._running_seqs()
         return step
 
     def _budget(self, step: ScheduledStep) -> int:
         return self.max_num_batched_tokens - step.num_decode_tokens - step.num_prefill_tokens
 
-    def _running_width(self) -> int:
-        return sum(request.params.width for request in self.running)
+    def _running_seqs_promised(self) -> int:
+        """Sequences the running requests may run at once (n or beam_width each), whether or not all are live."""
+        return sum(request.params.num_seqs for request in self.running)
 
     def _running_seqs(self) -> int:
         return sum(len(request.seqs) for request in self.running)
@@ -278,18 +193,18 @@ class Scheduler:
             request = self.swapped[0]
             seq_ids = [seq.seq_id for seq in request.seqs]
             if self.running:  # leave room for every sequence's next token, or it would be swapped right back
-                num_blocks = len({block for seq_id in seq_ids for block in self.manager.block_table(seq_id)})
-                if (num_blocks + self._running_seqs() + len(seq_ids) > self.manager.num_free_blocks
-                        or self._running_width() + request.params.width > self.max_num_seqs):
+                num_blocks = len({block for seq_id in seq_ids for block in self.block_manager.block_table(seq_id)})
+                if (num_blocks + self._running_seqs() + len(seq_ids) > self.block_manager.num_free_blocks
+                        or self._running_seqs_promised() + request.params.num_seqs > self.max_num_seqs):
                     return
-            step.blocks_to_swap_in += self.manager.swap_in(seq_ids)
+            step.blocks_to_swap_in += self.block_manager.swap_in(seq_ids)
             self.swapped.pop(0)
             self._add_running(request)
 
     def _can_append(self, request: Request) -> bool:
         if len(request.seqs) == 1:
-            return self.manager.can_append_slot(request.seqs[0].seq_id)
-        return len(request.seqs) <= self.manager.num_free_blocks  # each may need a new or copied block
+            return self.block_manager.can_append_slot(request.seqs[0].seq_id)
+        return len(request.seqs) <= self.block_manager.num_free_blocks  # each may need a new or copied block
 
     def _schedule_decodes(self, step: ScheduledStep) -> None:
         """Reserve the slot of every decoding sequence's new token, preempting the newest requests if needed."""
@@ -304,7 +219,7 @@ class Scheduler:
                     continue
                 # (alone, a request always fits: LLM rejects any request the whole pool could not hold)
                 for seq in request.seqs:
-                    _, cow = self.manager.append_slot(seq.seq_id, seq.token_ids[-1])
+                    _, cow = self.block_manager.append_slot(seq.seq_id, seq.token_ids[-1])
                     if cow is not None:
                         step.blocks_to_copy.append(cow)
                 self._add_to_step(step, request, [1] * len(request.seqs))
@@ -331,37 +246,37 @@ class Scheduler:
             if num_tokens:
                 step.seqs.append(seq)
                 step.num_new_tokens.append(num_tokens)
-                step.block_tables.append(self.manager.block_table(seq.seq_id))
+                step.block_tables.append(self.block_manager.block_table(seq.seq_id))
         if all(seq.num_computed_tokens + num_tokens == len(seq.token_ids)
                for seq, num_tokens in zip(request.seqs, num_new_tokens)):
             step.sampling_requests.append(request)
 
     def _can_admit(self, request: Request) -> bool:
-        if self.kv_reservation != "none":
-            free = self.manager.num_free_blocks - self._reserved_unused_blocks()
+        if self.kv_reservation != "paged":
+            free = self.block_manager.num_free_blocks - self._reserved_unused_blocks()
             return self.max_blocks(len(request.prompt_token_ids), request.params) <= free
         # While others run, leave admission_headroom free blocks per running sequence (the request's own included)
         # for their next tokens: otherwise new prompts fill the pool, the running sequences soon preempt them
         # again, and each preemption by recomputation redoes a prefill.
         keep_free = self.admission_headroom * (self._running_seqs() + len(request.seqs)) if self.running else 0
         if len(request.seqs) == 1:
-            return self.manager.can_allocate(request.seqs[0].token_ids, keep_free)  # counts prefix-cache hits
+            return self.block_manager.can_allocate(request.seqs[0].token_ids, keep_free)  # counts prefix-cache hits
         # recomputing a request with several sequences: each is allocated on its own (hits can only help)
         needed = sum(self.blocks_for(len(seq.token_ids)) for seq in request.seqs)
-        return needed + keep_free <= self.manager.num_free_blocks
+        return needed + keep_free <= self.block_manager.num_free_blocks
 
     def _admit(self, step: ScheduledStep) -> None:
         while self.waiting and self._budget(step) > 0:
             request = self.waiting[0]
-            if self.running and self._running_width() + request.params.width > self.max_num_seqs:
+            if self.running and self._running_seqs_promised() + request.params.num_seqs > self.max_num_seqs:
                 break
             if not self._can_admit(request):
                 break
             if self._shares_blocks_being_computed(request):
                 break  # later, its prefix is in the cache: it shares those blocks instead of computing them
             for seq in request.seqs:
-                seq.num_computed_tokens = self.manager.allocate(seq.seq_id, seq.token_ids)
-                self.prefix_cache_hit_tokens += seq.num_computed_tokens
+                seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+                step.prefix_cache_hit_tokens += seq.num_computed_tokens
             self.waiting.popleft()
             self._add_running(request)
             self._schedule_prefill(step, request)
@@ -370,12 +285,12 @@ class Scheduler:
         """Whether the request's prompt has more full blocks in common with a prefill under way (this step's
         included) than the prefix cache holds for it. Blocks enter the cache only once written, so admitted now
         it would compute and hold copies of them; admitted once they are written, it hits them."""
-        if not self.manager.enable_prefix_caching:
+        if not self.block_manager.enable_prefix_caching:
             return False
         computing = [seq.token_ids for other in self.running if not other.prefilled for seq in other.seqs]
         for seq in request.seqs if computing else []:
             tokens = seq.token_ids
-            cached = self.manager.cached_prefix_length(tokens)
+            cached = self.block_manager.cached_prefix_length(tokens)
             hittable = (len(tokens) - 1) // self.block_size * self.block_size  # never the last token's block
             for other in computing:
                 common = _common_prefix_length(tokens, other) // self.block_size * self.block_size
@@ -385,20 +300,19 @@ class Scheduler:
 
     def _preempt(self, request: Request, step: ScheduledStep) -> None:
         """Swap the request's sequences out to CPU blocks if there is room, else drop their KV to recompute."""
-        self.num_preemptions += 1
         seq_ids = [seq.seq_id for seq in request.seqs]
-        if self.manager.num_cpu_blocks and self.manager.can_swap_out(seq_ids):
-            step.blocks_to_swap_out += self.manager.swap_out(seq_ids)
+        if self.block_manager.num_cpu_blocks and self.block_manager.can_swap_out(seq_ids):
+            step.blocks_to_swap_out += self.block_manager.swap_out(seq_ids)
             self.swapped.append(request)
             self.swapped.sort(key=lambda r: r.request_id)
-            self.num_swapped_out += 1
+            step.num_swapped_out += 1
         else:
             for seq in request.seqs:
-                self.manager.free(seq.seq_id)
+                self.block_manager.free(seq.seq_id)
                 seq.num_computed_tokens = 0
             request.prefilled = False
             self.waiting.appendleft(request)  # victims go newest first, so the oldest ends up in front
-            self.num_recomputed += 1
+            step.num_recomputed += 1
 
     def _add_running(self, request: Request) -> None:
         self.running.append(request)

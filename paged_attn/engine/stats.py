@@ -1,0 +1,82 @@
+"""The engine's statistics: ``EngineStats`` (what ``LLM.stats()`` returns) and the ``StatsCollector`` that the
+``LLM`` feeds with each scheduled step and each sampled token, from the start of every ``generate`` call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..block_manager import BlockManager, BlockManagerStats
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """KV-cache and scheduling figures since the last ``generate`` began (peaks over its steps) and now."""
+
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    bytes_per_block: int  # key and value, all layers
+    gpu_blocks_used: int  # now
+    peak_gpu_blocks_used: int
+    peak_tokens: int  # tokens stored (counted per sequence) at the peak
+    utilization_at_peak: float  # slots holding a token / slots in used blocks, at the peak
+    peak_blocks_saved_by_sharing: int  # block-table entries minus physical blocks (fork, prefix hits)
+    num_preemptions: int
+    num_swapped_out: int
+    num_recomputed: int
+    prefix_cache_hit_tokens: int
+    num_prefill_tokens: int  # tokens computed in prefill (prompts, and recomputation after preemption)
+    num_generated_tokens: int
+    num_steps: int  # forward passes
+    num_decode_steps: int  # steps that decoded at least one token
+    num_mixed_steps: int  # steps that decoded and computed prefill tokens together
+    peak_running_seqs: int  # sequences in one step, at most
+    kv_cache_dtype: str = ""  # the cache tensors' dtype, e.g. "bfloat16" or "float8_e4m3fn"
+
+
+class StatsCollector:
+    """Counters and peaks of one ``generate`` call: ``reset`` at its start, ``record_step`` after each step is
+    scheduled (with the block manager's figures then), ``record_generated`` for the tokens sampled."""
+
+    def __init__(self, now: BlockManagerStats):
+        self.reset(now)
+
+    def reset(self, now: BlockManagerStats) -> None:
+        self.peak = now
+        self.peak_saved = now.blocks_saved_by_sharing
+        self.num_swapped_out = self.num_recomputed = 0
+        self.prefix_cache_hit_tokens = self.num_prefill_tokens = self.num_generated_tokens = 0
+        self.num_steps = self.num_decode_steps = self.num_mixed_steps = self.peak_running_seqs = 0
+
+    def record_step(self, step, now: BlockManagerStats) -> None:
+        """A ``ScheduledStep`` as the scheduler returned it; ``now``: the block manager's stats after scheduling."""
+        self.num_steps += 1
+        self.num_prefill_tokens += step.num_prefill_tokens
+        self.num_decode_steps += step.num_decode_tokens > 0
+        self.num_mixed_steps += step.num_decode_tokens > 0 and step.num_prefill_tokens > 0
+        self.num_swapped_out += step.num_swapped_out
+        self.num_recomputed += step.num_recomputed
+        self.prefix_cache_hit_tokens += step.prefix_cache_hit_tokens
+        self.peak_running_seqs = max(self.peak_running_seqs, step.num_running_seqs)
+        if now.gpu_blocks_used > self.peak.gpu_blocks_used:
+            self.peak = now
+        self.peak_saved = max(self.peak_saved, now.blocks_saved_by_sharing)
+
+    def record_generated(self, num_tokens: int) -> None:
+        self.num_generated_tokens += num_tokens
+
+    def snapshot(self, block_manager: BlockManager, bytes_per_block: int, kv_cache_dtype: str) -> EngineStats:
+        now = block_manager.stats()
+        return EngineStats(
+            block_size=block_manager.block_size, num_gpu_blocks=now.num_gpu_blocks,
+            num_cpu_blocks=block_manager.num_cpu_blocks, bytes_per_block=bytes_per_block,
+            gpu_blocks_used=now.gpu_blocks_used, peak_gpu_blocks_used=self.peak.gpu_blocks_used,
+            peak_tokens=self.peak.num_tokens, utilization_at_peak=self.peak.utilization,
+            peak_blocks_saved_by_sharing=self.peak_saved,
+            num_preemptions=self.num_swapped_out + self.num_recomputed,
+            num_swapped_out=self.num_swapped_out, num_recomputed=self.num_recomputed,
+            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens, num_prefill_tokens=self.num_prefill_tokens,
+            num_generated_tokens=self.num_generated_tokens, num_steps=self.num_steps,
+            num_decode_steps=self.num_decode_steps, num_mixed_steps=self.num_mixed_steps,
+            peak_running_seqs=self.peak_running_seqs, kv_cache_dtype=kv_cache_dtype,
+        )
