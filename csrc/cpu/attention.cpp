@@ -163,7 +163,6 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
 
 }  // namespace
 
-
 void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_heads, head_dim], contiguous
                          const at::Tensor& query,         // [num_tokens, num_heads, head_dim], last dim contiguous
                          const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_dim]

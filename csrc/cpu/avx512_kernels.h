@@ -81,9 +81,9 @@ PAGED_ATTN_AVX512 inline __m512 add_lane_pairs(__m512 x, __m512 y) {
                        _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Step 1 (logits): logits[j] lane i = scale * (q_j . k_i) for kHeads bf16 query heads q_j = q + j * q_stride and the tile's
-// 16 key rows k_i = rows[i] + offset. Four tokens at a time: 4 * kHeads dot products in 16-lane partial sums,
-// reduced in a tree of shuffles (reduce_in_lanes, then add_lane_pairs twice) into one vector per head.
+// Step 1 (logits): logits[j] lane i = scale * (q_j . k_i) for kHeads bf16 query heads q_j = q + j * q_stride and
+// the tile's 16 key rows k_i = rows[i] + offset. Four tokens at a time: 4 * kHeads dot products in 16-lane partial
+// sums, reduced in a tree of shuffles (reduce_in_lanes, then add_lane_pairs twice) into one vector per head.
 template <int kHeads, typename cache_t>
 PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_stride, const cache_t* const* rows,
                                           int64_t offset, int64_t head_dim, float scale,
@@ -144,9 +144,9 @@ PAGED_ATTN_AVX512 inline __m512 widen_bf16(__m256i bf16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
 }
 
-// Step 2 (softmax) for one head: x = its logits of the tile (lanes past the tile's tokens -inf). Raises the running max if
-// needed, splits p = exp(x - max) into two bfloat16 terms, hi = p truncated to bfloat16 (one bf16 ulp less where
-// that is p itself) and lo = bf16(p - hi) (together p to about 2^-16 relative), writes them as pairs,
+// Step 2 (softmax) for one head: x = its logits of the tile (lanes past the tile's tokens -inf). Raises the running
+// max if needed, splits p = exp(x - max) into two bfloat16 terms, hi = p truncated to bfloat16 (one bf16 ulp less
+// where that is p itself) and lo = bf16(p - hi) (together p to about 2^-16 relative), writes them as pairs,
 // p_pairs[i] = (hi_2i, hi_2i+1) and p_pairs[8 + i] = (lo_2i, lo_2i+1), and adds hi + lo to the lane sums.
 // NOTE: hi and lo are both > 0 wherever p > 0, so that a value of inf gives inf: rounding hi to nearest would
 // leave lo = 0 (p = 1 at the max, any p exact in bf16: 0 * inf = NaN) or lo < 0 (inf - inf = NaN).

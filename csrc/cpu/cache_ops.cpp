@@ -1,7 +1,7 @@
 // CPU kernels of the cache ops. They only move bytes, so they are dtype-agnostic: a row of head_dim elements
 // (or a whole block, when its rows are packed) is one memcpy; fp8 caches are copied byte for byte too. The one
-// exception: reshape_and_cache into an fp8 cache quantizes each element (quantize_fp8). Every index is range-checked before anything is written, so a bad slot or
-// block id raises an error and leaves the caches untouched.
+// exception: reshape_and_cache into an fp8 cache quantizes each element (quantize_fp8). Every index is range-checked
+// before anything is written, so a bad slot or block id raises an error and leaves the caches untouched.
 //
 // Cache addresses: paged_cache.h (PagedCache, shared with the attention kernels).
 //
