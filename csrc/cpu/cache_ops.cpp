@@ -1,7 +1,9 @@
 // CPU kernels of the cache ops. They only move bytes, so they are dtype-agnostic: a row of head_dim elements
 // (or a whole block, when its rows are packed) is one memcpy; fp8 caches are copied byte for byte too. The one
-// exception: reshape_and_cache into an fp8 cache quantizes each element (quantize_fp8). Every index is range-checked before anything is written, so a bad slot or
-// block id raises an error and leaves the caches untouched.
+// exception: reshape_and_cache into an fp8 cache quantizes each element (quantize_fp8). Every index is range-checked
+// before anything is written, so a bad slot or block id raises an error and leaves the caches untouched.
+//
+// Cache addresses: paged_cache.h (PagedCache, shared with the attention kernels).
 //
 // Parallelism: at::parallel_for over tokens (reshape_and_cache) or over (layer, pair, key|value) copies
 // (copy_blocks) or pairs (swap_blocks).
@@ -14,6 +16,7 @@
 #include <cstring>
 
 #include "../common.h"
+#include "paged_cache.h"
 
 namespace paged_attn {
 namespace {
@@ -38,25 +41,22 @@ inline fp8_t quantize_fp8(float x, float scale, float max_finite) {
 template <typename scalar_t, typename fp8_t>
 void quantize_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                    const int64_t* slot_ptr, float k_scale, float v_scale) {
-  const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
+  const int64_t num_tokens = key.size(0);
   const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
   const float max_finite = fp8_max_finite(key_cache.scalar_type());
   const auto* key_ptr = key.const_data_ptr<scalar_t>();
   const auto* value_ptr = value.const_data_ptr<scalar_t>();
-  auto* key_cache_ptr = static_cast<fp8_t*>(key_cache.data_ptr());
-  auto* value_cache_ptr = static_cast<fp8_t*>(value_cache.data_ptr());
+  const auto k_cache = cpu::paged_cache_of<fp8_t>(key_cache);
+  const auto v_cache = cpu::paged_cache_of<fp8_t>(value_cache);
   at::parallel_for(0, num_tokens, grain_for(2 * num_kv_heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t token = begin; token < end; ++token) {
       const int64_t slot = slot_ptr[token];
       if (slot < 0) continue;  // padding token
-      const int64_t block = slot / block_size, offset = slot % block_size;
       for (int64_t head = 0; head < num_kv_heads; ++head) {
         const scalar_t* k = key_ptr + token * key.stride(0) + head * key.stride(1);
         const scalar_t* v = value_ptr + token * value.stride(0) + head * value.stride(1);
-        fp8_t* k_dst = key_cache_ptr + block * key_cache.stride(0) + offset * key_cache.stride(1) +
-                       head * key_cache.stride(2);
-        fp8_t* v_dst = value_cache_ptr + block * value_cache.stride(0) + offset * value_cache.stride(1) +
-                       head * value_cache.stride(2);
+        fp8_t* k_dst = k_cache.slot_row(slot, head);
+        fp8_t* v_dst = v_cache.slot_row(slot, head);
         for (int64_t d = 0; d < head_dim; ++d) {
           k_dst[d] = quantize_fp8<fp8_t>(static_cast<float>(k[d]), k_scale, max_finite);
           v_dst[d] = quantize_fp8<fp8_t>(static_cast<float>(v[d]), v_scale, max_finite);
@@ -99,18 +99,14 @@ void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_k
     }
   }
 
-  // All strides in bytes. NOTE: block offsets are computed in 64 bits: num_blocks * block_stride can exceed 2^31.
+  // All strides in bytes (the caches' too: paged_cache_of<char>).
   const int64_t elem = key.element_size(), row_bytes = head_dim * elem;
   const int64_t key_token_stride = key.stride(0) * elem, key_head_stride = key.stride(1) * elem;
   const int64_t value_token_stride = value.stride(0) * elem, value_head_stride = value.stride(1) * elem;
-  const int64_t key_block_stride = key_cache.stride(0) * elem, value_block_stride = value_cache.stride(0) * elem;
-  const int64_t key_slot_stride = key_cache.stride(1) * elem, value_slot_stride = value_cache.stride(1) * elem;
-  const int64_t key_cache_head_stride = key_cache.stride(2) * elem;
-  const int64_t value_cache_head_stride = value_cache.stride(2) * elem;
   const auto* key_ptr = static_cast<const char*>(key.data_ptr());
   const auto* value_ptr = static_cast<const char*>(value.data_ptr());
-  auto* key_cache_ptr = static_cast<char*>(key_cache.data_ptr());
-  auto* value_cache_ptr = static_cast<char*>(value_cache.data_ptr());
+  const auto k_cache = cpu::paged_cache_of<char>(key_cache);
+  const auto v_cache = cpu::paged_cache_of<char>(value_cache);
   const auto slots = slot_mapping.contiguous();
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
 
@@ -118,13 +114,12 @@ void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_k
     for (int64_t token = begin; token < end; ++token) {
       const int64_t slot = slot_ptr[token];
       if (slot < 0) continue;  // padding token
-      const int64_t block = slot / block_size, offset = slot % block_size;
-      char* key_dst = key_cache_ptr + block * key_block_stride + offset * key_slot_stride;
-      char* value_dst = value_cache_ptr + block * value_block_stride + offset * value_slot_stride;
+      char* key_dst = k_cache.slot_row(slot, 0);  // kv head h's row: + h * head_stride
+      char* value_dst = v_cache.slot_row(slot, 0);
       for (int64_t head = 0; head < num_kv_heads; ++head) {
-        std::memcpy(key_dst + head * key_cache_head_stride,
+        std::memcpy(key_dst + head * k_cache.head_stride,
                     key_ptr + token * key_token_stride + head * key_head_stride, row_bytes);
-        std::memcpy(value_dst + head * value_cache_head_stride,
+        std::memcpy(value_dst + head * v_cache.head_stride,
                     value_ptr + token * value_token_stride + head * value_head_stride, row_bytes);
       }
     }
@@ -152,18 +147,16 @@ void copy_blocks_cpu(at::TensorList key_caches,     // num_layers x [num_blocks,
     for (int64_t task = begin; task < end; ++task) {
       const int64_t layer = task / (num_pairs * 2), pair = (task / 2) % num_pairs;
       const at::Tensor& cache = (task % 2 == 0) ? key_caches[layer] : value_caches[layer];
-      auto* base = static_cast<char*>(cache.data_ptr());
-      char* dst = base + pairs[2 * pair + 1] * cache.stride(0) * elem;
-      const char* src = base + pairs[2 * pair] * cache.stride(0) * elem;
+      const auto c = cpu::paged_cache_of<char>(cache);  // in bytes
+      const int64_t dst = pairs[2 * pair + 1], src = pairs[2 * pair];
       if (has_packed_rows(cache)) {
-        std::memcpy(dst, src, block_bytes);
+        std::memcpy(c.block(dst), c.block(src), block_bytes);
         continue;
       }
-      const int64_t slot_stride = cache.stride(1) * elem, head_stride = cache.stride(2) * elem;
       for (int64_t offset = 0; offset < block_size; ++offset) {
         for (int64_t head = 0; head < num_kv_heads; ++head) {
-          const int64_t at = offset * slot_stride + head * head_stride;
-          std::memcpy(dst + at, src + at, row_bytes);
+          std::memcpy(c.token(dst, offset) + head * c.head_stride, c.token(src, offset) + head * c.head_stride,
+                      row_bytes);
         }
       }
     }

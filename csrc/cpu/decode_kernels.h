@@ -1,0 +1,240 @@
+// The decode kernel's steps (logits, softmax, values) on the portable path, and the task body that walks a query
+// row's tokens a tile at a time (attend), picking the portable or the AVX-512 bf16 steps (avx512_kernels.h) per call.
+// Planning the tasks, running them and merging partitions: attention.cpp.
+//
+// Work mapping: one task per (sequence, partition of its tokens). A task walks its tokens a tile at a time: up to
+// kTileTokens = 16 consecutive tokens, whatever the block size (a tile may span blocks; the tile holds each
+// token's row pointers, looked up in the block table once). Within a tile it serves each kv head's whole group
+// of query heads in turn, so every key/value row is read from memory once (GQA reuse). Per (tile, kv head), for
+// tiles of up to 4 query heads of the group:
+//   1. logits of the heads for the tile's tokens,
+//   2. online softmax: when a logit exceeds a head's running max, raise the max (rescaling the running sum and
+//      the accumulator); p = exp(x - max), and the running sum (kept per tile lane) += p,
+//   3. acc += p * v over the tile's tokens.
+// Meanwhile the task software-prefetches (see Prefetcher) the next tile's rows into L2 and the next (tile, kv head)
+// unit's rows into L1, a few cache lines per token of work in steps 1 and 3.
+//
+// Two implementations of steps 1-3, picked per call:
+//  - portable (at::vec, AVX2 on x86-64; float32, float16, and bfloat16 without AVX-512): q pre-scaled in float32,
+//    one dot product per (token, head); p in float32.
+//  - AVX-512 bf16: see avx512_kernels.h.
+#pragma once
+
+#include "attention_common.h"
+#include "avx512_kernels.h"
+
+namespace paged_attn {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Portable path
+
+// Independent accumulators per query head, so that kHeads * kUnroll FMA chains hide the FMA latency.
+template <int kHeads>
+constexpr int kUnroll = kHeads <= 2 ? 4 : 2;
+
+// logits[j * logits_stride] = q_j . k for one key row k and the kHeads query heads q_j = q + j * head_dim.
+template <int kHeads, typename scalar_t>
+inline void dot_heads(const float* q, const scalar_t* k, int64_t head_dim, float* logits, int64_t logits_stride) {
+  constexpr int U = kUnroll<kHeads>;
+  Vec acc[kHeads][U];
+#pragma GCC unroll 8
+  for (int j = 0; j < kHeads; ++j)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) acc[j][u] = Vec(0.f);
+  int64_t d = 0;
+  for (; d + U * kVecSize <= head_dim; d += U * kVecSize) {
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const Vec key = load_float(k + d + u * kVecSize);
+#pragma GCC unroll 8
+      for (int j = 0; j < kHeads; ++j)
+        acc[j][u] = at::vec::fmadd(Vec::loadu(q + j * head_dim + d + u * kVecSize), key, acc[j][u]);
+    }
+  }
+  for (; d + kVecSize <= head_dim; d += kVecSize) {
+    const Vec key = load_float(k + d);
+#pragma GCC unroll 8
+    for (int j = 0; j < kHeads; ++j) acc[j][0] = at::vec::fmadd(Vec::loadu(q + j * head_dim + d), key, acc[j][0]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kHeads; ++j) {
+#pragma GCC unroll 8
+    for (int u = 1; u < U; ++u) acc[j][0] = acc[j][0] + acc[j][u];
+    float sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[j][0]);
+    for (int64_t r = d; r < head_dim; ++r) sum += q[j * head_dim + r] * to_float(k[r]);
+    logits[j * logits_stride] = sum;
+  }
+}
+
+// acc_j += sum_i p_j[i] * v_i for the kHeads query heads (acc_j = acc + j * head_dim, p_j = p + j * kTileTokens)
+// over the value rows v_i = rows[i] + offset, i < num_tokens. A prefetcher, if given, steps once per token and
+// prefetches the next unit's value row of the token.
+template <int kHeads, typename scalar_t>
+inline void accumulate_values(const float* p, const scalar_t* const* rows, int64_t offset, int64_t num_tokens,
+                              int64_t head_dim, float* acc, Prefetcher<scalar_t>* prefetcher) {
+  constexpr int U = kUnroll<kHeads>;
+  for (int64_t i = 0; prefetcher && head_dim < U * kVecSize && i < num_tokens; ++i) {
+    prefetcher->step();
+    prefetcher->values(i);
+  }
+  int64_t d = 0;
+  for (; d + U * kVecSize <= head_dim; d += U * kVecSize) {
+    Vec sum[kHeads][U];
+#pragma GCC unroll 8
+    for (int j = 0; j < kHeads; ++j)
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) sum[j][u] = Vec::loadu(acc + j * head_dim + d + u * kVecSize);
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      if (prefetcher && d == 0) prefetcher->step(), prefetcher->values(i);
+      const scalar_t* v = rows[i] + offset + d;
+      Vec row[U];
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) row[u] = load_float(v + u * kVecSize);
+#pragma GCC unroll 8
+      for (int j = 0; j < kHeads; ++j) {
+        const Vec weight(p[j * kTileTokens + i]);
+#pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) sum[j][u] = at::vec::fmadd(weight, row[u], sum[j][u]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kHeads; ++j)
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) sum[j][u].store(acc + j * head_dim + d + u * kVecSize);
+  }
+  for (; d + kVecSize <= head_dim; d += kVecSize) {
+    Vec sum[kHeads];
+#pragma GCC unroll 8
+    for (int j = 0; j < kHeads; ++j) sum[j] = Vec::loadu(acc + j * head_dim + d);
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      const Vec row = load_float(rows[i] + offset + d);
+#pragma GCC unroll 8
+      for (int j = 0; j < kHeads; ++j) sum[j] = at::vec::fmadd(Vec(p[j * kTileTokens + i]), row, sum[j]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kHeads; ++j) sum[j].store(acc + j * head_dim + d);
+  }
+  for (; d < head_dim; ++d)
+    for (int64_t i = 0; i < num_tokens; ++i)
+      for (int j = 0; j < kHeads; ++j)
+        acc[j * head_dim + d] += p[j * kTileTokens + i] * to_float(rows[i][offset + d]);
+}
+
+// Steps 1-3 for the group of kv head `kv_head` over one tile (portable path).
+template <typename scalar_t, typename cache_t>
+void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Tile<cache_t>& tile,
+                 int64_t last_token, Scratch& sc, Prefetcher<cache_t>& prefetcher) {
+  const int64_t group_size = pb.group_size, head_dim = pb.head_dim, first_head = kv_head * group_size;
+  const int64_t key_offset = kv_head * pb.kv.key.head_stride, value_offset = kv_head * pb.kv.value.head_stride;
+  const int64_t num_tokens = tile.num_tokens;
+  const float* q = sc.q + first_head * head_dim;
+  float* acc = sc.acc + first_head * head_dim;
+
+  // 1. Logits of every head of the group for the tile's tokens.
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    prefetcher.step();
+    prefetcher.keys(i);
+    for_each_head_tile(group_size, [&](auto heads, int64_t first) {
+      dot_heads<decltype(heads)::value>(q + first * head_dim, tile.keys[i] + key_offset, head_dim,
+                                        sc.logits + first * kTileTokens + i, kTileTokens);
+    });
+  }
+  for (int64_t i = num_tokens; i < kTileTokens; ++i) prefetcher.step();
+  // 2. Softmax: soft cap, ALiBi, running max, p = exp(x - max). Lanes past num_tokens are set to -inf, so exp gives 0.
+  const Vec num_valid(static_cast<float>(num_tokens));
+  for (int64_t j = 0; j < group_size; ++j) {
+    const int64_t head = first_head + j;
+    float* x = sc.logits + j * kTileTokens;
+    if (pb.logits_soft_cap > 0 || pb.alibi_slopes) apply_logit_mods(pb, head, tile.first, last_token, x);
+    Vec tile_max(kNegInf);
+    for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
+      const Vec lane = Vec::arange(static_cast<float>(i), 1.f);
+      const Vec xi = Vec::blendv(Vec(kNegInf), Vec::loadu(x + i), lane < num_valid);
+      tile_max = at::vec::maximum(tile_max, xi);
+      xi.store(x + i);
+    }
+    const float old_max = sc.max_logit[head];
+    const float new_max = std::max(
+        old_max, at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, tile_max));
+    if (new_max != old_max) {  // rescale only when the max grew (rarely, after the first tiles)
+      const float alpha = std::exp(old_max - new_max);  // 0 on the first tile: old_max = -inf
+      for (int64_t i = 0; i < kTileTokens; ++i) sc.exp_sums[head * kTileTokens + i] *= alpha;
+      for (int64_t d = 0; d < head_dim; ++d) acc[j * head_dim + d] *= alpha;
+      sc.max_logit[head] = new_max;
+    }
+    for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
+      const Vec p = (Vec::loadu(x + i) - Vec(new_max)).exp_u20();
+      (Vec::loadu(sc.exp_sums + head * kTileTokens + i) + p).store(sc.exp_sums + head * kTileTokens + i);
+      p.store(x + i);
+    }
+  }
+  // 3. Values: acc += p * v over the tile's tokens.
+  for_each_head_tile(group_size, [&](auto heads, int64_t first) {
+    accumulate_values<decltype(heads)::value>(sc.logits + first * kTileTokens, tile.values, value_offset,
+                                              num_tokens, head_dim, acc + first * head_dim,
+                                              first == 0 ? &prefetcher : nullptr);
+  });
+  for (int64_t i = num_tokens; i < kTileTokens; ++i) prefetcher.step();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tasks
+
+// Attends every query head of query row `row` to its sequence's tokens [begin, end), leaving (max, lane sums, acc)
+// in sc.
+template <typename scalar_t, typename cache_t>
+void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, int64_t end, Scratch& sc) {
+  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
+  const scalar_t* query = pb.query + pb.token(row) * pb.query_row_stride;  // [num_heads, head_dim]
+  if (!pb.avx512_bf16) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t d = 0; d < head_dim; ++d) {
+        sc.q[h * head_dim + d] = pb.scale * static_cast<float>(query[h * pb.query_head_stride + d]);
+      }
+    }
+  }
+  std::fill_n(sc.acc, num_heads * head_dim, 0.f);
+  std::fill_n(sc.max_logit, num_heads, kNegInf);
+  std::fill_n(sc.exp_sums, num_heads * kTileTokens, 0.f);
+  const int32_t* block_table = pb.block_table(row);
+  const int64_t last_token = pb.row_len(row) - 1;
+  const int64_t num_tiles = (end - begin + kTileTokens - 1) / kTileTokens;
+
+  // tiles[k % kRing] is tile k; tile k + kPrefetchTiles is looked up while tile k is worked on.
+  constexpr int64_t kRing = kPrefetchTiles + 1;
+  Tile<cache_t> tiles[kRing];
+  for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) {
+    tiles[k].load(pb.kv, block_table, pb.block_size, begin + k * kTileTokens, end);
+  }
+  Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim);
+  for (int64_t k = 0; k < num_tiles; ++k) {
+    const Tile<cache_t>& tile = tiles[k % kRing];
+    if (k + kPrefetchTiles < num_tiles) {
+      Tile<cache_t>& ahead = tiles[(k + kPrefetchTiles) % kRing];
+      ahead.load(pb.kv, block_table, pb.block_size, begin + (k + kPrefetchTiles) * kTileTokens, end);
+      prefetcher.start_tile(&ahead);
+    } else {
+      prefetcher.start_tile(nullptr);
+    }
+    for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
+      // The next unit: the next kv head of this tile, or the first of the next tile (loaded: kPrefetchTiles >= 1).
+      const bool last_head = kv_head + 1 == pb.num_kv_heads;
+      prefetcher.unit_tile = !last_head ? &tile : k + 1 < num_tiles ? &tiles[(k + 1) % kRing] : nullptr;
+      prefetcher.key_offset = last_head ? 0 : (kv_head + 1) * pb.kv.key.head_stride;
+      prefetcher.value_offset = last_head ? 0 : (kv_head + 1) * pb.kv.value.head_stride;
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
+        if (pb.avx512_bf16) {
+          attend_tile_avx512(pb, query, kv_head, tile, last_token, sc, prefetcher);
+          continue;
+        }
+      }
+#endif
+      attend_tile(pb, kv_head, tile, last_token, sc, prefetcher);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace paged_attn
