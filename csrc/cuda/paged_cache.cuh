@@ -1,5 +1,5 @@
 // The paged KV cache on CUDA, and all of its address arithmetic: every CUDA kernel (attention and the cache ops)
-// reaches cache memory through PagedCache. (The CPU kernels compute addresses their own way, in csrc/cpu.)
+// reaches cache memory through PagedCache. (The CPU kernels have the same helper, in csrc/cpu/paged_cache.h.)
 //
 // It needs the block, token and head strides (head_dim contiguous) and slot = block * block_size + offset; cache
 // layout: see paged_attn/ops.py. (paged_cache_host.h builds one from a tensor.)
