@@ -20,10 +20,8 @@ bool validation_enabled();
 void set_validation_enabled(bool enabled);
 
 // CPU kernels split work over threads only in tasks of at least this many bytes (moved, or read from the cache):
-// with passive waiting (GOMP_SPINCOUNT=0) waking an OpenMP worker costs ~50 us, about the time one thread takes to
-// move or read 1 MiB. Measured on 2 cores: reshape_and_cache of 64 tokens x 3 kv heads x 64 float32 (96 KiB) took
-// 58 us split in two, 3 us on one thread; decode attention, 9 query / 3 kv heads of 64, float32, over 8 sequences of
-// 100 tokens 80 us on two threads, 60 us on one, over one of 1000 tokens split in two partitions 130 us, 68 us.
+// with passive waiting (GOMP_SPINCOUNT=0) waking an OpenMP worker costs about as long as one thread takes to move
+// or read 1 MiB. Figures: bench/RESULTS.md, "Waking OpenMP's threads: a quarter of a large decode step".
 constexpr int64_t kMinBytesPerCpuTask = int64_t{1} << 20;
 
 // float8_e4m3fn or float8_e5m2: a cache of 8-bit floats, read as float(stored) * scale (see check_kv_scales).
