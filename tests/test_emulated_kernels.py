@@ -698,9 +698,9 @@ def plant_nonfinite(case: Case, *, visible=(), fp8=None):
     """Plants NONFINITE values, in turn, into the keys or values of: without a window, each multi-row sequence's last
     token (seen by its last row only) and, with 4 or more rows, the token of its middle row (seen from there on);
     with a window, every token t with t % 16 == 5 (seen by the rows t to t + window - 1: rows before them, in the same
-    tile, and after them, with t before their window, must not see it) but those every row sees. visible: (sequence, cache, value) planted in
-    the sequence's last token, which its last row sees. The unused slots of each partially filled last block become
-    +inf (keys) and -inf (values) instead of NaN (e4m3: NaN)."""
+    tile, and after them, with t before their window, must not see it) but those every row sees. visible:
+    (sequence, cache, value) planted in the sequence's last token, which its last row sees. The unused slots of each
+    partially filled last block become +inf (keys) and -inf (values) instead of NaN (e4m3: NaN)."""
     t = case.tensors
     window = case.scalars["sliding_window"]
     block_size = t["key_cache"].shape[1]
