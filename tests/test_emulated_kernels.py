@@ -660,3 +660,128 @@ def test_fp8_reshape_and_cache(driver, tmp_path, fp8, dtype, layout):
     for name in ("key_cache", "value_cache"):
         rest = out[name].reshape(num_blocks * block_size, -1)[~written]
         assert (rest.view(torch.uint8) == NAN_BYTE).all(), f"{name}: a slot that was not written changed"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NaN and inf in keys and values: a row must never see a non-finite key or value outside the keys it attends to
+# (after its position, before its window, in unused slots), while one it does see must reach it (as in the
+# reference, which sums over exactly each row's visible keys). The planted tokens share key tiles, partitions and
+# thread blocks with visible ones: a masked probability of 0 times a NaN or inf value is NaN, and a NaN logit added
+# to (not replaced by) the mask stays NaN.
+
+INF = float("inf")
+# The values planted, in turn: (cache, value); one element of kv head 0 per planted token.
+NONFINITE = [("value_cache", NAN), ("key_cache", INF), ("value_cache", -INF), ("key_cache", NAN),
+             ("value_cache", INF), ("key_cache", -INF)]
+FP8_BYTES = {torch.float8_e4m3fn: {NAN: 0x7F},  # e4m3 has no inf: NaN there too
+             torch.float8_e5m2: {NAN: 0x7F, INF: 0x7C, -INF: 0xFC}}
+
+
+def sequences(case: Case):
+    """(seq_len, query rows) of each sequence: one row per sequence without query_start_loc."""
+    t = case.tensors
+    lens = t["seq_lens"].tolist()
+    if "query_start_loc" not in t:
+        return [(n, 1) for n in lens]
+    starts = t["query_start_loc"].tolist()
+    return [(n, starts[s + 1] - starts[s]) for s, n in enumerate(lens)]
+
+
+def set_element(cache, index, value, fp8):
+    if fp8 is None:
+        cache[index] = value
+    else:
+        cache.view(torch.uint8)[index] = FP8_BYTES[fp8].get(value, FP8_BYTES[fp8][NAN])
+
+
+def plant_nonfinite(case: Case, *, visible=(), fp8=None):
+    """Plants NONFINITE values, in turn, into the keys or values of: without a window, each multi-row sequence's last
+    token (seen by its last row only) and, with 4 or more rows, the token of its middle row (seen from there on);
+    with a window, every token t with t % 16 == 5 (seen by the rows t to t + window - 1: rows before them, in the same
+    tile, and after them, with t before their window, must not see it) but those every row sees. visible:
+    (sequence, cache, value) planted in the sequence's last token, which its last row sees. The unused slots of each
+    partially filled last block become +inf (keys) and -inf (values) instead of NaN (e4m3: NaN)."""
+    t = case.tensors
+    window = case.scalars["sliding_window"]
+    block_size = t["key_cache"].shape[1]
+    head_dim = t["key_cache"].shape[3]
+    planted = 0
+    for s, (seq_len, rows) in enumerate(sequences(case)):
+        if window:
+            tokens = [token for token in range(seq_len)
+                      if token % 16 == 5 and not seq_len - window <= token < seq_len - rows]
+        else:
+            tokens = [seq_len - 1] if rows >= 2 else []
+            if rows >= 4:
+                tokens.append(seq_len - rows + rows // 2)
+        plants = [(token, *NONFINITE[(planted + i) % len(NONFINITE)]) for i, token in enumerate(tokens)]
+        planted += len(plants)
+        plants += [(seq_len - 1, cache, value) for seq, cache, value in visible if seq == s]
+        for token, cache, value in plants:
+            block = t["block_tables"][s, token // block_size]
+            set_element(t[cache], (block, token % block_size, 0, (7 * planted + token) % head_dim), value, fp8)
+        if seq_len % block_size:
+            block, first = t["block_tables"][s, seq_len // block_size], seq_len % block_size
+            set_element(t["key_cache"], (block, slice(first, None)), INF, fp8)
+            set_element(t["value_cache"], (block, slice(first, None)), -INF, fp8)
+    return case
+
+
+def check_nonfinite(driver, case: Case, tmp_path, fp8=None):
+    """The kernels' output against the reference's, NaN and inf included (the same elements in both); the planted
+    values must reach some rows and not others."""
+    t, scalars = case.tensors, case.scalars
+    out = run_everywhere(driver, case, tmp_path, ["out"])["out"]
+    keys, values, kwargs = t["key_cache"], t["value_cache"], {}
+    if fp8 is not None:
+        keys = reference.dequantize_fp8(keys, t["k_scale"], torch.float64)
+        values = reference.dequantize_fp8(values, t["v_scale"], torch.float64)
+    expected = reference.paged_attention(
+        t["query"], keys, values, t["block_tables"], t["seq_lens"], scale=scalars["scale"],
+        sliding_window=scalars["sliding_window"] or None, logits_soft_cap=scalars["soft_cap"] or None,
+        query_start_loc=t.get("query_start_loc"), compute_dtype=torch.float64)
+    finite = expected.isfinite().all(-1)
+    assert finite.any() and not finite.all(), "the planted values must reach some rows and not others"
+    torch.testing.assert_close(out.double(), expected.double(), equal_nan=True, **tolerance(case.dtype))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single_pass-bf16", "split_kv-float"])
+def test_attention_nonfinite_outside_the_window(driver, tmp_path, split):
+    """Decode rows with a window of 20: NaN and inf before the window (in the window's first block and partition,
+    and in partitions before it), and in unused slots; a visible NaN key (sequence 5: the only token of its last
+    32-token partition) must give NaN."""
+    dtype = torch.float32 if split else torch.bfloat16
+    case = attention_case([5, 20, 21, 100, 130, 33], 8, 2, 64, 16, dtype, sliding_window=20, split=split)
+    check_nonfinite(driver, plant_nonfinite(case, visible=[(5, "key_cache", NAN)]), tmp_path)
+
+
+NONFINITE_SPECS = [(37, 37), (50, 1), (70, 13), (40, 2), (0, 0), (33, 1), (20, 4)]
+NONFINITE_EVERY_ROW_SPECS = [(37, 12), (50, 1), (70, 5), (40, 2), (33, 1)]
+
+
+@pytest.mark.parametrize("dtype, head_dim, window, every_row, split", [
+    (torch.bfloat16, 128, None, False, False),  # the tensor-core kernel, keys after each row
+    (torch.float16, 64, 7, False, False),      # the tensor-core kernel, a window of 7 (several per tile)
+    (torch.bfloat16, 256, 20, False, False),   # the tensor-core kernel's 32-key steps
+    (torch.float32, 64, 7, True, False),       # the decode kernels for every row
+    (torch.bfloat16, 64, None, True, True),    # every row, split-KV and the reduce
+], ids=["bf16-128", "half-64-window7", "bf16-256-window20", "float-64-every_row-window7", "bf16-every_row-split"])
+def test_varlen_nonfinite_outside_each_rows_view(driver, tmp_path, dtype, head_dim, window, every_row, split):
+    """query_start_loc: NaN and inf after each row's position (in the same tile and key step as the keys it sees),
+    before its window, in unused slots; a visible NaN key in a decode row (sequence 1) must give NaN, as the last
+    row of each multi-row sequence does (it sees the planted last token)."""
+    specs = NONFINITE_EVERY_ROW_SPECS if every_row else NONFINITE_SPECS
+    case = varlen_case(specs, 8, 2, head_dim, 16, dtype, layout="packed", sliding_window=window, every_row=every_row,
+                       split=split)
+    check_nonfinite(driver, plant_nonfinite(case, visible=[(1, "key_cache", NAN)]), tmp_path)
+
+
+@pytest.mark.parametrize("fp8, dtype, window", [(torch.float8_e5m2, torch.bfloat16, None),
+                                                (torch.float8_e4m3fn, torch.float16, 7)],
+                         ids=["e5m2-bf16", "e4m3-half-window7"])
+def test_fp8_varlen_nonfinite_outside_each_rows_view(driver, tmp_path, fp8, dtype, window):
+    """The tensor-core kernel on fp8 caches (values converted into shared memory): NaN and inf bytes (e4m3: NaN
+    only) outside each row's view."""
+    case = varlen_case(NONFINITE_SPECS, 8, 2, 64, 16, torch.float32, sliding_window=window)
+    case = fp8_attention(case, fp8, dtype)
+    check_nonfinite(driver, plant_nonfinite(case, visible=[(1, "key_cache", NAN)], fp8=fp8), tmp_path, fp8)

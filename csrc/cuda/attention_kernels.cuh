@@ -430,6 +430,9 @@ __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], con
 
 // 2. Online softmax, one warp per query head: raise the running max to the tile's, turn the tile's logits into
 // p = exp(x - max), rescale the running sum and add the tile's. rescale_s[g] tells step 3 how to rescale.
+// Non-finite logits (NaN or inf keys, all visible: a task reads only its row's tokens): a NaN logit leaves the max
+// alone (fmaxf) and makes its p, the sum and the output NaN; while every logit so far is -inf, p is exp(-inf - 0)
+// = 0, never exp(-inf - -inf) = NaN, as the reference's softmax gives 0 there (and 0 / 0 = NaN when all are).
 template <int GROUP>
 __device__ __forceinline__ void tile_softmax(float (&logits_s)[GROUP][kTile], float (&max_s)[GROUP],
                                              float (&sum_s)[GROUP], float (&rescale_s)[GROUP], int num_heads,
@@ -439,16 +442,17 @@ __device__ __forceinline__ void tile_softmax(float (&logits_s)[GROUP][kTile], fl
     float tile_max = -INFINITY;
     for (int j = lane; j < n; j += 32) tile_max = fmaxf(tile_max, logits_s[g][j]);
     const float new_max = fmaxf(max_s[g], warp_max(tile_max));
+    const float base = new_max == -INFINITY ? 0.0f : new_max;  // the same as new_max for any finite logit
     float tile_sum = 0.0f;
     for (int j = lane; j < n; j += 32) {
-      const float prob = __expf(logits_s[g][j] - new_max);
+      const float prob = __expf(logits_s[g][j] - base);
       logits_s[g][j] = prob;
       tile_sum += prob;
     }
     tile_sum = sum_over_lanes<32>(tile_sum);
     __syncwarp();  // every lane has read max_s[g]
     if (lane == 0) {
-      const float rescale = __expf(max_s[g] - new_max);  // 0 on the first tile (max_s = -inf)
+      const float rescale = __expf(max_s[g] - base);  // 0 on the first tile (max_s = -inf)
       rescale_s[g] = rescale;
       sum_s[g] = sum_s[g] * rescale + tile_sum;
       max_s[g] = new_max;
@@ -517,7 +521,8 @@ __device__ __forceinline__ void combine_and_write(
     if (p.num_partitions == 1) {
       const float sum = sum_s[g];
       const int64_t out_row = row * p.num_heads + task.first_head + g;
-      from_float(p.out[out_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);
+      // the task has tokens, so sum >= 1, or NaN (a NaN logit: NaN out, never 0), or 0 (every logit -inf: 0 / 0)
+      from_float(p.out[out_row * HEAD_DIM + d], o / sum);
     } else {
       const int64_t slot = (static_cast<int64_t>(blockIdx.x) * p.num_heads + task.first_head + g) * p.num_partitions +
                            task.partition;
@@ -591,7 +596,9 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
 // Merges the partitions of split-KV for one (sequence, query head): with M the largest partition max,
 // out = sum_p w_p * partial_out_p / sum_p w_p * partial_sum_p, w_p = exp(partial_max_p - M), over the partitions
 // that hold tokens (the others' outputs are never read), kReduceChunk partitions at a time. Every thread adds in
-// partition order, so the result does not depend on thread timing.
+// partition order, so the result does not depend on thread timing. Every such partition is added, also at weight
+// 0 (0 * NaN = NaN: a partition whose sum or output is NaN, from a NaN logit or value, makes the row NaN, as in the
+// reference, even when its max is -inf or far below M).
 // Grid (plan.reduce_grid): (num_items, num_heads), kAttentionThreads threads.
 template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kernel(const AttentionParams<T, C> p) {
@@ -630,7 +637,6 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
     __syncthreads();
     for (int c = 0; c < count; ++c) {
       const float w = weights_s[c];
-      if (w == 0.0f) continue;  // no logit (or a negligible weight): nothing to read
       total += w * sums[chunk + c];
       const float* out_c = outs + static_cast<int64_t>(chunk + c) * HEAD_DIM;
 #pragma unroll
@@ -645,7 +651,8 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
   for (int k = 0; k < DIMS_PER_THREAD; ++k) {
     const int d = tid + k * kAttentionThreads;
     if (d < HEAD_DIM) {
-      from_float(p.out[(item.row * p.num_heads + head) * HEAD_DIM + d], total > 0.0f ? o[k] / total : 0.0f);
+      // no partition (seq_len 0): 0; else total >= 1, NaN, or 0 when every logit is -inf (0 / 0 = NaN)
+      from_float(p.out[(item.row * p.num_heads + head) * HEAD_DIM + d], first < last ? o[k] / total : 0.0f);
     }
   }
 }

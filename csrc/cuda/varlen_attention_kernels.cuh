@@ -24,7 +24,8 @@
 // some row of the tile sees (causal: up to the tile's last position; window: from its first position's start):
 //   1. gather   all threads copy the N keys' K and V rows (16-byte loads through the block table) into shared
 //               memory, as the input type (an fp8 cache's values converted: exact, every fp8 value is a half and a
-//               bfloat16); rows past key_end are zeros (their slots may be NaN-poisoned or unowned).
+//               bfloat16); rows past key_end are zeros (their slots may be NaN-poisoned or unowned). A key step
+//               whose values hold an inf or NaN is marked (__syncthreads_or): see 4a and 4b.
 //   2. logits   each warp owns 16 rows: S = Q K^T (16 x N) with wmma m16n16k16 (Q and K from shared memory), in
 //               float32, stored to shared memory.
 //   3. softmax  lanes 2r and 2r + 1 own row r of the warp: scale, soft cap, ALiBi and the causal/window mask per
@@ -34,6 +35,13 @@
 //   4. values   O (16 x head_dim, float32 accumulator fragments in registers) is rescaled row by row, then
 //               O += P V with wmma. A fragment's element layout is unspecified, so the rescale reaches the elements
 //               as a fragment loaded from a 16 x 16 matrix whose row r holds row r's rescale (written in step 3).
+//   4a, 4b      only in a key step whose values hold an inf or NaN (none in a sane cache: no cost otherwise):
+//               P V takes 0 in their place, since a masked p = 0 times NaN or inf is NaN (and would reach rows
+//               that cannot see the key); then each row adds p v for those values among the keys it sees (the
+//               values as they were, moved to k_s, free after step 2), as a fragment loaded from a 16 x 16 matrix
+//               per 16 columns of O.
+// Masked logits are replaced by -inf (a select: a NaN or inf key's logit must not survive the mask), so a key's
+// NaN or inf reaches exactly the rows that see it, as in the reference.
 // Then O / l is staged through shared memory (over Q, K and V) and written as the input type.
 //
 // fp8 caches (AttentionParams<T, Fp8>): K and V hold the stored values in shared memory; k_scale multiplies the
@@ -110,12 +118,36 @@ __device__ __forceinline__ VarlenTile varlen_tile(const AttentionParams<T, C>& p
   return tile;
 }
 
+// Two values of T (half or bfloat16) with each inf or NaN (exponent bits all ones) replaced by +0; nonfinite is
+// set when there was one.
+template <typename T>
+__device__ __forceinline__ uint32_t zero_nonfinite(uint32_t pair, bool& nonfinite) {
+  constexpr uint32_t kExponent = std::is_same_v<T, __half> ? 0x7C00u : 0x7F80u;
+  uint32_t keep = 0xFFFFFFFFu;
+  if ((pair & kExponent) == kExponent) keep &= 0xFFFF0000u;
+  if ((pair & (kExponent << 16)) == (kExponent << 16)) keep &= 0x0000FFFFu;
+  nonfinite |= keep != 0xFFFFFFFFu;
+  return pair & keep;
+}
+// The same for a 16-byte vector of 8 values.
+template <typename T>
+__device__ __forceinline__ uint4 zero_nonfinite(uint4 x, bool& nonfinite) {
+  x.x = zero_nonfinite<T>(x.x, nonfinite), x.y = zero_nonfinite<T>(x.y, nonfinite);
+  x.z = zero_nonfinite<T>(x.z, nonfinite), x.w = zero_nonfinite<T>(x.w, nonfinite);
+  return x;
+}
+
 // A 16-byte vector of cache elements C, stored at dst (16-byte aligned shared memory) as values of T: as it is
-// (C = T), or its 16 fp8 values converted (exactly) into 32 bytes.
+// (C = T), or its 16 fp8 values converted (exactly) into 32 bytes. Returns whether a value is an inf or NaN.
 template <typename T, typename C>
-__device__ __forceinline__ void store_cache_vec(T* dst, const uint4& v, __nv_fp8_interpretation_t format) {
+__device__ __forceinline__ bool store_cache_vec(T* dst, const uint4& v, __nv_fp8_interpretation_t format) {
+  bool nonfinite = false;
+  const auto store = [&](int i, const uint4& x) {
+    (void)zero_nonfinite<T>(x, nonfinite);  // (only the test: the stores are as they are)
+    reinterpret_cast<uint4*>(dst)[i] = x;
+  };
   if constexpr (std::is_same_v<C, T>) {
-    *reinterpret_cast<uint4*>(dst) = v;
+    store(0, v);
   } else {
     float f[16];
     fp8_to_floats(v, f, format);
@@ -123,9 +155,10 @@ __device__ __forceinline__ void store_cache_vec(T* dst, const uint4& v, __nv_fp8
     T* const values = reinterpret_cast<T*>(halves);
 #pragma unroll
     for (int e = 0; e < 16; ++e) from_float(values[e], f[e]);
-    reinterpret_cast<uint4*>(dst)[0] = halves[0];
-    reinterpret_cast<uint4*>(dst)[1] = halves[1];
+    store(0, halves[0]);
+    store(1, halves[1]);
   }
+  return nonfinite;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -193,6 +226,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
   const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
   const float logit_scale = p.k_scale != nullptr ? p.scale * *p.k_scale : p.scale;
   float running_max = -INFINITY, running_sum = 0.0f;
+  const auto sees = [&](int t) { return t <= pos && (p.sliding_window == 0 || t > pos - p.sliding_window); };
 
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(tile.seq) * p.max_blocks_per_seq;
   float* const s_w = s_s + warp * 16 * S_LD;  // this warp's 16 rows of S
@@ -202,6 +236,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
     const int n = min(N, tile.key_end - key0);
 
     // 1. gather
+    bool nonfinite = false;  // this thread stored an inf or NaN value
     for (int i = tid; i < N * ROW_VECS; i += kVarlenThreads) {
       const int j = i / ROW_VECS, v = i % ROW_VECS;
       uint4 key = {0, 0, 0, 0}, value = {0, 0, 0, 0};
@@ -209,10 +244,10 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
         key = *reinterpret_cast<const uint4*>(p.key_cache.row(block_table, key0 + j, tile.kv_head) + v * VEC);
         value = *reinterpret_cast<const uint4*>(p.value_cache.row(block_table, key0 + j, tile.kv_head) + v * VEC);
       }
-      store_cache_vec<T, C>(k_s + j * QKV_LD + v * VEC, key, p.fp8_format);
-      store_cache_vec<T, C>(v_s + j * QKV_LD + v * VEC, value, p.fp8_format);
+      (void)store_cache_vec<T, C>(k_s + j * QKV_LD + v * VEC, key, p.fp8_format);
+      nonfinite |= store_cache_vec<T, C>(v_s + j * QKV_LD + v * VEC, value, p.fp8_format);
     }
-    __syncthreads();
+    const bool fix_values = __syncthreads_or(nonfinite);  // uniform across the thread block
 
     // 2. logits: S = Q K^T (K^T is K read column-major)
     {
@@ -244,8 +279,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
       float x = s_row[c] * logit_scale;
       if (p.soft_cap > 0.0f) x = p.soft_cap * tanhf(x * inv_soft_cap);
       x += slope * static_cast<float>(t - pos);
-      const bool visible = c < n && t <= pos && (p.sliding_window == 0 || t > pos - p.sliding_window);
-      x = visible ? x : -INFINITY;
+      x = c < n && sees(t) ? x : -INFINITY;  // a select: a NaN logit must not survive the mask
       s_row[c] = x;
       tile_max = fmaxf(tile_max, x);
     }
@@ -267,6 +301,22 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
     for (int c = half; c < 16; c += 2) rescale_w[(lane / 2) * 16 + c] = rescale;
     __syncwarp();
 
+    // 4a. (only in a key step whose values hold an inf or NaN) the values as they are move to k_s, free once
+    // every warp is done with step 2, and v_s keeps them with each inf or NaN replaced by 0, for P V: a masked p
+    // of 0 times NaN or inf would be NaN. 4b adds them back, for the rows that see them.
+    if (fix_values) {  // uniform across the thread block
+      __syncthreads();
+      for (int i = tid; i < N * (HEAD_DIM / 8); i += kVarlenThreads) {
+        const int j = i / (HEAD_DIM / 8), v = i % (HEAD_DIM / 8);
+        uint4* const value = reinterpret_cast<uint4*>(v_s + j * QKV_LD + v * 8);
+        const uint4 x = *value;
+        *reinterpret_cast<uint4*>(k_s + j * QKV_LD + v * 8) = x;
+        bool unused = false;
+        *value = zero_nonfinite<T>(x, unused);
+      }
+      __syncthreads();
+    }
+
     // 4. values: O = O * rescale (per row) + P V
     {
       Accumulator row_rescale;  // every element: its row's rescale (whatever the fragment's layout)
@@ -287,6 +337,34 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
         wmma::mma_sync(o[f], prob, value, o[f]);
       }
     }
+
+    // 4b. O += p v for the inf and NaN values this row sees (the values as they are in k_s): lanes 2r and 2r + 1
+    // take row r's columns [8 half, 8 half + 8) of each 16 columns of O, one at a time (few registers: they are
+    // spent on O), p in float from the row's logits.
+    if (fix_values) {  // uniform across the thread block
+      const float* const x_row = s_w + (lane / 2) * S_LD;
+      const float row_base = running_max == -INFINITY ? 0.0f : running_max;  // step 3's base
+#pragma unroll
+      for (int f = 0; f < D_FRAGS; ++f) {  // unrolled: o[f] stays in registers
+        __syncwarp();  // every lane has loaded rescale_w (above), or the previous columns' matrix
+#pragma unroll 1
+        for (int e = 0; e < 8; ++e) {
+          const int d = f * 16 + half * 8 + e;
+          float extra = 0.0f;
+#pragma unroll 1
+          for (int c = 0; c < n; ++c) {
+            const float v = to_float(k_s[c * QKV_LD + d]);
+            if (sees(key0 + c) && !(fabsf(v) < INFINITY)) extra += __expf(x_row[c] - row_base) * v;
+          }
+          rescale_w[(lane / 2) * 16 + half * 8 + e] = extra;
+        }
+        __syncwarp();
+        Accumulator fix;
+        wmma::load_matrix_sync(fix, rescale_w, 16, wmma::mem_row_major);
+#pragma unroll
+        for (int e = 0; e < Accumulator::num_elements; ++e) o[f].x[e] += fix.x[e];
+      }
+    }
     __syncthreads();  // k_s, v_s (and then q_s: O is staged over them) are rewritten next
   }
 
@@ -297,7 +375,9 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
   __syncwarp();
   if (has_row(row)) {
     const float v_scale = p.v_scale != nullptr ? *p.v_scale : 1.0f;
-    const float inv_sum = running_sum > 0.0f ? v_scale / running_sum : 0.0f;  // 0: a row that sees no key
+    // pos < 0: a row that sees no key (an invalid query_start_loc): 0. Else running_sum >= 1, or NaN (a NaN logit),
+    // or 0 when every logit it sees is -inf (0 / 0 = NaN, as the reference).
+    const float inv_sum = pos >= 0 ? v_scale / running_sum : 0.0f;
     const int64_t out_row = static_cast<int64_t>(tile.first_row + row / p.heads_per_block) * p.num_heads +
                             tile.first_head + row % p.heads_per_block;
     T* const out = p.out + out_row * HEAD_DIM;

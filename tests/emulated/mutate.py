@@ -26,13 +26,15 @@ CACHE = "csrc/cuda/paged_cache.cuh"
 CACHE_OPS = "csrc/cuda/cache_ops_kernels.cuh"
 VARLEN = "csrc/cuda/varlen_attention_kernels.cuh"
 VARLEN_TESTS = "varlen"  # pytest -k: the tensor-core kernel's mutants run only the variable-length tests
+NONFINITE_TESTS = "nonfinite"  # and the NaN / inf mutants only the tests that plant them
 
 # name -> (file, text, replacement[, pytest -k expression])
 MUTANTS = {
     "missing __syncthreads between steps 1 and 2": (
         ATTENTION,
-        "tile_logits<T, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);\n    __syncthreads();",
-        "tile_logits<T, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);"),
+        "tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);\n"
+        "    __syncthreads();",
+        "tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);"),
     "shuffle inside a divergent branch": (
         ATTENTION,
         "      dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end\n"
@@ -64,8 +66,8 @@ MUTANTS = {
         "  if (true) {", "copy_blocks"),
     "tensor-core kernel: a causal bound off by one (a row sees the next token)": (
         VARLEN,
-        "const bool visible = c < n && t <= pos &&",
-        "const bool visible = c < n && t <= pos + 1 &&", VARLEN_TESTS),
+        "const auto sees = [&](int t) { return t <= pos &&",
+        "const auto sees = [&](int t) { return t <= pos + 1 &&", VARLEN_TESTS),
     "tensor-core kernel: the last key step is skipped (key_end one short)": (
         VARLEN,
         "tile.key_end = max(tile.first_pos + tile.tokens, 0);",
@@ -78,6 +80,27 @@ MUTANTS = {
         VARLEN,
         "    for (int c = half; c < 16; c += 2) rescale_w[(lane / 2) * 16 + c] = rescale;\n    __syncwarp();",
         "    for (int c = half; c < 16; c += 2) rescale_w[(lane / 2) * 16 + c] = rescale;", VARLEN_TESTS),
+    # NaN and inf outside a row's view (test_*nonfinite*: only those tests run)
+    "tensor-core kernel: inf and NaN values not zeroed for the P V product (0 * NaN reaches masked rows)": (
+        VARLEN,
+        "*value = zero_nonfinite<T>(x, unused);",
+        "*value = x;", NONFINITE_TESTS),
+    "tensor-core kernel: the non-finite values' correction ignores the mask": (
+        VARLEN,
+        "if (sees(key0 + c) && !(fabsf(v) < INFINITY))",
+        "if (!(fabsf(v) < INFINITY))", NONFINITE_TESTS),
+    "tensor-core kernel: the mask added to the logits, not selected (a NaN logit survives it)": (
+        VARLEN,
+        "x = c < n && sees(t) ? x : -INFINITY;",
+        "x += c < n && sees(t) ? 0.0f : -INFINITY;", NONFINITE_TESTS),
+    "decode kernel: a NaN sum (a visible NaN key) written as 0": (
+        ATTENTION,
+        "from_float(p.out[out_row * HEAD_DIM + d], o / sum);",
+        "from_float(p.out[out_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);", NONFINITE_TESTS),
+    "the reduce skips partitions of weight 0 (a NaN partition whose max is -inf)": (
+        ATTENTION,
+        "      total += w * sums[chunk + c];",
+        "      if (w == 0.0f) continue;\n      total += w * sums[chunk + c];", NONFINITE_TESTS),
 }
 
 # What caught it, from the first failure's report.

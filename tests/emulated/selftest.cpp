@@ -124,11 +124,18 @@ int shuffles(const simt::Options& options) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Votes: ballot/any/all over the whole warp, and over half of it while the other half does something else.
+// Votes: ballot/any/all over the whole warp, and over half of it while the other half does something else; the
+// block-wide votes of __syncthreads_or / _and / _count.
 
-__global__ void vote_kernel(unsigned* out) {  // [64][6]
+__global__ void vote_kernel(unsigned* out) {  // [64][9]
   const int tid = threadIdx.x, lane = tid % 32;
-  unsigned* o = out + 6 * tid;
+  unsigned* o = out + 9 * tid;
+  // block-wide votes: 1 = (true, false) each
+  o[6] = __syncthreads_or(tid == 40);
+  o[6] += 2 * __syncthreads_or(0);
+  o[7] = __syncthreads_and(tid < 64);
+  o[7] += 2 * __syncthreads_and(tid != 3);
+  o[8] = __syncthreads_count(tid % 5 == 0);
   o[0] = __ballot_sync(0xffffffffu, lane % 3 == 0);
   o[1] = __any_sync(0xffffffffu, tid == 40);  // true in warp 1 only
   o[2] = __all_sync(0xffffffffu, tid < 48);   // true in warp 0 only
@@ -144,11 +151,14 @@ __global__ void vote_kernel(unsigned* out) {  // [64][6]
 }
 
 int votes(const simt::Options& options) {
-  std::vector<unsigned> out(64 * 6);
+  std::vector<unsigned> out(64 * 9);
   simt::launch(options, vote_kernel, dim3(1), dim3(64), 0, out.data());
   for (int tid = 0; tid < 64; ++tid) {
     const int lane = tid % 32, warp = tid / 32;
-    const unsigned* o = &out[6 * tid];
+    const unsigned* o = &out[9 * tid];
+    CHECK(o[6] == 1u, "thread %d __syncthreads_or %u", tid, o[6]);
+    CHECK(o[7] == 1u, "thread %d __syncthreads_and %u", tid, o[7]);
+    CHECK(o[8] == 13u, "thread %d __syncthreads_count %u", tid, o[8]);
     CHECK(o[0] == 0x49249249u, "thread %d ballot %08x", tid, o[0]);
     CHECK(o[1] == (warp == 1 ? 1u : 0u), "thread %d any %u", tid, o[1]);
     CHECK(o[2] == (warp == 0 ? 1u : 0u), "thread %d all %u", tid, o[2]);

@@ -731,9 +731,11 @@ class Run {
       return;
     }
     unsigned ballot = 0;
-    for (Thread* t : attendees) ballot |= (t->value != 0 ? 1u : 0u) << t->lane;
+    int count = 0;  // __syncthreads_or / _and / _count: the block's nonzero predicates
+    for (Thread* t : attendees) ballot |= (t->value != 0 ? 1u : 0u) << t->lane, count += t->value != 0;
     for (Thread* t : attendees) {
       switch (meeting.op) {
+        case Op::kSyncthreads: t->result = static_cast<uint64_t>(count); break;
         case Op::kBallot: t->result = ballot; break;
         case Op::kAny: t->result = ballot != 0; break;
         case Op::kAll: t->result = ballot == meeting.mask; break;
@@ -901,6 +903,18 @@ constexpr int warpSize = 32;
 // Waits until every thread of the block reaches this same __syncthreads.
 inline void __syncthreads(simt::Site site = simt::Site::here()) {
   simt::detail::collective(simt::detail::Op::kSyncthreads, site, 0, 0);
+}
+
+// __syncthreads that also counts the threads of the block whose predicate is nonzero: _count returns that count,
+// _or whether it is nonzero, _and whether it is every thread.
+inline int __syncthreads_count(int predicate, simt::Site site = simt::Site::here()) {
+  return static_cast<int>(simt::detail::collective(simt::detail::Op::kSyncthreads, site, 0, predicate != 0));
+}
+inline int __syncthreads_or(int predicate, simt::Site site = simt::Site::here()) {
+  return __syncthreads_count(predicate, site) != 0;
+}
+inline int __syncthreads_and(int predicate, simt::Site site = simt::Site::here()) {
+  return __syncthreads_count(predicate, site) == static_cast<int>(blockDim.x * blockDim.y * blockDim.z);
 }
 
 // Waits until every lane of `mask` (which must include the caller) reaches this same __syncwarp.
