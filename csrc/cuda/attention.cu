@@ -60,7 +60,7 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
   AttentionParams<T, C> params{};
   params.out = static_cast<T*>(out.data_ptr());
   params.query = static_cast<const T*>(query.data_ptr());
-  params.query_token_stride = query.stride(0), params.query_head_stride = query.stride(1);
+  params.query_row_stride = query.stride(0), params.query_head_stride = query.stride(1);
   // 16-byte aligned rows (checked by the caller)
   params.key_cache = paged_cache_of<const C>(key_cache), params.value_cache = paged_cache_of<const C>(value_cache);
   params.block_tables = block_tables.data_ptr<int32_t>();
@@ -71,7 +71,7 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
   params.num_heads = static_cast<int>(query.size(1));
   params.max_blocks_per_seq = block_tables.size(1);
   params.scale = static_cast<float>(scale);
-  params.soft_cap = static_cast<float>(logits_soft_cap);
+  params.logits_soft_cap = static_cast<float>(logits_soft_cap);
   params.k_scale = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
   params.v_scale = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
   params.fp8_format = key_cache.scalar_type() == at::kFloat8_e5m2 ? __NV_E5M2 : __NV_E4M3;

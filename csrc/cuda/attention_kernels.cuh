@@ -7,7 +7,7 @@
 // Math, per query row at position P of a sequence (P = L - 1 for the last token of a sequence of length L), query
 // head h (reading kv head h / group_size) and token t in [start, P], start = max(0, P + 1 - sliding_window) (0
 // without a window), as in csrc/cpu/attention.cpp:
-//   x_t = scale * (q . k_t);  x_t = cap * tanh(x_t / cap) if soft_cap = cap > 0;
+//   x_t = scale * (q . k_t);  x_t = cap * tanh(x_t / cap) if logits_soft_cap = cap > 0;
 //   x_t += slope[h] * (t - P) with ALiBi;  out = sum_t softmax(x)_t * v_t, accumulated in float32.
 // A row attends to the first P + 1 tokens: its "length" (seq_len below) is P + 1.
 //
@@ -83,7 +83,7 @@ struct AttentionParams {
   float* partial_max;   // [num_items, num_heads, num_partitions]            split-KV: each partition's max logit
   float* partial_sum;   // [num_items, num_heads, num_partitions]            split-KV: its sum of exp(logit - max)
   const T* query;       // [num_tokens, num_heads, head_dim], last dim contiguous:
-  int64_t query_token_stride, query_head_stride;  // (t, h, d) at t * query_token_stride + h * query_head_stride + d
+  int64_t query_row_stride, query_head_stride;  // (t, h, d) at t * query_row_stride + h * query_head_stride + d
   PagedCache<const C> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
   PagedCache<const C> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
   const float* k_scale;             // [1] or nullptr (1.0): fp8 caches, keys read as float(stored) * k_scale
@@ -98,7 +98,7 @@ struct AttentionParams {
   int num_heads;
   int64_t max_blocks_per_seq;  // the block table's width (row stride)
   float scale;     // logits are scale * (q . k)
-  float soft_cap;  // > 0: logits become soft_cap * tanh(logit / soft_cap), before ALiBi; 0: none
+  float logits_soft_cap;  // > 0: logits become logits_soft_cap * tanh(logit / logits_soft_cap), before ALiBi; 0: none
   // From the plan (set_plan, or set_varlen_plan for the tensor-core kernel).
   int group_size, head_chunks, heads_per_block;
   int max_context;     // max_blocks_per_seq * block_size, at most INT32_MAX
@@ -344,7 +344,7 @@ template <typename T, typename C, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void load_query(HeadSlices<C, HEAD_DIM, GROUP>& q, const AttentionParams<T, C>& p,
                                            const AttentionTask& task, const DecodeSplit<C, HEAD_DIM, GROUP>& rs) {
   using R = DecodeSplit<C, HEAD_DIM, GROUP>;
-  const T* query = p.query + query_row(p) * p.query_token_stride + task.first_head * p.query_head_stride;
+  const T* query = p.query + query_row(p) * p.query_row_stride + task.first_head * p.query_head_stride;
   const float scale = p.k_scale != nullptr ? p.scale * *p.k_scale : p.scale;  // q . (k_scale k) = (k_scale q) . k
 #pragma unroll
   for (int g = 0; g < GROUP; ++g)
@@ -399,7 +399,7 @@ __device__ __forceinline__ void for_each_row(const PagedCache<const C>& cache, c
   }
 }
 
-// 1. logits_s[g][j] for the tile's n tokens tile_begin + j. inv_soft_cap = 1 / soft_cap.
+// 1. logits_s[g][j] for the tile's n tokens tile_begin + j. inv_soft_cap = 1 / logits_soft_cap.
 // NOTE: a division in this loop would call the slow path of IEEE division and make ptxas spill registers.
 template <typename T, typename C, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], const HeadSlices<C, HEAD_DIM, GROUP>& q,
@@ -418,7 +418,7 @@ __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], con
         for (int e = 0; e < R::VEC; ++e) dot = fmaf(q[g][i][e], kf[i][e], dot);
       dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end
       if (rs.row_lane == 0 && j < n) {
-        if (p.soft_cap > 0.0f) dot = p.soft_cap * tanhf(dot * inv_soft_cap);
+        if (p.logits_soft_cap > 0.0f) dot = p.logits_soft_cap * tanhf(dot * inv_soft_cap);
         if (p.alibi_slopes != nullptr) {
           dot += p.alibi_slopes[task.first_head + g] * static_cast<float>(tile_begin + j - (task.seq_len - 1));
         }
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
     write_empty<T, C, HEAD_DIM>(p, task);
     return;
   }
-  const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
+  const float inv_soft_cap = p.logits_soft_cap > 0.0f ? 1.0f / p.logits_soft_cap : 0.0f;
   const R rs(threadIdx.x);
   HeadSlices<C, HEAD_DIM, GROUP> q;    // this lane's slice of every query of the block (pre-scaled)
   HeadSlices<C, HEAD_DIM, GROUP> acc;  // this row group's weighted sum of V rows, same slice

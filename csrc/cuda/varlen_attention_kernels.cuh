@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
     from_float(x, 0.0f);
     if (has_row(r)) {
       const int64_t row = tile.first_row + r / p.heads_per_block;
-      x = p.query[row * p.query_token_stride + (tile.first_head + r % p.heads_per_block) * p.query_head_stride + d];
+      x = p.query[row * p.query_row_stride + (tile.first_head + r % p.heads_per_block) * p.query_head_stride + d];
     }
     q_s[r * QKV_LD + d] = x;
   }
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
   const int row = warp * 16 + lane / 2, half = lane % 2;
   const int pos = row_pos_s[row];
   const float slope = row_slope_s[row];
-  const float inv_soft_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
+  const float inv_soft_cap = p.logits_soft_cap > 0.0f ? 1.0f / p.logits_soft_cap : 0.0f;
   const float logit_scale = p.k_scale != nullptr ? p.scale * *p.k_scale : p.scale;
   float running_max = -INFINITY, running_sum = 0.0f;
   const auto sees = [&](int t) { return t <= pos && (p.sliding_window == 0 || t > pos - p.sliding_window); };
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
     for (int c = half; c < N; c += 2) {
       const int t = key0 + c;
       float x = s_row[c] * logit_scale;
-      if (p.soft_cap > 0.0f) x = p.soft_cap * tanhf(x * inv_soft_cap);
+      if (p.logits_soft_cap > 0.0f) x = p.logits_soft_cap * tanhf(x * inv_soft_cap);
       x += slope * static_cast<float>(t - pos);
       x = c < n && sees(t) ? x : -INFINITY;  // a select: a NaN logit must not survive the mask
       s_row[c] = x;

@@ -220,7 +220,7 @@ void run_attention(const Case& c, const simt::Options& options) {
   paged_attn::AttentionParams<T, C> p{};
   p.out = out.as<T>();
   p.query = query.as<const T>();
-  p.query_token_stride = query.stride(0), p.query_head_stride = query.stride(1);
+  p.query_row_stride = query.stride(0), p.query_head_stride = query.stride(1);
   p.key_cache = cache_of<C>(key_cache), p.value_cache = cache_of<C>(value_cache);
   p.k_scale = scale_of(c, "k_scale"), p.v_scale = scale_of(c, "v_scale");
   p.fp8_format = fp8_interpretation(c);
@@ -231,7 +231,7 @@ void run_attention(const Case& c, const simt::Options& options) {
   p.num_seqs = static_cast<int>(num_seqs), p.num_tokens = static_cast<int>(num_tokens);
   p.num_heads = static_cast<int>(num_heads), p.max_blocks_per_seq = block_tables.size(1);
   p.scale = static_cast<float>(c.scalar("scale"));
-  p.soft_cap = static_cast<float>(c.scalar("soft_cap"));
+  p.logits_soft_cap = static_cast<float>(c.scalar("soft_cap"));
   if (!varlen) {
     p.rows = paged_attn::QueryRows::kLastOfEachSeq;
     run_decode_kernels(c, options, p, num_seqs);
