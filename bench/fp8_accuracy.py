@@ -16,7 +16,7 @@ Variants: fp8 e4m3 and e5m2, scales 1.0 (vLLM's default) and calibrated (from th
 Then the format alone, without the fp8 kernels: a float32 cache holding keys and values rounded to a narrower
 format before they are written (``rounded_kv``), teacher-forced the same way: e4m3 keys and values, keys only,
 values only, e5m2, and bfloat16 for scale. Where e4m3 in the fp32 cache agrees as often as the fp8 cache, the
-loss is the format's, not the kernels'. tests/test_fp8_engine.py asserts the bounds::
+loss is the format's, not the kernels'. tests/engine/test_fp8_engine.py asserts the bounds::
 
     GOMP_SPINCOUNT=0 .venv/bin/python bench/fp8_accuracy.py [--max-tokens 64]
 """

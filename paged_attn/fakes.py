@@ -8,7 +8,7 @@ and an index tensor on the meta device next to real caches is refused instead of
 index ranges and scale values need the real tensors; the kernels check those when they run (on CUDA index ranges and
 scale values only with validation on). The one value a fake can know: a scale made as a constant while tracing
 (torch.tensor([0.0]) inside the traced code) carries it, and is checked (_known_value).
-The messages are held to the C++ ones by tests/test_torch_library.py, which runs every error case of the op tests
+The messages are held to the C++ ones by tests/ops/test_torch_library.py, which runs every error case of the op tests
 through both. Cache layout: see paged_attn/ops.py.
 """
 

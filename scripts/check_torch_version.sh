@@ -32,7 +32,7 @@ if ! "$VENV/bin/python" setup.py build_ext --inplace > build.log 2>&1; then
 fi
 grep '^paged_attn:' build.log || true
 "$VENV/bin/python" scripts/ptxas_report.py --summary build.log
-# The emulated CUDA suites (tests/test_emulator.py, tests/test_emulated_kernels.py) compile the kernels with g++,
+# The emulated CUDA suites (tests/emulated/test_emulator.py, tests/emulated/test_emulated_kernels.py) compile the kernels with g++,
 # not against torch: they ran with the README's test command already.
 GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-0}" PYTHONPATH="$WORK" "$VENV/bin/python" -m pytest tests -q -p no:cacheprovider \
-  --ignore=tests/test_emulator.py --ignore=tests/test_emulated_kernels.py
+  --ignore=tests/emulated/test_emulator.py --ignore=tests/emulated/test_emulated_kernels.py

@@ -1,7 +1,16 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import paged_attn
+
+# The tests are grouped by subject (ops/, block_manager/, engine/, emulated/, build/, vllm_backend/); the emulated
+# and fp8 tests build their cases with the op tests' helpers (from test_attention import make_case, ...), so the
+# folders whose modules others import are on the path whichever test is collected first.
+for _folder in ("ops", "emulated"):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / _folder))
 
 HAS_GPU = torch.cuda.is_available()
 HAS_CUDA_OPS = HAS_GPU and paged_attn.has_cuda_kernels()

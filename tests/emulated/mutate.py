@@ -1,5 +1,5 @@
 """Proves that the emulated kernel tests bite: plants realistic bugs in copies of the CUDA kernels, runs the emulated
-suite (tests/test_emulated_kernels.py) on each, and reports which check caught it.
+suite (tests/emulated/test_emulated_kernels.py) on each, and reports which check caught it.
 
     .venv/bin/python tests/emulated/mutate.py [--only NAME ...] [--jobs N]
 
@@ -127,7 +127,7 @@ def run_mutant(name, file, text, replacement, python, select=None):
         path.write_text(source.replace(text, replacement))
         start = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": "0"}
-        command = [python, "-m", "pytest", "tests/test_emulated_kernels.py", "-x", "-q", "-p", "no:cacheprovider"]
+        command = [python, "-m", "pytest", "tests/emulated/test_emulated_kernels.py", "-x", "-q", "-p", "no:cacheprovider"]
         result = subprocess.run(command + (["-k", select] if select else []), cwd=scratch, env=env,
                                 capture_output=True, text=True)
         elapsed = time.perf_counter() - start

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"engine tests need {', '
 if not _MISSING:
     from paged_attn.engine import LLM, LlamaModel, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 

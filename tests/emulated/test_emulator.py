@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EMULATED = ROOT / "tests" / "emulated"
 BUILD_DIR = ROOT / "build" / "emulated"
 CXX = os.environ.get("CXX", "g++")

@@ -94,7 +94,7 @@ REAL_ONLY = {
         ("paged_attention", "seq too long"), ("paged_attention", "negative length"), ("paged_attention", "block id"),
         ("paged_attention", "block id = num_blocks"), ("paged_attention", "seq one past the table"),
     },
-    "scale values: a fake input has no value (one made as a constant while tracing has: tests/test_fp8.py)": {
+    "scale values: a fake input has no value (one made as a constant while tracing has: tests/ops/test_fp8.py)": {
         ("fp8", "zero k_scale"), ("fp8", "attention NaN v_scale"),
     },
 }
@@ -102,8 +102,8 @@ REAL_ONLY_CASES = {case: reason for reason, cases in REAL_ONLY.items() for case 
 
 
 def error_cases():
-    """(op, case name) for every error case of tests/test_cache_ops_errors.py, tests/test_attention.py and
-    tests/test_fp8.py."""
+    """(op, case name) for every error case of tests/ops/test_cache_ops_errors.py, tests/ops/test_attention.py and
+    tests/ops/test_fp8.py."""
     cases = [("reshape_and_cache", name) for name in errors.RESHAPE_ERRORS]
     cases += [("copy_blocks", name) for name in errors.COPY_ERRORS]
     cases += [("swap_blocks", name) for name in errors.SWAP_ERRORS]

@@ -318,7 +318,7 @@ def test_copy_and_swap_blocks_copy_bytes(device, cache_dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Errors (tests/test_torch_library.py also runs each through the fake kernels)
+# Errors (tests/ops/test_torch_library.py also runs each through the fake kernels)
 
 
 def fp8_case():

@@ -1,5 +1,5 @@
 """CUDA-only checks of paged_attention with query_start_loc and of strided caches (skipped without a GPU; the kernels
-themselves also run on every machine under the emulator, tests/test_emulated_kernels.py):
+themselves also run on every machine under the emulator, tests/emulated/test_emulated_kernels.py):
   - which kernel serves which rows must not change the result: head dims with and without a tensor-core kernel,
     groups above 64 heads, max_query_len given or not;
   - no host synchronization: the call is captured in a CUDA graph and replayed;

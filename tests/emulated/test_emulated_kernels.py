@@ -31,7 +31,7 @@ from test_varlen_attention import MIXED, make_varlen_case
 import paged_attn
 from paged_attn import reference
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EMULATED = ROOT / "tests" / "emulated"
 SOURCES = [EMULATED / "kernels.cpp", EMULATED / "simt.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
            ROOT / "csrc" / "cuda" / "launch_plan.h"]
