@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import paged_attn
+from bench_prefill import timed  # bench/, the script's folder, is on the path
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -45,12 +45,6 @@ def make_calls(prefix: int, window: int | None, chunk_len: int = 2):
         return paged_attn.paged_attention(*decode_args, **kwargs)
 
     return chunk, decode
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main():

@@ -1,3 +1,5 @@
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -81,3 +83,10 @@ def snapshot(bm):
             for seq_id, s in bm.seqs.items()}
     return (bm.stats(), blocks, [b.ref_count for b in bm.cpu_blocks], list(bm.free_gpu_block_ids),
             list(bm.prefix_cache.evictable_block_ids), list(bm.free_cpu_block_ids), dict(bm.prefix_cache.hash_to_block_id), seqs)
+
+
+def run_on_portable_path(script: str) -> None:
+    """Runs `script` in a child Python with PAGED_ATTN_NO_AVX512=1 (what CPUs without AVX-512 run: the choice is
+    made once per process), with this process's path, so it can import the test modules; fails if the script does."""
+    env = dict(os.environ, PAGED_ATTN_NO_AVX512="1", PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=Path(__file__).resolve().parent / "ops")

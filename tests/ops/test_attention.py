@@ -7,12 +7,11 @@ entries past a sequence's end hold garbage (-1 and huge ids).
 """
 
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICES, HAS_CUDA_OPS, requires_cuda
+from conftest import DEVICES, HAS_CUDA_OPS, requires_cuda, run_on_portable_path
 
 import paged_attn
 from paged_attn import reference
@@ -482,9 +481,6 @@ def test_cuda_unsupported_sizes(head_dim, block_size, message):
 def test_cpu_avx2_path_when_avx512_is_switched_off():
     # On a CPU with AVX512_BF16, bfloat16 takes an AVX-512 path picked at run time; PAGED_ATTN_NO_AVX512=1 forces
     # the AVX2 path (what CPUs without AVX-512 run), so both are tested here. The choice is made once per process.
-    import subprocess
-    import sys
-
     script = (
         "import torch, paged_attn\n"
         "from paged_attn import reference\n"
@@ -497,6 +493,4 @@ def test_cpu_avx2_path_when_avx512_is_switched_off():
         "for head_dim in (64, 128):\n"
         "    check_bfloat16_is_as_exact_as_float32_math(head_dim)\n"
     )
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PAGED_ATTN_NO_AVX512="1", PYTHONPATH=os.pathsep.join([tests_dir] + sys.path))
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=tests_dir)
+    run_on_portable_path(script)

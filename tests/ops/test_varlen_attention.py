@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, run_on_portable_path
 from test_attention import GARBAGE, NAN, dense_attention_float64, tolerance
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -303,10 +303,6 @@ def test_nan_and_inf_reach_only_the_rows_that_see_them(cache_dtype, poison, wher
 
 def test_nan_and_inf_reach_only_the_rows_that_see_them_on_the_portable_path():
     """The same grid with PAGED_ATTN_NO_AVX512=1 (what CPUs without AVX-512 run; chosen once per process)."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import test_varlen_attention as t\n"
         "for cache_dtype, poison in t.POISON_GRID:\n"
@@ -314,9 +310,7 @@ def test_nan_and_inf_reach_only_the_rows_that_see_them_on_the_portable_path():
         "        for window in (None, 8):\n"
         "            t.check_poison_reaches_only_rows_that_see_it(cache_dtype, 64, where, poison, window)\n"
     )
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PAGED_ATTN_NO_AVX512="1", PYTHONPATH=os.pathsep.join([tests_dir] + sys.path))
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=tests_dir)
+    run_on_portable_path(script)
 
 
 @pytest.mark.parametrize("cache_dtype,poison", [
