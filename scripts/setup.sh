@@ -40,3 +40,25 @@ cat build/registers.txt
 SITE="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$ROOT" > "$SITE/paged_attn_checkout.pth"
 .venv/bin/python -c 'import paged_attn; print("paged_attn ready: CUDA kernels", "built" if paged_attn.has_cuda_kernels() else "not built")'
+# The SASS performance report of the sm_90 kernels (scripts/sass_report.py: occupancy, the loads of every inner
+# loop, the modelled issue ceiling and bytes in flight), regenerated when the library is newer; its decode summary.
+SO="$(ls paged_attn/_C*.so 2>/dev/null | head -n 1)"
+if [ -n "$SO" ] && grep -q "sm_90" build/registers.txt; then
+  if [ ! -f build/sass_report.txt ] || [ "$SO" -nt build/sass_report.txt ]; then
+    .venv/bin/python scripts/sass_report.py --json-out build/sass_report.json "$SO" > build/sass_report.txt ||
+      rm -f build/sass_report.txt
+  fi
+  if [ -f build/sass_report.txt ]; then
+    sed -n '/^Decode targets/,$p' build/sass_report.txt
+    # against the kernels of bench/sass_baseline.json (the report of an earlier build): which got worse
+    if .venv/bin/python scripts/sass_report.py --baseline bench/sass_baseline.json build/sass_report.json \
+        > build/sass_baseline.txt 2>&1; then
+      echo "no kernel worse than bench/sass_baseline.json"
+    else
+      tail -n 1 build/sass_baseline.txt | cut -c1-300
+    fi
+    echo "(the whole report: build/sass_report.txt; against the baseline: build/sass_baseline.txt)"
+  else
+    echo "warning: scripts/sass_report.py failed (no SASS report)" >&2
+  fi
+fi
