@@ -1,9 +1,10 @@
 """Two CUDA paged_attention launches for Nsight Compute (bench/gpu_check.sh profiles them with ncu).
 
 Llama-3-8B-like shapes (32 query heads, 8 kv heads, head dim 128, bfloat16, block 16, shuffled blocks):
-  * batch 128 x 4,096 tokens: the single-pass kernel (1,024 thread blocks, one per sequence and kv head, at
-    least 4 per SM on an H200, so no split);
-  * batch 1 x 32,768 tokens: split-KV (partitions of 512 tokens) and the reduce kernel.
+  * batch 128 x 4,096 tokens: the single-pass kernel (1,024 thread blocks, one per sequence and kv head: two
+    waves of 132 SMs x 4 resident blocks on an H200, as short as any split's, so no split);
+  * batch 1 x 32,768 tokens: split-KV (64 partitions of 512 tokens, one per thread block: 512 blocks, one wave)
+    and the reduce kernel.
 Each case runs twice (the first launch of a kernel includes its module load); ncu records every launch.
 
     ncu --clock-control none -k regex:paged_attention python bench/ncu_cases.py

@@ -42,8 +42,8 @@ PyObject* grid_tuple(const paged_attn::Grid& grid) {
 
 // _launch_plan(kernel, *sizes) -> dict: the plan_* function of launch_plan.h for that kernel, its fields by name
 // ("error" is None when the launch is possible):
-//   "paged_attention": num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms
-//                      [, partition_tokens]
+//   "paged_attention": num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms,
+//                      blocks_per_sm [, partition_tokens]
 //   "paged_attention_varlen": num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, element_bytes,
 //                             max_blocks_per_seq, block_size, sliding_window
 //   "reshape_and_cache": num_tokens, num_kv_heads, head_units
@@ -62,10 +62,10 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
   }
   const auto error = [](const std::string& e) { return e.empty() ? nullptr : e.c_str(); };
   const std::string name = kernel;
-  if (name == "paged_attention" && (sizes.size() == 7 || sizes.size() == 8)) {
-    const int64_t partition_tokens = sizes.size() == 8 ? sizes[7] : paged_attn::kPartitionSize;
+  if (name == "paged_attention" && (sizes.size() == 8 || sizes.size() == 9)) {
+    const int64_t partition_tokens = sizes.size() == 9 ? sizes[8] : paged_attn::kPartitionSize;
     const auto plan = paged_attn::plan_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6],
-                                                 partition_tokens);
+                                                 sizes[7], partition_tokens);
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:z}", "group_size", plan.group_size,
                          "head_chunks", plan.head_chunks, "heads_per_block", plan.heads_per_block, "group_variant",
                          plan.group_variant, "max_context", static_cast<long long>(plan.max_context),

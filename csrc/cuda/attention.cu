@@ -1,5 +1,6 @@
 // paged_attention on CUDA: the torch-facing launcher. It checks the arguments, plans the launches (launch_plan.h),
-// allocates the split-KV scratch, fills AttentionParams and launches on the current stream.
+// allocates the split-KV scratch, fills AttentionParams and launches on the current stream. The decode plan takes the
+// SM count and the resident blocks per SM of the kernel instantiation it launches (both cached per device).
 //
 //   decode (no query_start_loc): the decode kernels (attention_kernels.cuh: single pass or split-KV), one item per
 //       sequence.
@@ -83,9 +84,15 @@ template <typename T, typename C>
 void launch_decode(AttentionParams<T, C> params, QueryRows rows, int64_t num_items, int64_t sliding_window,
                    const at::Tensor& query, int64_t block_size, int64_t num_kv_heads) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_sms = multiprocessor_count(query.get_device());
+  const int device = query.get_device();
+  // The plan fills the SMs' waves with the instantiation it launches: its resident blocks per SM.
+  int blocks_per_sm = 0;
+  C10_CUDA_CHECK(paged_attention_blocks_per_sm(params, attention_group_variant(num_heads, num_kv_heads), device,
+                                               &blocks_per_sm));
+  TORCH_CHECK(blocks_per_sm >= 1, "paged_attention: the decode kernel for head_dim ", head_dim, " and ",
+              num_heads / num_kv_heads, " query heads per kv head does not fit on an SM of this GPU");
   const AttentionPlan plan = plan_attention(num_items, num_heads, num_kv_heads, params.max_blocks_per_seq,
-                                            block_size, sliding_window, num_sms);
+                                            block_size, sliding_window, multiprocessor_count(device), blocks_per_sm);
   TORCH_CHECK(plan.error.empty(), "paged_attention: this call cannot be launched on CUDA: ", plan.error);
   at::Tensor partial_out, partial_max, partial_sum;
   if (plan.split()) {

@@ -20,14 +20,16 @@
 //                     without a tensor-core instantiation); the row's sequence is found by binary search in
 //                     query_start_loc, P = seq_lens[s] - q_s + i for its i-th of q_s rows.
 //
-// Grid (plan.grid): (num_items, num_kv_heads * head_chunks, num_partitions), kAttentionThreads threads. A thread
+// Grid (plan.grid): (num_items, num_kv_heads * head_chunks, partition slots), kAttentionThreads threads. A thread
 // block serves one item (x), one kv head and up to heads_per_block <= GROUP query heads of its group (y; groups
-// larger than kMaxGroup are split into head_chunks chunks), and one partition of the row's tokens (z).
+// larger than kMaxGroup are split into head_chunks chunks), and the partitions z, z + gridDim.z, ... of the row's
+// tokens (z = blockIdx.z; the plan bounds the slots, gridDim.z <= num_partitions, to fill the GPU's waves).
 // K/V bytes are read once per thread block, so once in total for groups up to kMaxGroup.
 //   - single pass (num_partitions = 1): the thread block covers the whole sequence and writes `out`.
-//   - split-KV (flash-decoding, vLLM's v2): it covers partition_size tokens and writes the partition's
-//     (max, sum, unnormalized output); paged_attention_reduce_kernel merges the partitions exactly. A partition
-//     without tokens (past seq_len, or before the window) writes only (max = -inf, sum = 0) and returns.
+//   - split-KV (flash-decoding, vLLM's v2): each of its partitions (partition_size tokens) is computed on its own,
+//     from fresh accumulators, and writes its (max, sum, unnormalized output) record, so the records do not depend
+//     on gridDim.z; paged_attention_reduce_kernel merges them exactly. Only the partitions that hold tokens of the
+//     window are run (none past seq_len, so a block table wider than the sequences costs no work) and read.
 //
 // The attention kernel walks its tokens in tiles of kTile, in three steps per tile:
 //   1. logits  (tile_logits):  every K row of the tile is read once (16-byte loads) and dotted with all the
@@ -66,7 +68,6 @@ namespace paged_attn {
 constexpr int kAttentionWarps = kAttentionThreads / 32;
 constexpr int kTile = 256;         // tokens per tile (their logits are held in shared memory)
 constexpr int kUnroll = 4;         // rows of 16-byte vectors loaded before they are used, per row group
-constexpr int kReduceChunk = 256;  // partitions whose weights the reduce kernel holds in shared memory at a time
 
 // ---------------------------------------------------------------------------------------------------------------
 // Parameters: one struct, passed by value to every attention kernel (also the tensor-core one).
@@ -316,6 +317,18 @@ __device__ __forceinline__ int64_t query_row(const AttentionParams<T, C>& p) {
   return query_item(p, blockIdx.x).row;
 }
 
+// Points the task at one partition: its tokens in the window, [begin, end) (empty when begin >= end).
+template <typename T, typename C>
+__device__ __forceinline__ void set_partition(AttentionTask& task, const AttentionParams<T, C>& p, int partition) {
+  task.partition = partition;
+  const int64_t partition_begin = static_cast<int64_t>(partition) * p.partition_size;
+  const int64_t partition_end = partition_begin + p.partition_size;
+  const int start = window_start(task.seq_len, p.sliding_window);
+  task.begin = partition_begin > start ? static_cast<int>(partition_begin) : start;
+  task.end = partition_end < task.seq_len ? static_cast<int>(partition_end) : task.seq_len;
+}
+
+// The task of this thread block's first partition (blockIdx.z); set_partition moves it to another.
 template <typename T, typename C>
 __device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T, C>& p) {
   AttentionTask task;
@@ -325,13 +338,8 @@ __device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T,
   const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
   task.first_head = task.kv_head * p.group_size + first_in_group;
   task.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
-  task.partition = blockIdx.z;
   task.seq_len = item.seq_len;
-  const int64_t partition_begin = static_cast<int64_t>(task.partition) * p.partition_size;
-  const int64_t partition_end = partition_begin + p.partition_size;
-  const int start = window_start(task.seq_len, p.sliding_window);
-  task.begin = partition_begin > start ? static_cast<int>(partition_begin) : start;
-  task.end = partition_end < task.seq_len ? static_cast<int>(partition_end) : task.seq_len;
+  set_partition(task, p, static_cast<int>(blockIdx.z));
   return task;
 }
 
@@ -532,24 +540,22 @@ __device__ __forceinline__ void combine_and_write(
   }
 }
 
-// A task without tokens: a zero output row (single pass: seq_len 0), or the empty partition's (-inf, 0) record.
+// A single-pass task without tokens (seq_len 0): a zero output row. (In split-KV an empty partition writes nothing:
+// the reduce reads only the partitions that hold tokens.)
 template <typename T, typename C, int HEAD_DIM>
 __device__ __forceinline__ void write_empty(const AttentionParams<T, C>& p, const AttentionTask& task) {
-  if (p.num_partitions == 1) {
-    const int64_t first_row = query_row(p) * p.num_heads + task.first_head;
-    for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
-      from_float(p.out[first_row * HEAD_DIM + k], 0.0f);
-    }
-  } else if (static_cast<int>(threadIdx.x) < task.num_heads) {
-    const int64_t first_record = static_cast<int64_t>(blockIdx.x) * p.num_heads + task.first_head;
-    const int64_t slot = (first_record + threadIdx.x) * p.num_partitions + task.partition;
-    p.partial_max[slot] = -INFINITY, p.partial_sum[slot] = 0.0f;
+  const int64_t first_row = query_row(p) * p.num_heads + task.first_head;
+  for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
+    from_float(p.out[first_row * HEAD_DIM + k], 0.0f);
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // The kernels.
 
+// One thread block: the partitions blockIdx.z, blockIdx.z + gridDim.z, ... of its item's row that hold tokens of the
+// window (the grid's partition slots are bounded by the plan, so a block may run several; each is computed as a
+// block of its own would, from fresh accumulators, and writes its own record); in single pass the whole row.
 template <typename T, typename C, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const AttentionParams<T, C> p) {
   using R = DecodeSplit<C, HEAD_DIM, GROUP>;
@@ -559,52 +565,70 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   PA_SHARED(float, rescale_s, [GROUP]);        // exp(old max - new max) of the last tile
   PA_SHARED(float, partial_s, [R::ROW_GROUPS][GROUP][HEAD_DIM]);  // each row group's accumulator, at the end
 
-  const AttentionTask task = attention_task(p);
-  if (!task.active) return;      // uniform across the thread block
-  if (task.begin >= task.end) {  // uniform across the thread block
+  AttentionTask task = attention_task(p);
+  if (!task.active) return;  // uniform across the thread block
+  if (p.num_partitions == 1 && task.begin >= task.end) {  // uniform across the thread block
     write_empty<T, C, HEAD_DIM>(p, task);
     return;
   }
+  // Split-KV: the first of this block's partitions in the window (those before it hold no tokens of it).
+  const int first = window_start(task.seq_len, p.sliding_window) / p.partition_size;
+  int partition = task.partition;
+  if (partition < first) partition += (first - partition + gridDim.z - 1) / gridDim.z * gridDim.z;
+  if (static_cast<int64_t>(partition) * p.partition_size >= task.seq_len) return;  // no partition with tokens
   const float inv_soft_cap = p.logits_soft_cap > 0.0f ? 1.0f / p.logits_soft_cap : 0.0f;
   const R rs(threadIdx.x);
   HeadSlices<C, HEAD_DIM, GROUP> q;    // this lane's slice of every query of the block (pre-scaled)
   HeadSlices<C, HEAD_DIM, GROUP> acc;  // this row group's weighted sum of V rows, same slice
   load_query<T, C, HEAD_DIM, GROUP>(q, p, task, rs);
-#pragma unroll
-  for (int g = 0; g < GROUP; ++g)
-#pragma unroll
-    for (int i = 0; i < R::VPL; ++i)
-#pragma unroll
-      for (int e = 0; e < R::VEC; ++e) acc[g][i][e] = 0.0f;
-  if (static_cast<int>(threadIdx.x) < GROUP) {
-    max_s[threadIdx.x] = -INFINITY, sum_s[threadIdx.x] = 0.0f, rescale_s[threadIdx.x] = 0.0f;
-  }
-  __syncthreads();
 
-  for (int tile_begin = task.begin; tile_begin < task.end; tile_begin += kTile) {
-    const int n = min(kTile, task.end - tile_begin);
-    tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);
+  for (; static_cast<int64_t>(partition) * p.partition_size < task.seq_len; partition += gridDim.z) {
+    set_partition(task, p, partition);  // begin < end: partition >= first
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+      for (int i = 0; i < R::VPL; ++i)
+#pragma unroll
+        for (int e = 0; e < R::VEC; ++e) acc[g][i][e] = 0.0f;
+    if (static_cast<int>(threadIdx.x) < GROUP) {
+      max_s[threadIdx.x] = -INFINITY, sum_s[threadIdx.x] = 0.0f, rescale_s[threadIdx.x] = 0.0f;
+    }
     __syncthreads();
-    tile_softmax<GROUP>(logits_s, max_s, sum_s, rescale_s, task.num_heads, n);
-    __syncthreads();
-    tile_values<T, C, HEAD_DIM, GROUP>(acc, logits_s, rescale_s, p, task, rs, tile_begin, n);
-    __syncthreads();  // logits_s is rewritten by the next tile
+
+    for (int tile_begin = task.begin; tile_begin < task.end; tile_begin += kTile) {
+      const int n = min(kTile, task.end - tile_begin);
+      tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);
+      __syncthreads();
+      tile_softmax<GROUP>(logits_s, max_s, sum_s, rescale_s, task.num_heads, n);
+      __syncthreads();
+      tile_values<T, C, HEAD_DIM, GROUP>(acc, logits_s, rescale_s, p, task, rs, tile_begin, n);
+      __syncthreads();  // logits_s is rewritten by the next tile
+    }
+    combine_and_write<T, C, HEAD_DIM, GROUP>(partial_s, acc, max_s, sum_s, p, task, rs);
+    __syncthreads();  // combine_and_write is done with max_s and sum_s before the next partition resets them
   }
-  combine_and_write<T, C, HEAD_DIM, GROUP>(partial_s, acc, max_s, sum_s, p, task, rs);
 }
 
 // Merges the partitions of split-KV for one (sequence, query head): with M the largest partition max,
 // out = sum_p w_p * partial_out_p / sum_p w_p * partial_sum_p, w_p = exp(partial_max_p - M), over the partitions
-// that hold tokens (the others' outputs are never read), kReduceChunk partitions at a time. Every thread adds in
-// partition order, so the result does not depend on thread timing. Every such partition is added, also at weight
-// 0 (0 * NaN = NaN: a partition whose sum or output is NaN, from a NaN logit or value, makes the row NaN, as in the
-// reference, even when its max is -inf or far below M).
+// that hold tokens (the others' records are never read or written).
+//   1. M: every thread takes the maxes of a strided subset of the partitions (independent loads), then warp and
+//      block maxima.
+//   2. The partitions are split over row groups (RowSplit<float, HEAD_DIM>: LANES lanes read a partition's output
+//      row as 16-byte vectors; a warp holds 32 / LANES row groups): row group r merges partitions first + r,
+//      first + r + ROW_GROUPS, ..., UNROLL at a time with all their loads (max, sum, output row) issued first, so
+//      ROW_GROUPS * UNROLL partitions are in flight per thread block, not one.
+//   3. The row groups' (weighted sum, total) are added in shared memory in row-group order.
+// A fixed assignment and order: the result does not depend on thread timing. Every such partition is added, also
+// at weight 0 (0 * NaN = NaN: a partition whose sum or output is NaN, from a NaN logit or value, makes the row NaN,
+// as in the reference, even when its max is -inf or far below M).
 // Grid (plan.reduce_grid): (num_items, num_heads), kAttentionThreads threads.
 template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kernel(const AttentionParams<T, C> p) {
-  PA_SHARED(float, weights_s, [kReduceChunk]);
+  using R = RowSplit<float, HEAD_DIM>;
   PA_SHARED(float, warp_max_s, [kAttentionWarps]);
-  constexpr int DIMS_PER_THREAD = (HEAD_DIM + kAttentionThreads - 1) / kAttentionThreads;
+  PA_SHARED(float, out_s, [R::ROW_GROUPS][HEAD_DIM]);  // each row group's weighted sum of its partitions' outputs
+  PA_SHARED(float, total_s, [R::ROW_GROUPS]);          // and of their sums
   const int head = blockIdx.y, tid = threadIdx.x;
   const QueryItem item = query_item(p, blockIdx.x);
   if (!item.active) return;  // uniform across the thread block
@@ -616,44 +640,68 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
   const int64_t record = static_cast<int64_t>(blockIdx.x) * p.num_heads + head;
   const float* maxes = p.partial_max + record * p.num_partitions;
   const float* sums = p.partial_sum + record * p.num_partitions;
-  const float* outs = p.partial_out + record * p.num_partitions * HEAD_DIM;
+  const float* outs = p.partial_out + record * p.num_partitions * HEAD_DIM;  // 16-byte aligned rows
 
+  // 1.
   float max_all = -INFINITY;
   for (int q = first + tid; q < last; q += kAttentionThreads) max_all = fmaxf(max_all, maxes[q]);
   max_all = warp_max(max_all);
   if (tid % 32 == 0) warp_max_s[tid / 32] = max_all;
   __syncthreads();
+  max_all = warp_max_s[0];
 #pragma unroll
-  for (int w = 0; w < kAttentionWarps; ++w) max_all = fmaxf(max_all, warp_max_s[w]);
+  for (int w = 1; w < kAttentionWarps; ++w) max_all = fmaxf(max_all, warp_max_s[w]);
 
-  float o[DIMS_PER_THREAD] = {};
+  // 2.
+  const R rs(tid);
+  float o[R::VPL][R::VEC] = {};
   float total = 0.0f;
-  for (int chunk = first; chunk < last; chunk += kReduceChunk) {
-    const int count = min(kReduceChunk, last - chunk);
-    for (int c = tid; c < count; c += kAttentionThreads) {
-      const float m = maxes[chunk + c];
-      weights_s[c] = m == -INFINITY ? 0.0f : __expf(m - max_all);
-    }
-    __syncthreads();
-    for (int c = 0; c < count; ++c) {
-      const float w = weights_s[c];
-      total += w * sums[chunk + c];
-      const float* out_c = outs + static_cast<int64_t>(chunk + c) * HEAD_DIM;
+  for (int q0 = first + rs.row_group; q0 < last; q0 += R::ROW_GROUPS * R::UNROLL) {
+    float m[R::UNROLL], s[R::UNROLL];
+    uint4 v[R::UNROLL][R::VPL];
 #pragma unroll
-      for (int k = 0; k < DIMS_PER_THREAD; ++k) {
-        const int d = tid + k * kAttentionThreads;
-        if (d < HEAD_DIM) o[k] += w * out_c[d];
+    for (int u = 0; u < R::UNROLL; ++u) {
+      const int q = min(q0 + u * R::ROW_GROUPS, last - 1);  // past last: partition last - 1 again, not added
+      m[u] = maxes[q], s[u] = sums[q];
+#pragma unroll
+      for (int i = 0; i < R::VPL; ++i) {
+        const int vec = rs.row_lane + i * R::LANES;
+        v[u][i] = vec < R::NVEC ? *reinterpret_cast<const uint4*>(outs + static_cast<int64_t>(q) * HEAD_DIM +
+                                                                  vec * R::VEC)
+                                : uint4{};
       }
     }
-    __syncthreads();  // weights_s is rewritten by the next chunk
-  }
 #pragma unroll
-  for (int k = 0; k < DIMS_PER_THREAD; ++k) {
-    const int d = tid + k * kAttentionThreads;
-    if (d < HEAD_DIM) {
-      // no partition (seq_len 0): 0; else total >= 1, NaN, or 0 when every logit is -inf (0 / 0 = NaN)
-      from_float(p.out[(item.row * p.num_heads + head) * HEAD_DIM + d], first < last ? o[k] / total : 0.0f);
+    for (int u = 0; u < R::UNROLL; ++u) {
+      if (q0 + u * R::ROW_GROUPS >= last) break;
+      const float w = m[u] == -INFINITY ? 0.0f : __expf(m[u] - max_all);
+      total += w * s[u];
+#pragma unroll
+      for (int i = 0; i < R::VPL; ++i) {
+        float f[R::VEC];
+        vec_to_floats(v[u][i], f, float{});
+#pragma unroll
+        for (int e = 0; e < R::VEC; ++e) o[i][e] = fmaf(w, f[e], o[i][e]);
+      }
     }
+  }
+
+  // 3.
+#pragma unroll
+  for (int i = 0; i < R::VPL; ++i)
+#pragma unroll
+    for (int e = 0; e < R::VEC; ++e) {
+      const int d = rs.dim(i, e);
+      if (d < HEAD_DIM) out_s[rs.row_group][d] = o[i][e];
+    }
+  if (rs.row_lane == 0) total_s[rs.row_group] = total;
+  __syncthreads();
+  for (int d = tid; d < HEAD_DIM; d += kAttentionThreads) {
+    float sum_o = 0.0f, sum_total = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R::ROW_GROUPS; ++r) sum_o += out_s[r][d], sum_total += total_s[r];
+    // no partition (seq_len 0): 0; else the total >= 1, NaN, or 0 when every logit is -inf (0 / 0 = NaN)
+    from_float(p.out[(item.row * p.num_heads + head) * HEAD_DIM + d], first < last ? sum_o / sum_total : 0.0f);
   }
 }
 

@@ -5,6 +5,8 @@
 // csrc/cuda/attention.cu calls launch_paged_attention and launch_varlen_attention.
 #pragma once
 
+#include <atomic>
+
 #include "attention_kernels.cuh"
 #include "varlen_attention_kernels.cuh"
 
@@ -26,6 +28,44 @@ cudaError_t launch_paged_attention(const AttentionParams<__half, Fp8>& params, c
                                    cudaStream_t stream);
 cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16, Fp8>& params, const AttentionPlan& plan,
                                    cudaStream_t stream);
+
+// The thread blocks of the paged_attention_kernel instantiation for params' head dim and group_variant that one SM of
+// the current device (`device`) holds at once, into *blocks: cudaOccupancyMaxActiveBlocksPerMultiprocessor at
+// kAttentionThreads threads and no dynamic shared memory, cached per (device, instantiation); plan_attention's
+// blocks_per_sm. cudaErrorInvalidValue when the head dim or group variant is not instantiated.
+cudaError_t paged_attention_blocks_per_sm(const AttentionParams<float>& params, int group_variant, int device,
+                                          int* blocks);
+cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__half>& params, int group_variant, int device,
+                                          int* blocks);
+cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__nv_bfloat16>& params, int group_variant,
+                                          int device, int* blocks);
+cudaError_t paged_attention_blocks_per_sm(const AttentionParams<float, Fp8>& params, int group_variant, int device,
+                                          int* blocks);
+cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__half, Fp8>& params, int group_variant, int device,
+                                          int* blocks);
+cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__nv_bfloat16, Fp8>& params, int group_variant,
+                                          int device, int* blocks);
+
+template <typename T, typename C, int HEAD_DIM, int GROUP>
+cudaError_t cached_attention_blocks_per_sm(int device, int* blocks) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cached[kCachedDevices] = {};  // 0: not asked yet
+  const bool cacheable = device >= 0 && device < kCachedDevices;
+  if (cacheable && (*blocks = cached[device].load(std::memory_order_relaxed)) > 0) return cudaSuccess;
+  const cudaError_t error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      blocks, paged_attention_kernel<T, C, HEAD_DIM, GROUP>, kAttentionThreads, 0);
+  if (error == cudaSuccess && cacheable && *blocks > 0) cached[device].store(*blocks, std::memory_order_relaxed);
+  return error;
+}
+
+template <typename T, typename C>
+cudaError_t attention_blocks_per_sm(const AttentionParams<T, C>& params, int group_variant, int device, int* blocks) {
+  cudaError_t error = cudaErrorInvalidValue;
+  dispatch_attention<C>(params.key_cache.head_dim, group_variant, [&](auto head_dim, auto group) {
+    error = cached_attention_blocks_per_sm<T, C, decltype(head_dim)::value, decltype(group)::value>(device, blocks);
+  });
+  return error;
+}
 
 template <typename T, typename C>
 cudaError_t launch_paged_attention_kernels(const AttentionParams<T, C>& params, const AttentionPlan& plan,

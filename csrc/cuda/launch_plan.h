@@ -80,17 +80,28 @@ constexpr int smallest_variant(IntList<Groups...>, int heads) {  // heads <= kMa
   return best;
 }
 
+// The group variant (below) of a thread block for num_heads query heads over num_kv_heads (a divisor of num_heads):
+// the heads of a group, in ceil(group / kMaxGroup) balanced chunks.
+constexpr int attention_group_variant(int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t group_size = num_heads / num_kv_heads;
+  const int64_t head_chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
+  return smallest_variant(AttentionGroupVariants{}, static_cast<int>((group_size + head_chunks - 1) / head_chunks));
+}
+
 struct AttentionPlan {
   int group_size = 0;       // num_heads / num_kv_heads: the query heads that read one kv head
-  int head_chunks = 0;      // thread blocks per (sequence, kv head, partition): ceil(group_size / kMaxGroup)
+  int head_chunks = 0;      // thread blocks per (sequence, kv head, partition slot): ceil(group_size / kMaxGroup)
   int heads_per_block = 0;  // query heads one thread block serves: ceil(group_size / head_chunks) (the last chunk
                             // may have fewer)
   int group_variant = 0;    // the GROUP template argument: the smallest of AttentionGroupVariants >= heads_per_block
   int64_t max_context = 0;  // max_blocks_per_seq * block_size (at most INT32_MAX): no sequence reads past it
   int sliding_window = 0;   // the window the kernels take: 0 for none, also when it covers max_context
-  int num_partitions = 1;   // 1: single pass; > 1: split-KV, and the reduce kernel merges the partitions
+  int num_partitions = 1;   // 1: single pass; > 1: split-KV, the partitions of a table-wide sequence (they size the
+                            // scratch: [num_items, num_heads, num_partitions]), merged by the reduce kernel
   int partition_size = 1;   // tokens per partition (max(max_context, 1) in single pass)
-  Grid grid;                // paged_attention_kernel: (num_seqs, num_kv_heads * head_chunks, num_partitions)
+  Grid grid;                // paged_attention_kernel: (num_seqs, num_kv_heads * head_chunks, partition slots), the
+                            // partition slots (grid.z) at most num_partitions: block z runs partitions z,
+                            // z + grid.z, ... of its sequence
   Grid reduce_grid;         // paged_attention_reduce_kernel (split-KV only): (num_seqs, num_heads, 1)
   int threads = kAttentionThreads;  // per thread block, both kernels
   int shared_bytes = 0;             // dynamic shared memory, both kernels (all of theirs is static)
@@ -99,30 +110,53 @@ struct AttentionPlan {
   bool split() const { return num_partitions > 1; }
 };
 
-// The launch of paged_attention for these sizes. num_sms: the device's multiprocessor count (split-KV is chosen when
-// one thread block per (sequence, kv head, head chunk) would leave the SMs underfilled and sequences can be longer
-// than a partition). partition_tokens: tokens per split-KV partition (kPartitionSize; tests pass smaller ones to
-// get many partitions from short sequences); it grows when the partitions would not fit in grid.z.
+// A single pass this many waves long or longer is not split: its last wave wastes under 1/64 of the time (and the
+// model's products stay far inside int64).
+constexpr int64_t kMaxSinglePassWaves = 64;
+
+// The launch of paged_attention for these sizes, planned for the machine: num_sms multiprocessors, each holding
+// blocks_per_sm thread blocks of the kernel at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor of the
+// instantiation launched; tests pass it), so slots = num_sms * blocks_per_sm blocks run together.
+// partition_tokens: tokens per split-KV partition (kPartitionSize; tests pass smaller ones to get many partitions
+// from short sequences); it grows, in whole multiples, when a table-wide sequence would have more than kMaxGridYZ
+// partitions.
+//
+// The model. With base = num_seqs * num_kv_heads * head_chunks thread blocks per partition slot and P =
+// num_partitions (each a unit of work), a grid of Z partition slots (block z runs partitions z, z + Z, ... of its
+// sequence: ceil(P / Z) at most) takes waves(Z) = ceil(base * Z / slots) * ceil(P / Z) units, for sequences that
+// fill the table. No plan does better than ceil(base * P / slots) (all the work spread over all slots, whole units),
+// and Z = P reaches it, so split-KV takes the smallest Z that reaches it: the waves of partitions are full except
+// the last one, and no more blocks are launched than needed (those of short sequences in a wide table find no
+// partition and return). Split-KV is taken when it is faster than the single pass (waves = ceil(base / slots) * P:
+// e.g. fewer blocks than slots, or a last wave far from full), and the single pass is kept when its waves are as
+// good (or at least kMaxSinglePassWaves of them). Partitions keep their boundaries whatever Z is, so Z changes no
+// result. (Waves of thread blocks are not the unit once a block runs several partitions: with 512-token
+// partitions, a last wave of blocks 90% full is out of reach within Z <= P for many sizes, e.g. GQA-4 at batch 70
+// and 4k context, and where it is reachable it can cost up to twice the time of this plan.)
 // The plan depends on the block table's width, never on seq_lens, so it needs no device-to-host copy and the
 // launch can be captured in a CUDA graph.
 inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                     int64_t max_blocks_per_seq, int64_t block_size, int64_t sliding_window,
-                                    int64_t num_sms, int64_t partition_tokens = kPartitionSize) {
+                                    int64_t num_sms, int64_t blocks_per_sm,
+                                    int64_t partition_tokens = kPartitionSize) {
   AttentionPlan plan;
+  constexpr int64_t kMaxSlotsFactor = int64_t{1} << 20;  // num_sms and blocks_per_sm: far below it on any GPU
   if (num_seqs < 1 || num_heads < 1 || num_kv_heads < 1 || block_size < 1 || max_blocks_per_seq < 0 ||
-      sliding_window < 0 || num_sms < 1 || partition_tokens < 1 || num_heads % num_kv_heads != 0) {
+      sliding_window < 0 || num_sms < 1 || num_sms > kMaxSlotsFactor || blocks_per_sm < 1 ||
+      blocks_per_sm > kMaxSlotsFactor || partition_tokens < 1 || num_heads % num_kv_heads != 0) {
     plan.error = "invalid sizes: num_seqs " + std::to_string(num_seqs) + ", num_heads " + std::to_string(num_heads) +
                  ", num_kv_heads " + std::to_string(num_kv_heads) + ", max_blocks_per_seq " +
                  std::to_string(max_blocks_per_seq) + ", block_size " + std::to_string(block_size) +
                  ", sliding_window " + std::to_string(sliding_window) + ", num_sms " + std::to_string(num_sms) +
-                 ", partition_tokens " + std::to_string(partition_tokens);
+                 ", blocks_per_sm " + std::to_string(blocks_per_sm) + ", partition_tokens " +
+                 std::to_string(partition_tokens) + " (num_sms and blocks_per_sm in [1, 2^20])";
     return plan;
   }
   const int64_t group_size = num_heads / num_kv_heads;
   const int64_t head_chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
   const int64_t heads_per_block = (group_size + head_chunks - 1) / head_chunks;
   plan.grid = {num_seqs, num_kv_heads * head_chunks, 1};
-  plan.error = grid_error(plan.grid, "num_seqs", "num_kv_heads * head_chunks", "num_partitions");
+  plan.error = grid_error(plan.grid, "num_seqs", "num_kv_heads * head_chunks", "partition slots");
   if (plan.error.empty()) {
     plan.error = grid_error({num_seqs, num_heads, 1}, "num_seqs", "num_heads", "1");  // the reduce kernel's grid
   }
@@ -130,28 +164,42 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   plan.group_size = static_cast<int>(group_size);
   plan.head_chunks = static_cast<int>(head_chunks);
   plan.heads_per_block = static_cast<int>(heads_per_block);
-  plan.group_variant = smallest_variant(AttentionGroupVariants{}, plan.heads_per_block);
+  plan.group_variant = attention_group_variant(num_heads, num_kv_heads);
 
   // seq_lens are int32, so no sequence is longer than INT32_MAX tokens whatever the table's width.
   constexpr int64_t kMaxTokens = INT32_MAX;
   plan.max_context = max_blocks_per_seq > kMaxTokens / block_size ? kMaxTokens : max_blocks_per_seq * block_size;
   // A window that covers every token the table can hold is no window (the CPU kernel reads it so, in int64).
   plan.sliding_window = sliding_window >= plan.max_context ? 0 : static_cast<int>(sliding_window);
+  plan.partition_size = static_cast<int>(plan.max_context > 1 ? plan.max_context : 1);
 
-  const int64_t single_pass_blocks = num_seqs * num_kv_heads * head_chunks;
-  if (single_pass_blocks < 4 * num_sms && plan.max_context > partition_tokens) {
-    int64_t size = partition_tokens;
-    if ((plan.max_context + size - 1) / size > kMaxGridYZ) {  // longer partitions, in whole multiples of the default
-      const int64_t needed = (plan.max_context + kMaxGridYZ - 1) / kMaxGridYZ;
-      size = (needed + partition_tokens - 1) / partition_tokens * partition_tokens;
-    }
-    plan.partition_size = static_cast<int>(size);
-    plan.num_partitions = static_cast<int>((plan.max_context + size - 1) / size);
-    plan.grid.z = plan.num_partitions;
-    plan.reduce_grid = {num_seqs, num_heads, 1};
-  } else {
-    plan.partition_size = static_cast<int>(plan.max_context > 1 ? plan.max_context : 1);
+  const int64_t base = plan.grid.x * plan.grid.y;  // thread blocks per partition slot
+  const int64_t slots = num_sms * blocks_per_sm;
+  const int64_t single_pass_waves = (base + slots - 1) / slots;
+  if (plan.max_context <= partition_tokens || single_pass_waves >= kMaxSinglePassWaves) {
+    return plan;
   }
+  int64_t size = partition_tokens;
+  if ((plan.max_context + size - 1) / size > kMaxGridYZ) {  // longer partitions, in whole multiples of the default
+    const int64_t needed = (plan.max_context + kMaxGridYZ - 1) / kMaxGridYZ;
+    size = (needed + partition_tokens - 1) / partition_tokens * partition_tokens;
+  }
+  const int64_t partitions = (plan.max_context + size - 1) / size;  // 2 .. kMaxGridYZ
+  // base < kMaxSinglePassWaves * slots <= 2^46, so base * partitions < 2^62.
+  const auto waves = [&](int64_t z) { return (base * z + slots - 1) / slots * ((partitions + z - 1) / z); };
+  const int64_t best = (base * partitions + slots - 1) / slots;  // waves(partitions)
+  if (single_pass_waves * partitions <= best) return plan;  // the single pass is as good
+  // The smallest z with waves(z) == best. Within the z that give the same ceil(partitions / z), waves grows with z,
+  // so only the smallest z of each is tried: O(sqrt(partitions)) steps.
+  int64_t z = 1;
+  while (waves(z) != best) {
+    const int64_t per_block = (partitions + z - 1) / z;  // > 1 here: waves(partitions) == best
+    z = (partitions + per_block - 2) / (per_block - 1);  // the smallest z with ceil(partitions / z) < per_block
+  }
+  plan.partition_size = static_cast<int>(size);
+  plan.num_partitions = static_cast<int>(partitions);
+  plan.grid.z = z;
+  plan.reduce_grid = {num_seqs, num_heads, 1};
   return plan;
 }
 

@@ -178,6 +178,7 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
   const paged_attn::AttentionPlan plan = paged_attn::plan_attention(
       num_items, num_heads, p.key_cache.num_kv_heads, block_tables.size(1), p.key_cache.block_size,
       static_cast<int64_t>(c.scalar("sliding_window")), static_cast<int64_t>(c.scalar("num_sms")),
+      c.scalars.count("blocks_per_sm") ? static_cast<int64_t>(c.scalar("blocks_per_sm")) : 1,
       static_cast<int64_t>(c.scalar("partition_tokens")));
   if (!plan.error.empty()) throw CaseError("plan_attention: " + plan.error);
   if (plan.split()) {
@@ -198,9 +199,9 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
         }
       });
   if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " is not instantiated");
-  std::printf("decode plan: %lld items, partitions %d of %d tokens, group variant %d, head chunks %d\n",
-              static_cast<long long>(num_items), plan.num_partitions, plan.partition_size, plan.group_variant,
-              plan.head_chunks);
+  std::printf("decode plan: %lld items, partitions %d of %d tokens in %lld slots, group variant %d, head chunks %d\n",
+              static_cast<long long>(num_items), plan.num_partitions, plan.partition_size,
+              static_cast<long long>(plan.grid.z), plan.group_variant, plan.head_chunks);
 }
 
 // The launches of csrc/cuda/attention.cu: without query_start_loc the decode kernels; with it, for float16 and

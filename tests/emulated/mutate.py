@@ -99,8 +99,18 @@ MUTANTS = {
         "from_float(p.out[out_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);", NONFINITE_TESTS),
     "the reduce skips partitions of weight 0 (a NaN partition whose max is -inf)": (
         ATTENTION,
-        "      total += w * sums[chunk + c];",
-        "      if (w == 0.0f) continue;\n      total += w * sums[chunk + c];", NONFINITE_TESTS),
+        "      total += w * s[u];",
+        "      if (w == 0.0f) continue;\n      total += w * s[u];", NONFINITE_TESTS),
+    # thread blocks that run several partitions (the plan's grid.z below a sequence's partitions)
+    "a thread block's later partitions start from the running max and sum of the one before": (
+        ATTENTION,
+        "    if (static_cast<int>(threadIdx.x) < GROUP) {\n      max_s[threadIdx.x] = -INFINITY",
+        "    if (partition < static_cast<int>(gridDim.z) && static_cast<int>(threadIdx.x) < GROUP) {\n"
+        "      max_s[threadIdx.x] = -INFINITY", "partition or wide"),
+    "with a window, a thread block starts at the window's first partition, not at its own next one": (
+        ATTENTION,
+        "if (partition < first) partition += (first - partition + gridDim.z - 1) / gridDim.z * gridDim.z;",
+        "if (partition < first) partition = first;", "partition or wide"),
 }
 
 # What caught it, from the first failure's report.

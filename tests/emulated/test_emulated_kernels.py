@@ -162,7 +162,8 @@ def relayout(key_cache, value_cache, layout):
 
 
 def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, *, layout="contiguous",
-                   alibi=False, sliding_window=None, soft_cap=None, split=False, partition_tokens=32):
+                   alibi=False, sliding_window=None, soft_cap=None, split=False, partition_tokens=32, num_sms=1000,
+                   blocks_per_sm=1):
     query, key_cache, value_cache, block_tables, seq_lens_t = make_case(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu",
         layout="contiguous" if layout in ("packed", "transposed") else layout)
@@ -173,10 +174,11 @@ def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtyp
                    seq_lens=seq_lens_t)
     if alibi:
         tensors["alibi_slopes"] = torch.rand(num_heads) * 0.2
-    # split-KV is planned when the grid would underfill the GPU: many SMs force it, one SM and partitions longer than
-    # any sequence forbid it
+    # split-KV is planned when the grid would underfill the GPU: many SMs (num_sms) force it, with one partition per
+    # thread block; few SMs make thread blocks run several partitions; partitions longer than any sequence forbid it
     scalars = dict(scale=head_dim**-0.5, soft_cap=float(soft_cap or 0.0), sliding_window=int(sliding_window or 0),
-                   num_sms=1000 if split else 1, partition_tokens=partition_tokens if split else 1 << 30)
+                   num_sms=num_sms if split else 1, blocks_per_sm=blocks_per_sm,
+                   partition_tokens=partition_tokens if split else 1 << 30)
     return Case("attention", tensors, scalars, ("out",), dtype)
 
 
@@ -241,14 +243,55 @@ def test_attention_every_group_size_split_and_strided(driver, tmp_path, num_head
     check_attention(driver, case, tmp_path)
 
 
-def test_attention_many_partitions_and_wide_block_tables(driver, tmp_path):
-    """Partitions of 4 tokens: over 256 of them (the reduce takes them in chunks), and block tables far wider than
-    the sequences, so most partitions are empty: they must write only their (-inf, 0) record, and the reduce must
-    not read their (NaN-filled) outputs."""
-    case = attention_case([1100, 3, 0], 4, 2, 32, 8, torch.float32, split=True, partition_tokens=4)
-    wide = torch.full((3, 150), 10**6, dtype=torch.int32)  # 300 partitions; garbage past each sequence's blocks
-    wide[:, :case.tensors["block_tables"].shape[1]] = case.tensors["block_tables"]
+def decode_plan(case: Case, num_items=None):
+    """The plan the driver launches the decode kernels with (the same plan_attention, through the test hook)."""
+    t, scalars = case.tensors, case.scalars
+    return paged_attn._C._launch_plan(
+        "paged_attention", num_items or t["block_tables"].shape[0], t["query"].shape[1], t["key_cache"].shape[2],
+        t["block_tables"].shape[1], t["key_cache"].shape[1], scalars["sliding_window"], scalars["num_sms"],
+        scalars["blocks_per_sm"], scalars["partition_tokens"])
+
+
+def widen_block_table(case: Case, width):
+    """The case's block table, `width` entries per row: garbage (an index past the cache) past its blocks."""
+    table = case.tensors["block_tables"]
+    wide = torch.full((table.shape[0], width), 10**6, dtype=torch.int32)
+    wide[:, :table.shape[1]] = table
     case.tensors["block_tables"] = wide
+
+
+def test_attention_many_partitions_and_wide_block_tables(driver, tmp_path):
+    """Partitions of 4 tokens: 300 of them (the reduce's row groups take many each), and block tables far wider than
+    the sequences: the partitions past a sequence's end are never run or read (their NaN-filled records stay
+    NaN). The plan's slots (grid.z) are half the partitions: each thread block runs two, of the long sequence."""
+    case = attention_case([1100, 3, 0], 4, 2, 32, 8, torch.float32, split=True, partition_tokens=4)
+    widen_block_table(case, 150)  # 1200 tokens: 300 partitions
+    plan = decode_plan(case)
+    assert plan["num_partitions"] == 300 and plan["grid"][2] == 150
+    check_attention(driver, case, tmp_path)
+
+
+@pytest.mark.parametrize("window", [None, 50], ids=["no_window", "window50"])
+def test_attention_partitions_looped_inside_a_thread_block(driver, tmp_path, window):
+    """Few SMs: the plan's slots (grid.z = 4) are fewer than the partitions a sequence needs (the table's 336 tokens:
+    11 partitions of 32; 10 for the sequence of 300), so each thread block runs partitions z, z + 4, z + 8 from fresh
+    accumulators; with a window, the partitions before it are skipped (a block may start at its second or third
+    one, or have none)."""
+    case = attention_case([300, 45, 130], 4, 1, 64, 16, torch.bfloat16, sliding_window=window, split=True,
+                          num_sms=4, blocks_per_sm=1)
+    plan = decode_plan(case)
+    assert (plan["num_partitions"], plan["partition_size"], plan["grid"]) == (11, 32, (3, 1, 4))
+    check_attention(driver, case, tmp_path)
+
+
+def test_attention_block_table_much_wider_than_the_sequences(driver, tmp_path):
+    """A table of 1600 tokens (50 partitions) for sequences of at most 70: the plan sizes the scratch for 50
+    partitions but launches 2 slots (2 SMs x 2 blocks for 6 blocks per slot), and the blocks find the few partitions
+    with tokens and stop (the table's garbage entries past the sequences are never read)."""
+    case = attention_case([40, 70, 5], 8, 2, 128, 8, torch.float16, split=True, num_sms=2, blocks_per_sm=2)
+    widen_block_table(case, 200)
+    plan = decode_plan(case)
+    assert (plan["num_partitions"], plan["grid"]) == (50, (3, 2, 2))
     check_attention(driver, case, tmp_path)
 
 
@@ -288,7 +331,8 @@ def test_attention_strided_cache_layouts(driver, tmp_path, layout, split):
 # every_row=True).
 
 def varlen_case(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, layout="contiguous", alibi=False,
-                sliding_window=None, soft_cap=None, every_row=False, split=False, partition_tokens=32):
+                sliding_window=None, soft_cap=None, every_row=False, split=False, partition_tokens=32, num_sms=1000,
+                blocks_per_sm=1):
     """specs: (seq_len, query_len) per sequence (test_varlen_attention.make_varlen_case: NaN in unused slots and
     blocks, garbage past each block-table row's blocks)."""
     query, key_cache, value_cache, block_tables, seq_lens, starts = make_varlen_case(
@@ -302,8 +346,8 @@ def varlen_case(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, 
     if alibi:
         tensors["alibi_slopes"] = torch.rand(num_heads) * 0.5
     scalars = dict(scale=head_dim**-0.5, soft_cap=float(soft_cap or 0.0), sliding_window=int(sliding_window or 0),
-                   num_sms=1000 if split else 1, partition_tokens=partition_tokens if split else 1 << 30,
-                   every_row=int(every_row))
+                   num_sms=num_sms if split else 1, blocks_per_sm=blocks_per_sm,
+                   partition_tokens=partition_tokens if split else 1 << 30, every_row=int(every_row))
     return Case("attention", tensors, scalars, ("out",), dtype)
 
 

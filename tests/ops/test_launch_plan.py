@@ -17,11 +17,22 @@ PARTITION_SIZE = 512  # kPartitionSize
 
 
 def attention_plan(num_seqs=1, num_heads=32, num_kv_heads=32, max_blocks_per_seq=64, block_size=16,
-                   sliding_window=0, num_sms=132, partition_tokens=None):
-    sizes = [num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms]
+                   sliding_window=0, num_sms=132, blocks_per_sm=4, partition_tokens=None):
+    sizes = [num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms,
+             blocks_per_sm]
     if partition_tokens is not None:
         sizes.append(partition_tokens)
     return _C._launch_plan("paged_attention", *sizes)
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def modelled_waves(blocks_per_slot, partitions, slots, z):
+    """launch_plan.h's model: a grid of z partition slots runs ceil(blocks_per_slot * z / slots) waves of thread
+    blocks, each block ceil(partitions / z) partitions one after the other (sequences as long as the table)."""
+    return ceil_div(blocks_per_slot * z, slots) * ceil_div(partitions, z)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -44,27 +55,42 @@ def attention_plan(num_seqs=1, num_heads=32, num_kv_heads=32, max_blocks_per_seq
     ],
 )
 def test_group_variant_and_head_chunks(num_heads, num_kv_heads, variant, chunks, per_block):
-    plan = attention_plan(num_seqs=64, num_heads=num_heads, num_kv_heads=num_kv_heads, num_sms=1)
+    plan = attention_plan(num_seqs=64, num_heads=num_heads, num_kv_heads=num_kv_heads, num_sms=1, blocks_per_sm=1)
     assert plan["error"] is None
     group = num_heads // num_kv_heads
     assert (plan["group_size"], plan["group_variant"], plan["head_chunks"], plan["heads_per_block"]) == (
         group, variant, chunks, per_block)
     assert plan["heads_per_block"] <= plan["group_variant"]
     assert (chunks - 1) * per_block < group <= chunks * per_block  # every head in exactly one chunk
-    assert plan["grid"] == (64, num_kv_heads * chunks, 1)
+    assert plan["grid"] == (64, num_kv_heads * chunks, 1)  # 64 waves or more on one slot: single pass
     assert plan["threads"] == 128 and plan["shared_bytes"] == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Single pass or split-KV, and the partitions
+# Single pass or split-KV, the partition slots (grid.z) and the partitions
 
 
-def test_single_pass_when_the_sequences_fill_the_gpu():
-    # Split-KV only when one thread block per (sequence, kv head, head chunk) gives fewer than 4 per SM.
-    plan = attention_plan(num_seqs=66, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256, num_sms=132)
+def test_single_pass_when_its_waves_are_full():
+    # GQA-4 at 4k context (8 partitions), 132 SMs x 4 blocks = 528 slots: 66 sequences are exactly one wave.
+    plan = attention_plan(num_seqs=66, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)
     assert plan["num_partitions"] == 1 and plan["partition_size"] == 256 * 16 == plan["max_context"]
     assert plan["grid"] == (66, 8, 1)
-    assert attention_plan(num_seqs=65, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)["num_partitions"] == 8
+    # 65 sequences: 520 of 528 slots for the whole pass; no split does better in whole partitions
+    assert attention_plan(num_seqs=65, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)["num_partitions"] == 1
+    # 132 sequences: two full waves
+    assert attention_plan(num_seqs=132, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)["grid"][2] == 1
+
+
+def test_split_kv_fills_the_last_wave():
+    # The issue's case: GQA-4, batch 70, 4k: 560 blocks for 528 slots. A single pass takes two waves of the whole
+    # context (16 partitions' time, the second wave 6% full); 8 slots of one partition each take 9.
+    plan = attention_plan(num_seqs=70, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)
+    assert (plan["num_partitions"], plan["partition_size"], plan["grid"]) == (8, 512, (70, 8, 8))
+    assert modelled_waves(560, 8, 528, 8) == 9 < modelled_waves(560, 8, 528, 1) == 16
+    assert plan["reduce_grid"] == (70, 32, 1)
+    # Half a wave of blocks: two slots, each block four partitions: one wave of 4 partitions' time, not 8.
+    plan = attention_plan(num_seqs=33, num_heads=32, num_kv_heads=8, max_blocks_per_seq=256)
+    assert (plan["num_partitions"], plan["grid"]) == (8, (33, 8, 2))
 
 
 def test_split_kv_when_few_sequences_and_long_tables():
@@ -72,6 +98,17 @@ def test_split_kv_when_few_sequences_and_long_tables():
     assert plan["num_partitions"] == math.ceil(1600 / PARTITION_SIZE) == 4
     assert plan["partition_size"] == PARTITION_SIZE
     assert plan["grid"] == (2, 8, 4) and plan["reduce_grid"] == (2, 32, 1)
+
+
+def test_padded_tables_launch_no_more_slots_than_fill_the_gpu():
+    # Batch 8, GQA-4, a table padded to 32k: 64 partitions, but 8 slots x 64 blocks fill the 528 slots once; each
+    # block loops over its 8 partitions (1 when the sequences are 4k long: no empty block). Before: 64 slots, 4096
+    # blocks, 87% of them without a token at 4k.
+    plan = attention_plan(num_seqs=8, num_heads=32, num_kv_heads=8, max_blocks_per_seq=2048)
+    assert (plan["num_partitions"], plan["grid"]) == (64, (8, 8, 8))
+    # Batch 1, MHA, 128k: 256 partitions in 16 slots of 32 blocks (one wave), 16 partitions each.
+    plan = attention_plan(num_seqs=1, num_heads=32, num_kv_heads=32, max_blocks_per_seq=8192)
+    assert (plan["num_partitions"], plan["grid"]) == (256, (1, 32, 16))
 
 
 def test_tables_no_longer_than_a_partition_stay_single_pass():
@@ -83,6 +120,7 @@ def test_partition_tokens_option():
     # The emulated tests take small partitions to get many from short sequences.
     plan = attention_plan(num_seqs=1, max_blocks_per_seq=70, block_size=16, partition_tokens=4)
     assert (plan["num_partitions"], plan["partition_size"]) == (280, 4)
+    assert plan["grid"][2] <= 280
 
 
 @pytest.mark.parametrize(
@@ -91,16 +129,75 @@ def test_partition_tokens_option():
      (2**40, 16)],
 )
 def test_partitions_fit_grid_z_whatever_the_table_width(max_blocks_per_seq, block_size):
-    # Partitions grow (in whole multiples of 512 tokens) instead of exceeding gridDim.z, and the reduce kernel
-    # needs no shared memory per partition (it took 4 bytes each: no launch past 12,288 partitions).
+    # Partitions grow (in whole multiples of 512 tokens) beyond kMaxGridYZ of them, so the scratch stays bounded,
+    # and the reduce kernel needs no shared memory per partition.
     plan = attention_plan(max_blocks_per_seq=max_blocks_per_seq, block_size=block_size)
     max_context = min(max_blocks_per_seq * block_size, INT32_MAX)
     assert plan["error"] is None and plan["max_context"] == max_context
     partitions, size = plan["num_partitions"], plan["partition_size"]
-    assert partitions <= MAX_GRID_YZ and plan["grid"][2] == partitions
+    assert partitions <= MAX_GRID_YZ and 1 <= plan["grid"][2] <= partitions
     assert size % PARTITION_SIZE == 0
     assert (partitions - 1) * size < max_context <= partitions * size
     assert plan["shared_bytes"] == 0
+
+
+# The table: batch x context x heads x resident blocks per SM, on 132 SMs (an H100 / H200).
+TABLE_BATCHES = list(range(1, 17)) + [24, 31, 32, 33, 48, 63, 64, 65, 66, 67, 70, 96, 100, 127, 128, 129, 130, 131,
+                                      132, 133, 200, 255, 256, 257, 263, 264, 300, 384, 400, 500, 511, 512]
+TABLE_CONTEXTS = [1, 15, 16, 511, 512, 513, 1000, 4096, 4097, 32768, 131072]
+TABLE_HEADS = {"MHA": (32, 32), "GQA-4": (32, 8), "GQA-8": (64, 8), "MQA": (16, 1)}
+TABLE_SMS = 132
+
+
+@pytest.mark.parametrize("blocks_per_sm", [1, 2, 3, 4])
+@pytest.mark.parametrize("heads", list(TABLE_HEADS), ids=list(TABLE_HEADS))
+def test_plans_fill_whole_waves(heads, blocks_per_sm):
+    """For every batch and context of the table: the grid is within CUDA's limits, grid.z <= num_partitions, the
+    partitions cover the table, and the plan fills whole waves: with slots = num_sms * blocks_per_sm and each thread
+    block running ceil(P / grid.z) partitions, the modelled time (modelled_waves) is ceil(blocks * P / slots), the
+    least any grid can take (so at most one partial wave of partitions, the last), with the fewest slots that reach
+    it; the single pass is kept only where it is as good (or 64 waves or more: a last wave under 1/64 of the time),
+    and split-KV is taken wherever the single pass would leave slots idle for a partition's time or more.
+
+    (A wave of *thread blocks* is not the unit once a block loops over partitions: with 512-token partitions, e.g.
+    GQA-4 at batch 70 and 4k, no grid.z <= 8 makes the last wave of blocks 90% full, and where one does it can take
+    up to twice the time of the plan here.)"""
+    num_heads, num_kv_heads = TABLE_HEADS[heads]
+    slots = TABLE_SMS * blocks_per_sm
+    block_size = 16
+    checked = split = 0
+    for num_seqs in TABLE_BATCHES:
+        for context in TABLE_CONTEXTS:
+            max_blocks = ceil_div(context, block_size)
+            plan = attention_plan(num_seqs, num_heads, num_kv_heads, max_blocks, block_size, 0, TABLE_SMS,
+                                  blocks_per_sm)
+            what = f"{heads} batch {num_seqs} context {context} blocks_per_sm {blocks_per_sm}: {plan}"
+            assert plan["error"] is None, what
+            chunks = ceil_div(num_heads // num_kv_heads, 8)
+            base = num_seqs * num_kv_heads * chunks  # thread blocks per partition slot
+            grid_x, grid_y, grid_z = plan["grid"]
+            assert (grid_x, grid_y) == (num_seqs, num_kv_heads * chunks), what
+            assert 1 <= grid_z <= min(plan["num_partitions"], MAX_GRID_YZ), what
+            max_context = max_blocks * block_size
+            partitions = ceil_div(max_context, PARTITION_SIZE) if max_context > PARTITION_SIZE else 1
+            best = ceil_div(base * partitions, slots)
+            single_pass = modelled_waves(base, partitions, slots, 1)
+            if plan["num_partitions"] > 1:
+                split += 1
+                size = plan["partition_size"]
+                assert (size, plan["num_partitions"]) == (PARTITION_SIZE, partitions), what
+                assert (partitions - 1) * size < max_context <= partitions * size, what
+                assert plan["reduce_grid"] == (num_seqs, num_heads, 1), what
+                assert modelled_waves(base, partitions, slots, grid_z) == best < single_pass, what
+                assert slots * best - base * partitions < slots, what  # idle: less than one partition per slot
+                assert all(modelled_waves(base, partitions, slots, z) > best for z in range(1, grid_z)), what
+            else:
+                assert grid_z == 1 and plan["partition_size"] >= max_context, what
+                assert partitions == 1 or single_pass == best or ceil_div(base, slots) >= 64, what
+                if partitions > 1 and base < slots:  # split where the single pass leaves slots idle
+                    assert base * partitions > slots * (partitions - 1), what
+            checked += 1
+    assert checked == len(TABLE_BATCHES) * len(TABLE_CONTEXTS) and split > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,7 +244,8 @@ def test_max_context_is_the_table_capacity_at_most_int32_max():
 @pytest.mark.parametrize(
     "sizes",
     [dict(num_kv_heads=0), dict(block_size=0), dict(num_heads=6, num_kv_heads=4), dict(num_seqs=0),
-     dict(num_sms=0), dict(partition_tokens=0), dict(sliding_window=-1)],
+     dict(num_sms=0), dict(blocks_per_sm=0), dict(num_sms=2**21), dict(blocks_per_sm=2**21),
+     dict(partition_tokens=0), dict(sliding_window=-1)],
 )
 def test_invalid_sizes_are_errors_not_divisions_by_zero(sizes):
     assert attention_plan(**sizes)["error"].startswith("invalid sizes")

@@ -8,4 +8,9 @@ cudaError_t launch_paged_attention(const AttentionParams<__half>& params, const 
   return launch_paged_attention_kernels(params, plan, stream);
 }
 
+cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__half>& params, int group_variant,
+                                          int device, int* blocks) {
+  return attention_blocks_per_sm(params, group_variant, device, blocks);
+}
+
 }  // namespace paged_attn
