@@ -5,7 +5,7 @@
 // (prefill_kernels.h), where a query tile shares each key/value tile among its rows.
 //
 // The decode kernel is batch-invariant: a query row's keys are cut at fixed token positions (the multiples of
-// kChunkTokens = 256), each chunk is attended from a fresh online-softmax state (max, sum, acc in float32), and
+// kChunkTokens = 512), each chunk is attended from a fresh online-softmax state (max, sum, acc in float32), and
 // the chunks' states are merged strictly left to right, M = max(M, m), s = e^(M_old - M) s + e^(m - M) s_chunk,
 // acc likewise; always, whatever the batch and the thread count (see paged_attention_kernel). So a row's output
 // bits do not depend on the other rows of the call, on the thread count, or on which physical blocks hold its keys.

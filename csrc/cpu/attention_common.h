@@ -58,7 +58,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVecSize = Vec::size();
 constexpr int64_t kTileTokens = 16;           // tokens per step (one AVX-512 vector of logits per head)
 constexpr int64_t kMaxHeadTile = 4;           // query heads that share one pass over a key or value row
-constexpr int64_t kChunkTokens = 256;         // a decode row's keys are cut at multiples of this (see attention.cpp)
+constexpr int64_t kChunkTokens = 512;         // a decode row's keys are cut at multiples of this (see attention.cpp)
 constexpr int64_t kPrefetchTiles = 1;         // how many tiles ahead rows are prefetched into L2 (at least 1)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kTileTokens % kVecSize == 0, "a tile's logits must be whole vectors");

@@ -4,9 +4,9 @@ A decode row of a sequence of length L with sliding window W sees tokens [max(0,
 cache holds may be anything, NaN and inf included, and must not reach the row: the tokens before its window, the
 unused slots of its partially filled last block, the tokens past L (block-table entries past the end that point at
 real, poisoned blocks), the unused tail of the kernel's 16-token tile (L not a multiple of 16), and, where a long
-row's 256-token chunks are merged (and cut between threads), the same around the chunk boundaries. Conversely a NaN the row
-does see makes its output NaN, and an inf value it sees makes that output element inf (as in the reference: the
-AVX-512 bf16 path once gave NaN, from a bf16 weight of 0 times the inf value).
+row's 512-token chunks are merged (and cut between threads), the same around the chunk boundaries. Conversely a NaN
+the row does see makes its output NaN, and an inf value it sees makes that output element inf (as in the reference:
+the AVX-512 bf16 path once gave NaN, from a bf16 weight of 0 times the inf value).
 
 Each case is checked against paged_attn.reference.paged_attention in float64 (which sums over exactly the visible
 keys), within the query dtype's tolerance (test_attention.tolerance), NaN matching NaN and inf matching inf.
@@ -129,7 +129,7 @@ def test_poison_outside_the_visible_range_never_reaches_a_row(path, heads, poiso
 @pytest.mark.parametrize("poison", [NAN, INF], ids=["nan", "inf"])
 @pytest.mark.parametrize("path", PATHS)
 def test_poison_outside_the_visible_range_with_split_partitions(path, poison, sliding_window, threads):
-    # Two long sequences on 4 threads: each is cut into 256-token chunks, and between threads, and the chunks
+    # Two long sequences on 4 threads: each is cut into 512-token chunks, and between threads, and the chunks
     # merged (the cache holds more than 2 MiB of keys and values even in fp8, so that the kernel uses more than one
     # thread); lengths and window leave partial tiles, chunks and blocks at both ends.
     query_dtype, cache_dtype, head_dim = PATHS[path]
