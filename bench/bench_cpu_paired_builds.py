@@ -98,8 +98,8 @@ def main() -> None:
             quartile = lambda f: ratios[int(f * (len(ratios) - 1))]  # noqa: E731
             run_medians.append(statistics.median(ratios))
             print(f"{case} run {run + 1}: old {old_ms:.2f} ms ({kv_bytes / old_ms / 1e6:.1f} GB/s), "
-                  f"new {new_ms:.2f} ms ({kv_bytes / new_ms / 1e6:.1f} GB/s); new/old median {run_medians[-1]:.3f}, quartiles "
-                  f"{quartile(0.25):.3f}-{quartile(0.75):.3f}", flush=True)
+                  f"new {new_ms:.2f} ms ({kv_bytes / new_ms / 1e6:.1f} GB/s); new/old median {run_medians[-1]:.3f}, "
+                  f"quartiles {quartile(0.25):.3f}-{quartile(0.75):.3f}", flush=True)
         if args.runs > 1:
             print(f"{case}: median over {args.runs} runs of the runs' median new/old: "
                   f"{statistics.median(run_medians):.3f} (runs: {', '.join(f'{m:.3f}' for m in run_medians)})")
