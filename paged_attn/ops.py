@@ -179,7 +179,10 @@ def paged_attention(
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given). Softmax and the weighted
-        sum are accumulated in float32.
+        sum are accumulated in float32. On the CPU the result is batch-invariant: a decode row's keys are summed
+        in chunks at fixed token positions (multiples of 512) merged left to right, so its output bits do not
+        depend on the other sequences of the batch, their order, the thread count, or which physical blocks
+        hold its keys (and a prefill row's do not depend on the other sequences either).
 
     Example::
 

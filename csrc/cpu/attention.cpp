@@ -4,16 +4,18 @@
 // decode kernel, each as a row at its own position, and sequences with more take the tiled prefill kernel
 // (prefill_kernels.h), where a query tile shares each key/value tile among its rows.
 //
-// Usually a sequence is one partition and its task writes out = acc / sum. When there are too few sequences to
-// keep every thread busy, each sequence's tokens are split into equal partitions; each task leaves its
-// (max, sum, acc) per head in float32 scratch and a second parallel pass merges them exactly:
-//   M = max_p max_p,  out = sum_p e^(max_p - M) acc_p / sum_p e^(max_p - M) sum_p.
+// The decode kernel is batch-invariant: a query row's keys are cut at fixed token positions (the multiples of
+// kChunkTokens = 512), each chunk is attended from a fresh online-softmax state (max, sum, acc in float32), and
+// the chunks' states are merged strictly left to right, M = max(M, m), s = e^(M_old - M) s + e^(m - M) s_chunk,
+// acc likewise; always, whatever the batch and the thread count (see paged_attention_kernel). So a row's output
+// bits do not depend on the other rows of the call, on the thread count, or on which physical blocks hold its keys.
+// Threads share out (row, chunk) items, so that a few long rows still keep every thread busy.
 // Only tokens t < L (and in the window) are ever read: unused cache slots and block-table entries may hold
 // anything, NaN included.
 //
 // This file: the entry point (argument checks, the dispatch by dtype, the split of a varlen batch between the
-// decode and the prefill kernels), the decode kernel's plan (tasks and partitions), its task loop, and the merge of
-// partitions. The pieces, all included into this one translation unit:
+// decode and the prefill kernels), the decode kernel's chunks, their split among the threads, and the merge of a
+// row's chunks. The pieces, all included into this one translation unit:
 //  - attention_common.h: the at::vec setup (first: it must precede any include of Vectorized), constants, fp8
 //    tables and load helpers, Problem, Tile, Prefetcher, Scratch (addresses: paged_cache.h, shared with
 //    cache_ops.cpp);
@@ -31,134 +33,214 @@ namespace paged_attn {
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
-// The decode kernel's host side: plan the tasks, run them, merge the partitions.
+// The decode kernel's host side: cut the rows into chunks, run them on the threads, merge each row's chunks.
 
-// How the rows' tokens are cut into tasks: each row into num_partitions partitions of partition_size tokens (whole
-// tiles, but the last), one task each.
-struct Plan {
-  int64_t num_partitions = 1;
-  int64_t partition_size = kTileTokens;
-  int64_t max_tasks = 1;  // the most tasks worth a thread each
+// The online-softmax state of one query row's heads over some of its keys (a view): per query head the max logit
+// m, the sum s = sum_t e^(x_t - m) and the unnormalized acc = sum_t e^(x_t - m) v_t (in acc_index order), over
+// a float buffer of num_heads * (head_dim + 2). The row's log-sum-exp of its logits, per head, is m + log(s).
+struct RowState {
+  float* max;  // [num_heads]
+  float* sum;  // [num_heads]
+  float* acc;  // [num_heads, head_dim]
+  static int64_t size(int64_t num_heads, int64_t head_dim) { return num_heads * (head_dim + 2); }
+  RowState(float* p, int64_t num_heads, int64_t head_dim)
+      : max(p), sum(p + num_heads), acc(p + 2 * num_heads) {}
+  RowState(float* max_logit, float* exp_sum, float* acc_) : max(max_logit), sum(exp_sum), acc(acc_) {}
 };
 
-// Plan. Threads only for work worth waking them (kMinBytesPerCpuTask of keys and values per task). Split rows only
-// when there are too few to keep the threads evenly busy: into as many partitions as make the task count a
-// multiple of the thread count, each at least kMinPartitionTokens long.
-template <typename scalar_t, typename cache_t>
-Plan plan_tasks(const Problem<scalar_t, cache_t>& pb, int64_t num_rows) {
-  const int64_t num_threads = at::get_num_threads();
-  int64_t max_len = 0, total_len = 0;  // tokens attended to, after the sliding window
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t len = pb.row_len(r) - pb.window_start(r);
-    max_len = std::max(max_len, len);
-    total_len += len;
+// The chunk state attend leaves in sc, as a RowState over sc's max and acc and `sums` [num_heads], into which its
+// lane sums are added up (lane by lane).
+inline RowState chunk_state(Scratch& sc, int64_t num_heads, float* sums) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* lane_sums = sc.exp_sums + h * kTileTokens;
+    sums[h] = std::accumulate(lane_sums, lane_sums + kTileTokens, 0.f);
   }
-  const int64_t kv_bytes = total_len * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)};
-  Plan plan;
-  plan.max_tasks = std::max<int64_t>(1, kv_bytes / kMinBytesPerCpuTask);
-  if (plan.max_tasks > 1 && num_rows < 4 * num_threads && num_rows % num_threads != 0) {
-    const int64_t balanced = num_threads / std::gcd(num_rows, num_threads);  // num_rows * balanced % num_threads == 0
-    plan.num_partitions = std::clamp<int64_t>(max_len / kMinPartitionTokens, 1, balanced);
-  }
-  // Whole tiles per partition (but the last).
-  plan.partition_size =
-      std::max<int64_t>(1, (max_len + plan.num_partitions * kTileTokens - 1) / (plan.num_partitions * kTileTokens)) *
-      kTileTokens;
-  return plan;
+  return RowState(sc.max_logit, sums, sc.acc);
 }
 
-// Partial results of split rows (num_partitions > 1; else empty): max logit and exp sum [num_rows, num_heads,
-// num_partitions], acc [num_rows, num_heads, num_partitions, head_dim].
-struct Partials {
-  std::vector<float> buffer;
-  float* max_logits;
-  float* exp_sums;
-  float* accs;
-  Partials(int64_t num_rows, int64_t num_heads, int64_t head_dim, const Plan& plan) {
-    const int64_t num_partials = num_rows * num_heads * plan.num_partitions;
-    buffer.resize(plan.num_partitions > 1 ? num_partials * (head_dim + 2) : 0);
-    max_logits = buffer.data();
-    exp_sums = max_logits + num_partials;
-    accs = exp_sums + num_partials;
+inline void copy_state(RowState src, int64_t num_heads, int64_t head_dim, RowState dst) {
+  std::copy_n(src.max, num_heads, dst.max);
+  std::copy_n(src.sum, num_heads, dst.sum);
+  std::copy_n(src.acc, num_heads * head_dim, dst.acc);
+}
+
+// dst = the merge of dst (the keys before the chunk's) and the chunk's state src, exactly:
+//   M = max(m_dst, m_src),  s = w_dst s_dst + w_src s_src,  acc = w_dst acc_dst + w_src acc_src,  w = e^(m - M),
+// w = 1 exactly for the state whose max is M (so that two states of max -inf, rows that saw nothing, add up to an
+// empty state rather than NaN; a NaN anywhere stays NaN). Explicit FMAs, so that every caller gets the same bits.
+inline void merge_into(RowState dst, RowState src, int64_t num_heads, int64_t head_dim) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float m_dst = dst.max[h], m_src = src.max[h], m = std::max(m_dst, m_src);
+    const float w_dst = m_dst == m ? 1.f : std::exp(m_dst - m), w_src = m_src == m ? 1.f : std::exp(m_src - m);
+    dst.max[h] = m;
+    dst.sum[h] = std::fma(w_dst, dst.sum[h], w_src * src.sum[h]);
+    float* a = dst.acc + h * head_dim;
+    const float* b = src.acc + h * head_dim;
+    int64_t d = 0;
+    for (; d + kVecSize <= head_dim; d += kVecSize) {
+      at::vec::fmadd(Vec(w_dst), Vec::loadu(a + d), Vec(w_src) * Vec::loadu(b + d)).store(a + d);
+    }
+    for (; d < head_dim; ++d) a[d] = std::fma(w_dst, a[d], w_src * b[d]);
+  }
+}
+
+// out = acc / sum for every head of the row (0 for a row that saw no key).
+template <typename scalar_t, typename cache_t>
+void write_row(const Problem<scalar_t, cache_t>& pb, int64_t row, RowState state, scalar_t* out) {
+  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float inv_sum = state.sum[h] > 0 ? pb.v_scale / state.sum[h] : 0.f;
+    const float* acc = state.acc + h * head_dim;
+    scalar_t* dst = out + (pb.token(row) * num_heads + h) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[acc_index(d, pb.avx512_bf16)] * inv_sum);
+  }
+}
+
+// The rows' chunks, in order: row r's are items [first_item[r], first_item[r + 1]), its chunks
+// first_chunk(r), first_chunk(r) + 1, ... (an empty row has one, empty).
+template <typename scalar_t, typename cache_t>
+struct Chunks {
+  const Problem<scalar_t, cache_t>& pb;
+  std::vector<int64_t> first_item;  // [num_rows + 1]
+  Chunks(const Problem<scalar_t, cache_t>& problem, int64_t num_rows) : pb(problem), first_item(num_rows + 1) {
+    first_item[0] = 0;
+    for (int64_t r = 0; r < num_rows; ++r) first_item[r + 1] = first_item[r] + num_chunks(r);
+  }
+  int64_t num_items() const { return first_item.back(); }
+  int64_t first_chunk(int64_t row) const { return pb.window_start(row) / kChunkTokens; }
+  int64_t num_chunks(int64_t row) const {
+    const int64_t len = pb.row_len(row), start = pb.window_start(row);
+    return len > start ? (len - 1) / kChunkTokens - start / kChunkTokens + 1 : 1;
+  }
+  // The tokens of the row's chunk c (an absolute chunk index), within its window.
+  int64_t chunk_begin(int64_t row, int64_t c) const { return std::max(pb.window_start(row), c * kChunkTokens); }
+  int64_t chunk_end(int64_t row, int64_t c) const { return std::min(pb.row_len(row), (c + 1) * kChunkTokens); }
+  int64_t row_of(int64_t item) const {  // the row that holds `item`
+    return std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
   }
 };
 
-// The task loop: task (row, partition) attends its tokens (decode_kernels.h: attend), then writes out = acc / sum
-// (one partition) or its (max, sum, acc) per head into partials.
+// The threads' shares: part p is items [part_begin[p], part_begin[p + 1]), about equal in tokens. Threads only for
+// work worth waking them (kMinBytesPerCpuTask of keys and values each). Which thread computes a chunk never changes
+// a bit of the result (see paged_attention_kernel), only the time.
 template <typename scalar_t, typename cache_t>
-void run_tasks(const Problem<scalar_t, cache_t>& pb, int64_t num_rows, const Plan& plan, Partials& partials,
-               scalar_t* out) {
+std::vector<int64_t> split_among_threads(const Chunks<scalar_t, cache_t>& chunks, int64_t num_rows) {
+  const Problem<scalar_t, cache_t>& pb = chunks.pb;
+  const int64_t num_items = chunks.num_items();
+  // An item's cost: its tokens and a tile's worth for its set-up.
+  std::vector<int64_t> cost_before(num_items + 1, 0);
+  int64_t total_tokens = 0;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t c0 = chunks.first_chunk(r);
+    for (int64_t i = 0; i < chunks.num_chunks(r); ++i) {
+      const int64_t item = chunks.first_item[r] + i;
+      const int64_t tokens = std::max<int64_t>(0, chunks.chunk_end(r, c0 + i) - chunks.chunk_begin(r, c0 + i));
+      total_tokens += tokens;
+      cost_before[item + 1] = cost_before[item] + tokens + kTileTokens;
+    }
+  }
+  const int64_t kv_bytes = total_tokens * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)};
+  const int64_t num_parts =
+      std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> part_begin(num_parts + 1);
+  for (int64_t p = 0; p <= num_parts; ++p) {  // the first item whose cost ends past p / num_parts of the total
+    const int64_t target = cost_before.back() * p / num_parts;
+    part_begin[p] = std::lower_bound(cost_before.begin(), cost_before.end(), target) - cost_before.begin();
+  }
+  part_begin[0] = 0, part_begin[num_parts] = num_items;
+  return part_begin;
+}
+
+// The decode kernel over rows [0, num_rows) of the problem.
+//
+// Fixed summation order: row r's visible keys [window_start(r), row_len(r)) are cut at the multiples of
+// kChunkTokens, absolute token positions; each chunk is attended from a fresh online-softmax state, its tiles at
+// absolute positions too (decode_kernels.h: attend), and the row's result is the merge of its chunks' states
+// strictly left to right: R_0 = C_0, R_c = merge(R_(c-1), C_c) (merge_into), out = acc / sum of the last. Always:
+// one thread or many, a short row (one chunk) or a long one. So a row's output bits depend on its own query, keys,
+// values and length only: not on the other rows of the batch, their number or lengths, the thread count, or
+// which physical blocks hold its keys.
+//
+// Work mapping: the (row, chunk) items, in row order, are split into as many parts of about equal tokens as there
+// are threads worth waking (split_among_threads); a part walks each of its rows' chunks in one attend call. A row
+// whose chunks all fall in one part is merged and written there. A row cut between parts (at most one per part
+// boundary): the part holding its first chunk leaves its running state R in row scratch, the later parts leave
+// each chunk's own state C there, and after the parallel pass these are merged on in chunk order.
+// (For a later return_lse: R's m + log(s). For rows that read the same physical blocks in a chunk: their chunk
+// states C can be computed together from one read of those blocks, and each row's merge goes on as here.)
+template <typename scalar_t, typename cache_t>
+void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_rows,
+                            scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-  const int64_t num_partitions = plan.num_partitions, partition_size = plan.partition_size;
-  const int64_t num_tasks = num_rows * num_partitions;
-  const int64_t num_chunks = std::max<int64_t>(1, std::min(num_tasks, plan.max_tasks));  // at most
-  const int64_t grain = (num_tasks + num_chunks - 1) / num_chunks;
-  at::parallel_for(0, num_tasks, grain, [&](int64_t task_begin, int64_t task_end) {
+  const int64_t state_size = RowState::size(num_heads, head_dim);
+  const Chunks<scalar_t, cache_t> chunks(pb, num_rows);
+  const std::vector<int64_t> part_begin = split_among_threads(chunks, num_rows);
+  const int64_t num_parts = static_cast<int64_t>(part_begin.size()) - 1;
+
+  // Rows cut between parts, and their states: slot 0 the running state R of the part with the row's first chunk,
+  // slot 1 + i the state of the row's chunk i for the chunks of later parts.
+  struct CutRow {
+    int64_t row, first_unmerged_item, first_slot;
+  };
+  std::vector<CutRow> cut_rows;
+  int64_t num_slots = 0;
+  for (int64_t p = 1; p < num_parts; ++p) {
+    const int64_t item = part_begin[p];
+    const int64_t row = chunks.row_of(item);
+    if (item == chunks.first_item[row] || (!cut_rows.empty() && cut_rows.back().row == row)) continue;
+    cut_rows.push_back({row, item, num_slots});
+    num_slots += 1 + chunks.num_chunks(row);
+  }
+  std::vector<float> cut_states(num_slots * state_size);
+  const auto cut_slot = [&](int64_t row, int64_t slot) {
+    for (const CutRow& cut : cut_rows) {
+      if (cut.row != row) continue;
+      return RowState(cut_states.data() + (cut.first_slot + slot) * state_size, num_heads, head_dim);
+    }
+    TORCH_INTERNAL_ASSERT(false, "unreachable: a row shared by parts is in cut_rows");
+  };
+
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin_index, int64_t part_end_index) {
     Scratch sc(num_heads, pb.group_size, head_dim);
-    for (int64_t task = task_begin; task < task_end; ++task) {
-      const int64_t row = task / num_partitions, partition = task % num_partitions, len = pb.row_len(row);
-      const int64_t begin = std::min(pb.window_start(row) + partition * partition_size, len);
-      attend(pb, row, begin, std::min(begin + partition_size, len), sc);
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t out_row = pb.token(row) * num_heads + h;
-        const float* acc = sc.acc + h * head_dim;
-        const float* lane_sums = sc.exp_sums + h * kTileTokens;
-        const float exp_sum = std::accumulate(lane_sums, lane_sums + kTileTokens, 0.f);
-        if (num_partitions == 1) {
-          const float inv_sum = exp_sum > 0 ? pb.v_scale / exp_sum : 0.f;  // 0 for an empty sequence
-          for (int64_t d = 0; d < head_dim; ++d) {
-            out[out_row * head_dim + d] = static_cast<scalar_t>(acc[acc_index(d, pb.avx512_bf16)] * inv_sum);
-          }
-        } else {
-          const int64_t slot = (row * num_heads + h) * num_partitions + partition;
-          partials.max_logits[slot] = sc.max_logit[h];
-          partials.exp_sums[slot] = exp_sum;
-          for (int64_t d = 0; d < head_dim; ++d) {
-            partials.accs[slot * head_dim + d] = acc[acc_index(d, pb.avx512_bf16)];
-          }
+    std::vector<float> running_buffer(state_size), chunk_sums(num_heads);
+    const RowState running(running_buffer.data(), num_heads, head_dim);
+    for (int64_t part = part_begin_index; part < part_end_index; ++part) {
+      const int64_t item_begin = part_begin[part], item_end = part_begin[part + 1];
+      for (int64_t row = item_begin < item_end ? chunks.row_of(item_begin) : num_rows;
+           row < num_rows && chunks.first_item[row] < item_end; ++row) {
+        // This part's chunks of the row: items [begin, end), item first_item[row] + i being chunk c0 + i.
+        const int64_t row_first = chunks.first_item[row], row_end = chunks.first_item[row + 1];
+        const int64_t begin = std::max(item_begin, row_first), end = std::min(item_end, row_end);
+        const int64_t c0 = chunks.first_chunk(row);
+        const bool has_first = begin == row_first, has_last = end == row_end;
+        attend(pb, row, chunks.chunk_begin(row, c0 + begin - row_first),
+               chunks.chunk_end(row, c0 + end - 1 - row_first), sc, [&](int64_t c) {
+                 const RowState chunk = chunk_state(sc, num_heads, chunk_sums.data());
+                 if (!has_first) {
+                   copy_state(chunk, num_heads, head_dim, cut_slot(row, 1 + c - c0));
+                 } else if (c == c0) {
+                   copy_state(chunk, num_heads, head_dim, running);
+                 } else {
+                   merge_into(running, chunk, num_heads, head_dim);
+                 }
+               });
+        if (has_first && has_last) {
+          write_row(pb, row, running, out);
+        } else if (has_first) {
+          copy_state(running, num_heads, head_dim, cut_slot(row, 0));
         }
       }
     }
   });
-}
 
-// Merge the partitions of each (row, head) exactly (see the top of this file); empty partitions (max -inf)
-// contribute nothing.
-template <typename scalar_t, typename cache_t>
-void merge_partitions(const Problem<scalar_t, cache_t>& pb, int64_t num_rows, const Plan& plan,
-                      const Partials& partials, scalar_t* out) {
-  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim, num_partitions = plan.num_partitions;
-  const int64_t merge_grain = std::max<int64_t>(
-      1, kMinBytesPerCpuTask / (num_partitions * (head_dim + 2) * int64_t{sizeof(float)}));
-  at::parallel_for(0, num_rows * num_heads, merge_grain, [&](int64_t row_begin, int64_t row_end) {
-    std::vector<float> merged(head_dim);
-    for (int64_t row = row_begin; row < row_end; ++row) {
-      const float* row_max = partials.max_logits + row * num_partitions;
-      const float global_max = *std::max_element(row_max, row_max + num_partitions);
-      std::fill(merged.begin(), merged.end(), 0.f);
-      float total = 0.f;
-      for (int64_t p = 0; p < num_partitions; ++p) {
-        if (row_max[p] == kNegInf) continue;
-        const float weight = std::exp(row_max[p] - global_max);
-        total += weight * partials.exp_sums[row * num_partitions + p];
-        const float* acc = partials.accs + (row * num_partitions + p) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * acc[d];
-      }
-      const float inv_total = total > 0 ? pb.v_scale / total : 0.f;
-      scalar_t* dst = out + (pb.token(row / num_heads) * num_heads + row % num_heads) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] * inv_total);
+  for (const CutRow& cut : cut_rows) {
+    const int64_t row_first = chunks.first_item[cut.row], row_end = chunks.first_item[cut.row + 1];
+    const RowState running = cut_slot(cut.row, 0);
+    for (int64_t item = cut.first_unmerged_item; item < row_end; ++item) {
+      merge_into(running, cut_slot(cut.row, 1 + item - row_first), num_heads, head_dim);
     }
-  });
-}
-
-// The decode kernel over rows [0, num_rows) of the problem.
-template <typename scalar_t, typename cache_t>
-void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_rows,
-                            scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
-  const Plan plan = plan_tasks(pb, num_rows);
-  Partials partials(num_rows, pb.num_heads, pb.head_dim, plan);
-  run_tasks(pb, num_rows, plan, partials, out);
-  if (plan.num_partitions > 1) merge_partitions(pb, num_rows, plan, partials, out);
+    write_row(pb, cut.row, running, out);
+  }
 }
 
 }  // namespace

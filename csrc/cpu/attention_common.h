@@ -58,10 +58,11 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVecSize = Vec::size();
 constexpr int64_t kTileTokens = 16;           // tokens per step (one AVX-512 vector of logits per head)
 constexpr int64_t kMaxHeadTile = 4;           // query heads that share one pass over a key or value row
-constexpr int64_t kMinPartitionTokens = 256;  // shorter partitions would cost more to merge than they gain
+constexpr int64_t kChunkTokens = 512;         // a decode row's keys are cut at multiples of this (see attention.cpp)
 constexpr int64_t kPrefetchTiles = 1;         // how many tiles ahead rows are prefetched into L2 (at least 1)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kTileTokens % kVecSize == 0, "a tile's logits must be whole vectors");
+static_assert(kChunkTokens % kTileTokens == 0, "chunk boundaries must be tile boundaries");
 static_assert(kPrefetchTiles >= 1, "the next unit's rows are prefetched from the next tile, which must be loaded");
 
 template <typename T>

@@ -1,17 +1,18 @@
 // The decode kernel's steps (logits, softmax, values) on the portable path, and the task body that walks a query
 // row's tokens a tile at a time (attend), picking the portable or the AVX-512 bf16 steps (avx512_kernels.h) per call.
-// Planning the tasks, running them and merging partitions: attention.cpp.
+// Cutting the rows into chunks, running them on the threads and merging each row's chunks: attention.cpp.
 //
-// Work mapping: one task per (sequence, partition of its tokens). A task walks its tokens a tile at a time: up to
-// kTileTokens = 16 consecutive tokens, whatever the block size (a tile may span blocks; the tile holds each
-// token's row pointers, looked up in the block table once). Within a tile it serves each kv head's whole group
-// of query heads in turn, so every key/value row is read from memory once (GQA reuse). Per (tile, kv head), for
-// tiles of up to 4 query heads of the group:
+// Work mapping: a query row's keys are cut into chunks at fixed token positions (kChunkTokens); a thread walks a
+// run of consecutive chunks of a row (attend) a tile at a time: up to kTileTokens = 16 consecutive tokens at
+// absolute positions [16 i, 16 (i + 1)), whatever the block size (a tile may span blocks; the tile holds each
+// token's row pointers, looked up in the block table once), each chunk from a fresh online-softmax state. Within
+// a tile it serves each kv head's whole group of query heads in turn, so every key/value row is read from memory
+// once (GQA reuse). Per (tile, kv head), for tiles of up to 4 query heads of the group:
 //   1. logits of the heads for the tile's tokens,
 //   2. online softmax: when a logit exceeds a head's running max, raise the max (rescaling the running sum and
 //      the accumulator); p = exp(x - max), and the running sum (kept per tile lane) += p,
 //   3. acc += p * v over the tile's tokens.
-// Meanwhile the task software-prefetches (see Prefetcher) the next tile's rows into L2 and the next (tile, kv head)
+// Meanwhile the thread software-prefetches (see Prefetcher) the next tile's rows into L2 and the next (tile, kv head)
 // unit's rows into L1, a few cache lines per token of work in steps 1 and 3.
 //
 // Two implementations of steps 1-3, picked per call:
@@ -181,10 +182,15 @@ void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
 // ---------------------------------------------------------------------------------------------------------------
 // Tasks
 
-// Attends every query head of query row `row` to its sequence's tokens [begin, end), leaving (max, lane sums, acc)
-// in sc.
-template <typename scalar_t, typename cache_t>
-void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, int64_t end, Scratch& sc) {
+// Attends every query head of query row `row` to its sequence's tokens [begin, end), which start at a chunk
+// boundary or at the row's window start and end at a chunk boundary or at the row's end: the chunks
+// [c kChunkTokens, (c + 1) kChunkTokens) it overlaps, each from a fresh online-softmax state. The tiles lie at
+// absolute positions too ([16 i, 16 (i + 1)), but the first, which starts at `begin`), so chunk boundaries are tile
+// boundaries. After each chunk's last tile, chunk_done(c) finds the chunk's (max, lane sums, acc) in sc, then the
+// state is reset for the next. The tiles run on across chunk boundaries (the prefetch too): only the state restarts.
+template <typename scalar_t, typename cache_t, typename ChunkDone>
+void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, int64_t end, Scratch& sc,
+            ChunkDone&& chunk_done) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
   const scalar_t* query = pb.query + pb.token(row) * pb.query_row_stride;  // [num_heads, head_dim]
   if (!pb.avx512_bf16) {
@@ -194,25 +200,37 @@ void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, in
       }
     }
   }
-  std::fill_n(sc.acc, num_heads * head_dim, 0.f);
-  std::fill_n(sc.max_logit, num_heads, kNegInf);
-  std::fill_n(sc.exp_sums, num_heads * kTileTokens, 0.f);
+  const auto reset = [&] {
+    std::fill_n(sc.acc, num_heads * head_dim, 0.f);
+    std::fill_n(sc.max_logit, num_heads, kNegInf);
+    std::fill_n(sc.exp_sums, num_heads * kTileTokens, 0.f);
+  };
+  reset();
+  if (begin >= end) {  // an empty row (length 0): one empty chunk
+    chunk_done(int64_t{0});
+    return;
+  }
   const int32_t* block_table = pb.block_table(row);
   const int64_t last_token = pb.row_len(row) - 1;
-  const int64_t num_tiles = (end - begin + kTileTokens - 1) / kTileTokens;
+  const int64_t aligned_begin = begin / kTileTokens * kTileTokens;
+  const int64_t num_tiles = (end - aligned_begin + kTileTokens - 1) / kTileTokens;
+  // Tile k: [max(begin, aligned_begin + 16 k), min(end, aligned_begin + 16 (k + 1))).
+  const auto load_tile = [&](Tile<cache_t>& tile, int64_t k) {
+    const int64_t tile_begin = aligned_begin + k * kTileTokens;
+    tile.load(pb.kv, block_table, pb.block_size, std::max(begin, tile_begin),
+              std::min(end, tile_begin + kTileTokens));
+  };
 
   // tiles[k % kRing] is tile k; tile k + kPrefetchTiles is looked up while tile k is worked on.
   constexpr int64_t kRing = kPrefetchTiles + 1;
   Tile<cache_t> tiles[kRing];
-  for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) {
-    tiles[k].load(pb.kv, block_table, pb.block_size, begin + k * kTileTokens, end);
-  }
+  for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) load_tile(tiles[k], k);
   Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim);
   for (int64_t k = 0; k < num_tiles; ++k) {
     const Tile<cache_t>& tile = tiles[k % kRing];
     if (k + kPrefetchTiles < num_tiles) {
       Tile<cache_t>& ahead = tiles[(k + kPrefetchTiles) % kRing];
-      ahead.load(pb.kv, block_table, pb.block_size, begin + (k + kPrefetchTiles) * kTileTokens, end);
+      load_tile(ahead, k + kPrefetchTiles);
       prefetcher.start_tile(&ahead);
     } else {
       prefetcher.start_tile(nullptr);
@@ -232,6 +250,11 @@ void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, in
       }
 #endif
       attend_tile(pb, kv_head, tile, last_token, sc, prefetcher);
+    }
+    const int64_t tile_end = tile.first + tile.num_tokens;
+    if (tile_end == end || tile_end % kChunkTokens == 0) {
+      chunk_done((tile_end - 1) / kChunkTokens);
+      if (tile_end != end) reset();
     }
   }
 }
