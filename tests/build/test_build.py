@@ -1,7 +1,7 @@
 """The built extension: registered ops, and CUDA machine code for the requested architectures."""
 
+import importlib.util
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -9,6 +9,11 @@ import pytest
 import torch
 
 import paged_attn
+
+_spec = importlib.util.spec_from_file_location("sass_report", Path(__file__).resolve().parents[2] / "scripts" /
+                                               "sass_report.py")
+sass_report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_report)
 
 OPS = ["reshape_and_cache", "copy_blocks", "swap_blocks"]
 
@@ -19,16 +24,11 @@ def test_ops_registered_for_cpu(op):
 
 
 def cuobjdump():
-    """cuobjdump from the CUDA toolkit, or the copy that Triton's package ships."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
+    """cuobjdump from the CUDA toolkit, or the copy that Triton's package ships (scripts/sass_report.py finds it)."""
     try:
-        import triton
-    except ImportError:
+        return sass_report.find_cuobjdump()
+    except FileNotFoundError:
         return None
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(path) if path.exists() else None
 
 
 def expected_archs():
