@@ -4,7 +4,8 @@
 //                                     (src-size 0). The bytes land in `dst` at some time before the wait below.
 //   cp_async_commit()                 closes the copies this thread started since its last commit into a group.
 //   cp_async_wait<N>()                waits until at most N of this thread's groups are pending (the oldest
-//                                     complete first); cp_async_wait_all(): until none is.
+//                                     complete first); copies not yet committed are in no group
+//                                     and not waited for. cp_async_wait_all(): commit, then wait until none is.
 // A copy's bytes are visible to the thread that started it after the wait, to the other threads after the wait and
 // a barrier (__syncwarp, __syncthreads) between them. Until then `dst` must be neither read nor written.
 // Under the CPU emulator (tests/emulated/simt.h, PAGED_ATTN_EMULATED) completion is deferred to the wait, and `dst`
@@ -27,7 +28,7 @@ template <int N>
 inline void cp_async_wait(simt::Site site = simt::Site::here()) {
   simt::cp_async_wait(N, site);
 }
-inline void cp_async_wait_all(simt::Site site = simt::Site::here()) { simt::cp_async_wait(0, site); }
+inline void cp_async_wait_all(simt::Site site = simt::Site::here()) { simt::cp_async_wait_all(site); }
 
 #else
 
