@@ -62,6 +62,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <list>
 #include <map>
@@ -200,6 +201,7 @@ struct Untracked {
 enum class Op {
   kSyncthreads, kSyncwarp, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll,
   kWmmaFill, kWmmaLoad, kWmmaStore, kWmmaMma,  // nvcuda::wmma (whole-warp collectives)
+  kLdmatrix, kLdmatrixTrans, kMovmatrix, kMma,  // ldmatrix, movmatrix, mma.sync (whole-warp collectives, mma.cuh)
 };
 
 inline const char* op_name(Op op) {
@@ -217,12 +219,17 @@ inline const char* op_name(Op op) {
     case Op::kWmmaLoad: return "wmma::load_matrix_sync";
     case Op::kWmmaStore: return "wmma::store_matrix_sync";
     case Op::kWmmaMma: return "wmma::mma_sync";
+    case Op::kLdmatrix: return "ldmatrix_x4";
+    case Op::kLdmatrixTrans: return "ldmatrix_x4_trans";
+    case Op::kMovmatrix: return "movmatrix_trans";
+    case Op::kMma: return "mma_m16n8k16";
   }
   return "?";
 }
 
 // Barriers and __syncwarp order memory between their attendees; shuffles and votes only exchange values.
 inline bool orders_memory(Op op) { return op == Op::kSyncthreads || op == Op::kSyncwarp; }
+// Collectives whose lanes pass their arguments as a payload and whose last lane runs a completion function.
 inline bool is_wmma(Op op) { return op >= Op::kWmmaFill; }
 
 struct Thread;
@@ -281,6 +288,15 @@ struct Thread {
   int operand = 0, width = 32;      // source lane, delta or lane mask; segment width
   const void* payload = nullptr;    // a wmma collective's arguments, and its completion
   WmmaComplete wmma_complete = nullptr;
+  // cp.async (cp_async_16): this thread's copies started since its last commit, then its committed groups, oldest
+  // first. A copy's source is read when it starts; its destination is written when a wait completes it.
+  struct AsyncCopy {
+    void* dst;
+    Site site;
+    unsigned char bytes[16];
+  };
+  std::vector<AsyncCopy> uncommitted;
+  std::deque<std::vector<AsyncCopy>> groups;
   // The fiber.
 #if defined(SIMT_FAST_SWITCH)
   void* sp = nullptr;               // saved stack pointer while not running
@@ -334,6 +350,9 @@ inline int source_lane(Op op, int lane, int operand, int width) {
 class Run;
 inline thread_local Run* t_run = nullptr;        // the launch this OS thread runs
 inline thread_local Thread* t_thread = nullptr;  // the CUDA thread running now; nullptr in the scheduler
+// Completes `self`'s oldest cp.async groups until at most `keep` are pending, and at exit its uncommitted copies
+// too (defined with cp_async_16 below).
+inline void complete_copies(Thread& self, size_t keep, bool at_exit = false);
 
 // One launch: its grid, the threads of the block being run, their stacks, and the block's shared memory.
 class Run {
@@ -422,6 +441,42 @@ class Run {
   }
   void* dynamic_shared() const { return dynamic_.data; }
 
+  // Whether [p, p + bytes) lies in one of the running block's shared memory allocations.
+  bool in_shared(const void* p, size_t bytes) const {
+    const auto inside = [&](const Allocation& a) {
+      const auto begin = reinterpret_cast<uintptr_t>(a.data), at = reinterpret_cast<uintptr_t>(p);
+      return a.data != nullptr && at >= begin && at + bytes <= begin + a.bytes;
+    };
+    if (inside(dynamic_)) return true;
+    for (const auto& [key, allocation] : static_shared_) {
+      if (inside(allocation)) return true;
+    }
+    return false;
+  }
+
+  // ---- cp.async copies not yet completed, by destination (16-byte aligned, so two overlap only if equal).
+  struct PendingCopy {
+    Site site;
+    int thread;
+  };
+  std::map<const void*, PendingCopy>& pending_copies() { return pending_copies_; }
+  std::string pending_copy(const void* dst) const {
+    const auto found = pending_copies_.find(dst);
+    if (found == pending_copies_.end()) return "";
+    return cat("the cp.async of ", threads_[found->second.thread].name(), " at ", found->second.site.str());
+  }
+  // The pending copies as text, for a sanitizer's report (at most 8).
+  std::string pending_copies_text() const {
+    std::string text;
+    int n = 0;
+    for (const auto& [dst, copy] : pending_copies_) {
+      if (n++ == 8) return text + "  ...\n";
+      text += cat("  16 bytes at ", dst, ": cp.async of ", threads_[copy.thread].name(), " at ", copy.site.str(),
+                  ", not yet waited for\n");
+    }
+    return text;
+  }
+
   std::string block_name() const { return "block " + dims(block_idx_.x, block_idx_.y, block_idx_.z); }
   template <typename... Parts>
   Error error(const Parts&... message) const {
@@ -432,15 +487,16 @@ class Run {
   // Heap storage at exactly `bytes`, filled with 0xFF (NaN as float, half and bfloat16).
   struct Allocation {
     void* data = nullptr;
-    size_t alignment = 16;
+    size_t alignment = 16, bytes = 0;
     Allocation() = default;
-    Allocation(size_t bytes, size_t align) : alignment(std::max<size_t>(align, 16)) {
+    Allocation(size_t size, size_t align) : alignment(std::max<size_t>(align, 16)), bytes(size) {
       data = ::operator new(bytes, std::align_val_t(alignment));
       std::memset(data, 0xFF, bytes);
     }
-    Allocation(Allocation&& other) noexcept : data(std::exchange(other.data, nullptr)), alignment(other.alignment) {}
+    Allocation(Allocation&& other) noexcept
+        : data(std::exchange(other.data, nullptr)), alignment(other.alignment), bytes(other.bytes) {}
     Allocation& operator=(Allocation&& other) noexcept {
-      std::swap(data, other.data), std::swap(alignment, other.alignment);
+      std::swap(data, other.data), std::swap(alignment, other.alignment), std::swap(bytes, other.bytes);
       return *this;
     }
     ~Allocation() {
@@ -501,6 +557,11 @@ class Run {
 #if defined(__SANITIZE_THREAD__)
     __tsan_acquire(&block_done_);  // the block's threads happen before what the host does next
 #endif
+    for (Thread& t : threads_) t.uncommitted.clear(), t.groups.clear();  // copies of an abandoned block
+#if defined(__SANITIZE_ADDRESS__)
+    for (const auto& [dst, copy] : pending_copies_) ASAN_UNPOISON_MEMORY_REGION(dst, 16);
+#endif
+    pending_copies_.clear();
     meetings_.clear();
     static_shared_.clear();
     static_bytes_ = 0;
@@ -598,6 +659,7 @@ class Run {
 #endif
     try {
       run.body_(run.context_);
+      complete_copies(self, 0, true);  // a thread's copies still land in shared memory after it exits
       Untracked untracked;
       run.exit_kernel(self);
     } catch (const Cancelled&) {
@@ -775,6 +837,7 @@ class Run {
   std::map<const void*, Allocation> static_shared_;
   size_t static_bytes_ = 0;
   Allocation dynamic_;
+  std::map<const void*, PendingCopy> pending_copies_;
   std::exception_ptr error_;
   bool cancelling_ = false;
 
@@ -1259,3 +1322,244 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix
 
 }  // namespace wmma
 }  // namespace nvcuda
+
+// ---------------------------------------------------------------------------------------------------------------
+// cp.async (csrc/cuda/cp_async.cuh): asynchronous copies of 16 bytes from global to shared memory, in commit groups.
+//
+// cp_async_16 checks CUDA's requirements (dst in the block's shared memory, dst and a read src 16-byte aligned),
+// reads the source at once (the sanitizers see that read at the call) and fills dst with 0xFF bytes (NaN), which
+// ThreadSanitizer sees as this thread's write; under AddressSanitizer dst is then poisoned. The bytes land in dst
+// only when a wait of the same thread completes the copy's group (cp_async_wait(n): the oldest groups until at
+// most n are pending; copies not committed are in no group), written by the waiting thread: another thread sees
+// them race-free only after a barrier between. So a kernel that reads dst too early reads NaN, or a poisoned
+// address (ASan prints the pending copies and their sites beside its report); a ldmatrix of a row with a copy
+// pending, or a second copy into a pending dst, is an error naming both sites. A thread's copies not waited for
+// when it exits land at its exit.
+namespace simt {
+namespace detail {
+
+#if defined(__SANITIZE_ADDRESS__)
+// Printed beside an AddressSanitizer report in a launch: the copies that were not yet waited for.
+inline void report_pending_copies(const char*) {
+  if (t_run == nullptr) return;
+  const std::string text = t_run->pending_copies_text();
+  if (!text.empty()) std::fprintf(stderr, "simt: cp.async copies pending at this report:\n%s", text.c_str());
+}
+#endif
+
+inline void complete_copies(Thread& self, size_t keep, bool at_exit) {
+  std::vector<Thread::AsyncCopy> done;
+  {
+    Untracked untracked;
+    while (self.groups.size() > keep) {
+      for (const Thread::AsyncCopy& copy : self.groups.front()) done.push_back(copy);
+      self.groups.pop_front();
+    }
+    if (at_exit) {
+      for (const Thread::AsyncCopy& copy : self.uncommitted) done.push_back(copy);
+      self.uncommitted.clear();
+    }
+    for (const Thread::AsyncCopy& copy : done) {
+      t_run->pending_copies().erase(copy.dst);
+#if defined(__SANITIZE_ADDRESS__)
+      ASAN_UNPOISON_MEMORY_REGION(copy.dst, 16);
+#endif
+    }
+  }
+  for (const Thread::AsyncCopy& copy : done) std::memcpy(copy.dst, copy.bytes, 16);  // this thread's writes
+}
+
+}  // namespace detail
+
+inline void cp_async_16(void* dst, const void* src, bool in_bounds, Site site = Site::here()) {
+  using namespace detail;
+  Thread::AsyncCopy copy{dst, site, {}};
+  {
+    Untracked untracked;
+    Run& run = current_run();
+#if defined(__SANITIZE_ADDRESS__)
+    static const bool registered = (__asan_set_error_report_callback(&report_pending_copies), true);
+    (void)registered;
+#endif
+    const std::string call = cat(t_thread->name(), " calls cp_async_16 at ", site.str());
+    if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || !run.in_shared(dst, 16)) {
+      throw run.error(call, " with the destination ", dst,
+                      ", which is not 16 bytes of this block's shared memory at a 16-byte aligned address");
+    }
+    if (in_bounds && reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+      throw run.error(call, " with the source ", src, ", which is not 16-byte aligned");
+    }
+    const std::string pending = run.pending_copy(dst);
+    if (!pending.empty()) {
+      throw run.error(call, " into ", dst, ", where ", pending, " has not completed (no wait between)");
+    }
+  }
+  if (in_bounds) std::memcpy(copy.bytes, src, 16);  // the global read: out of bounds is ASan's report here
+  std::memset(dst, 0xFF, 16);                       // NaN until the wait; a write a racing reader meets in TSan
+  Untracked untracked;
+  t_run->pending_copies()[dst] = Run::PendingCopy{site, t_thread->id};
+  t_thread->uncommitted.push_back(copy);
+#if defined(__SANITIZE_ADDRESS__)
+  ASAN_POISON_MEMORY_REGION(dst, 16);
+#endif
+}
+
+inline void cp_async_commit(Site site = Site::here()) {
+  (void)site;
+  detail::Untracked untracked;
+  detail::current_run();
+  detail::Thread& self = *detail::t_thread;
+  self.groups.push_back(std::move(self.uncommitted));
+  self.uncommitted.clear();
+}
+
+inline void cp_async_wait(int pending, Site site = Site::here()) {
+  (void)site;
+  detail::current_run();
+  detail::complete_copies(*detail::t_thread, static_cast<size_t>(pending));
+}
+
+inline void cp_async_wait_all(Site site = Site::here()) {
+  cp_async_commit(site);
+  cp_async_wait(0, site);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// ldmatrix, movmatrix and mma.sync m16n8k16 (csrc/cuda/mma.cuh, whose opening comment gives the fragment layouts
+// of the PTX ISA, which these implement): collectives of the whole warp, at one site. ldmatrix: each lane reads its
+// own 16-byte row (which must be 16-byte aligned, in the block's shared memory, and have no cp.async pending), the
+// last lane to arrive hands out the elements. mma: the last lane computes D = A B + C, float products summed in k
+// order with fmaf, then writes every lane's D (so D may be C).
+namespace detail {
+
+struct LdmatrixArgs {
+  unsigned char row[16];
+  uint32_t* r;
+};
+
+inline uint16_t half_of(uint32_t x, int high) { return static_cast<uint16_t>(high ? x >> 16 : x & 0xffffu); }
+inline uint32_t two_halves(uint16_t low, uint16_t high) { return static_cast<uint32_t>(low) | uint32_t{high} << 16; }
+
+template <bool TRANS>
+void ldmatrix_complete(const Meeting&, const std::vector<Thread*>& lanes) {
+  const auto row = [&](int lane) { return static_cast<const LdmatrixArgs*>(lanes[lane]->payload)->row; };
+  const auto element = [&](int matrix, int r, int c) {  // element (r, c) of matrix `matrix`
+    uint16_t x;
+    std::memcpy(&x, row(8 * matrix + r) + 2 * c, 2);
+    return x;
+  };
+  for (const Thread* t : lanes) {
+    const int g = t->lane / 4, q = t->lane % 4;
+    uint32_t* r = static_cast<const LdmatrixArgs*>(t->payload)->r;
+    for (int i = 0; i < 4; ++i) {
+      r[i] = TRANS ? two_halves(element(i, 2 * q, g), element(i, 2 * q + 1, g))
+                   : two_halves(element(i, g, 2 * q), element(i, g, 2 * q + 1));
+    }
+  }
+}
+
+struct MovmatrixArgs {
+  uint32_t x;
+  uint32_t* y;
+};
+
+inline void movmatrix_complete(const Meeting&, const std::vector<Thread*>& lanes) {
+  const auto element = [&](int r, int c) {  // (r, c) of the matrix: lane 4r + c / 2, half c % 2
+    return half_of(static_cast<const MovmatrixArgs*>(lanes[4 * r + c / 2]->payload)->x, c % 2);
+  };
+  for (const Thread* t : lanes) {
+    const int g = t->lane / 4, q = t->lane % 4;
+    *static_cast<const MovmatrixArgs*>(t->payload)->y = two_halves(element(2 * q, g), element(2 * q + 1, g));
+  }
+}
+
+struct MmaArgs {
+  float* d;
+  const uint32_t* a;
+  const uint32_t* b;
+  const float* c;
+};
+
+template <typename T>
+float element_to_float(uint16_t bits) {
+  if constexpr (std::is_same_v<T, __half>) {
+    __half_raw raw;
+    raw.x = bits;
+    return __half2float(__half(raw));
+  } else {
+    __nv_bfloat16_raw raw;
+    raw.x = bits;
+    return __bfloat162float(__nv_bfloat16(raw));
+  }
+}
+
+template <typename T>
+void mma_complete(const Meeting&, const std::vector<Thread*>& lanes) {
+  float a[16][16], b[16][8], c[16][8];
+  for (const Thread* t : lanes) {
+    const auto& args = *static_cast<const MmaArgs*>(t->payload);
+    const int g = t->lane / 4, q = t->lane % 4;
+    for (int i = 0; i < 4; ++i) {  // a[i]: rows g (+ 8 for odd i), columns 2q, 2q + 1 (+ 8 for i >= 2)
+      for (int h = 0; h < 2; ++h) a[g + 8 * (i % 2)][2 * q + h + 8 * (i / 2)] = element_to_float<T>(half_of(args.a[i], h));
+    }
+    for (int i = 0; i < 2; ++i) {  // b[i]: rows 2q, 2q + 1 (+ 8 for i = 1), column g
+      for (int h = 0; h < 2; ++h) b[2 * q + h + 8 * i][g] = element_to_float<T>(half_of(args.b[i], h));
+    }
+    for (int i = 0; i < 4; ++i) c[g + 8 * (i / 2)][2 * q + i % 2] = args.c[i];  // c[i]: row g (+ 8), col 2q (+ 1)
+  }
+  float d[16][8];
+  for (int m = 0; m < 16; ++m) {
+    for (int n = 0; n < 8; ++n) {
+      float sum = c[m][n];
+      for (int k = 0; k < 16; ++k) sum = fmaf(a[m][k], b[k][n], sum);
+      d[m][n] = sum;
+    }
+  }
+  for (const Thread* t : lanes) {  // after every input is read: d may be c
+    const auto& args = *static_cast<const MmaArgs*>(t->payload);
+    const int g = t->lane / 4, q = t->lane % 4;
+    for (int i = 0; i < 4; ++i) args.d[i] = d[g + 8 * (i / 2)][2 * q + i % 2];
+  }
+}
+
+}  // namespace detail
+
+// r = four 8 x 8 matrices of 16-bit elements (trans: transposed); lane l passes row l % 8 of matrix l / 8.
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans, Site site = Site::here()) {
+  using namespace detail;
+  LdmatrixArgs args{{}, r};
+  {
+    Untracked untracked;
+    Run& run = current_run();
+    const std::string call = cat(t_thread->name(), " calls ", trans ? "ldmatrix_x4_trans" : "ldmatrix_x4", " at ",
+                                 site.str());
+    if (reinterpret_cast<uintptr_t>(row) % 16 != 0 || !run.in_shared(row, 16)) {
+      throw run.error(call, " with the row ", row,
+                      ", which is not 16 bytes of this block's shared memory at a 16-byte aligned address");
+    }
+    const std::string pending = run.pending_copy(row);
+    if (!pending.empty()) throw run.error(call, " with the row ", row, ", where ", pending, " has not completed");
+  }
+  std::memcpy(args.row, row, 16);  // this lane's read of its row, seen by the sanitizers
+  wmma_collective(trans ? Op::kLdmatrixTrans : Op::kLdmatrix, site, &args,
+                  trans ? &ldmatrix_complete<true> : &ldmatrix_complete<false>);
+}
+
+// The transpose of the 8 x 8 matrix the warp holds as (row lane / 4, columns 2 (lane % 4), + 1).
+inline uint32_t movmatrix_trans(uint32_t x, Site site = Site::here()) {
+  uint32_t y = 0;
+  const detail::MovmatrixArgs args{x, &y};
+  detail::wmma_collective(detail::Op::kMovmatrix, site, &args, &detail::movmatrix_complete);
+  return y;
+}
+
+// d = a * b + c, 16 x 8 x 16, T = __half or __nv_bfloat16 inputs, float accumulators.
+template <typename T>
+void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4],
+                  Site site = Site::here()) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "half or bfloat16 inputs");
+  const detail::MmaArgs args{d, a, b, c};
+  detail::wmma_collective(detail::Op::kMma, site, &args, &detail::mma_complete<T>);
+}
+
+}  // namespace simt
