@@ -5,9 +5,12 @@
 // Exit status: 0 when the case ran and its own checks passed; 1 when a check failed (the mismatch is printed);
 // 3 when the launch threw simt::Error (the message goes to stderr). Some cases print results that the Python side
 // checks against its own model (shuffles, conversions, fp8, order).
-#include "simt.h"
+#include "simt.h"  // first: the kernel headers then take its PA_SHARED / PA_EXTERN_SHARED
+
+#include "../../csrc/cuda/mma.cuh"
 
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -778,6 +781,286 @@ __global__ void wmma_mma_vs_shuffle_kernel(int* out) {  // lane 0 shuffles while
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// ldmatrix, movmatrix and mma.sync m16n8k16 (csrc/cuda/mma.cuh): each lane's fragment holds exactly the elements
+// that mma.cuh's opening comment (the PTX ISA's layouts) gives it, computed here on the host from those formulas;
+// products through them match float64 sums, for half and bfloat16, and so does a chain like attention's
+// (S = K Q^T, P = S rounded, O^T = V^T P^T). Two warps, each its own matrices.
+
+constexpr int kTileLd = 24;  // row stride of a 16 x 16 tile of 16-bit elements: 48 bytes, rows 16-byte aligned
+
+struct alignas(16) Tile16 {
+  uint16_t x[16 * kTileLd];
+  uint16_t& at(int r, int c) { return x[r * kTileLd + c]; }
+};
+
+// The row lane `lane` passes to ldmatrix_x4 for a tile's four 8 x 8 quadrants, matrix i = rows 8 (i % 2), columns
+// 8 (i / 2): the order of the A fragment (a[1] rows g + 8, a[2] columns 2t + 8).
+__device__ uint16_t* quadrant_row(uint16_t* tile, int lane) {
+  const int matrix = lane / 8, row = lane % 8;
+  return tile + (8 * (matrix % 2) + row) * kTileLd + 8 * (matrix / 2);
+}
+
+inline uint32_t pair(uint32_t low, uint32_t high) { return low | high << 16; }
+
+__global__ void mma_layout_kernel(const Tile16* in, uint32_t* out) {  // 64 threads; out [64][13]
+  PA_SHARED(Tile16, tile_s, [2]);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int i = lane; i < 16 * kTileLd; i += 32) tile_s[warp].x[i] = in[warp].x[i];
+  __syncwarp();
+  uint32_t r[4], rt[4];
+  paged_attn::ldmatrix_x4(r, quadrant_row(tile_s[warp].x, lane));
+  paged_attn::ldmatrix_x4_trans(rt, quadrant_row(tile_s[warp].x, lane));
+  uint32_t* o = out + 13 * threadIdx.x;
+  for (int i = 0; i < 4; ++i) o[i] = r[i], o[4 + i] = rt[i];
+  // An 8 x 8 matrix of codes 0x100 w + 16 row + column, held as (row g, columns 2t, 2t + 1), transposed.
+  const uint32_t code = 0x100u * warp + 16u * g + 2u * t;
+  o[8] = paged_attn::movmatrix_trans(pair(code, code + 1));
+  // movmatrix of a ldmatrix fragment is the ldmatrix_trans fragment.
+  for (int i = 0; i < 4; ++i) o[9 + i] = paged_attn::movmatrix_trans(r[i]);
+}
+
+int mma_layout(const simt::Options& options) {
+  std::vector<Tile16> in(2);
+  for (int w = 0; w < 2; ++w) {
+    for (int r = 0; r < 16; ++r) {
+      for (int c = 0; c < kTileLd; ++c) in[w].at(r, c) = c < 16 ? 0x1000 * w + 0x40 * r + c : 0xFFFF;  // distinct
+    }
+  }
+  std::vector<uint32_t> out(64 * 13);
+  simt::launch(options, mma_layout_kernel, dim3(1), dim3(64), 0, in.data(), out.data());
+  for (int tid = 0; tid < 64; ++tid) {
+    const int w = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const uint32_t* o = &out[13 * tid];
+    const auto element = [&](int i, int r, int c) -> uint32_t { return in[w].at(8 * (i % 2) + r, 8 * (i / 2) + c); };
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t want = pair(element(i, g, 2 * t), element(i, g, 2 * t + 1));  // (row g, columns 2t, 2t + 1)
+      const uint32_t want_trans = pair(element(i, 2 * t, g), element(i, 2 * t + 1, g));  // (rows 2t, 2t + 1, col g)
+      CHECK(o[i] == want, "thread %d ldmatrix r[%d] = %08x, expected %08x", tid, i, o[i], want);
+      CHECK(o[4 + i] == want_trans, "thread %d ldmatrix_trans r[%d] = %08x, expected %08x", tid, i, o[4 + i],
+            want_trans);
+      CHECK(o[9 + i] == want_trans, "thread %d movmatrix(r[%d]) = %08x, expected %08x", tid, i, o[9 + i], want_trans);
+    }
+    const uint32_t want = pair(0x100u * w + 16u * (2 * t) + g, 0x100u * w + 16u * (2 * t + 1) + g);
+    CHECK(o[8] == want, "thread %d movmatrix = %08x, expected %08x", tid, o[8], want);
+  }
+  return g_failures ? 1 : 0;
+}
+
+// 16-bit elements: a float rounded to T, as bits, and back.
+template <typename T>
+uint16_t to_bits16(float x) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half_as_ushort(__float2half_rn(x));
+  } else {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+}
+template <typename T>
+float from_bits16(uint16_t bits) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(__ushort_as_half(bits));
+  } else {
+    return __bfloat162float(__ushort_as_bfloat16(bits));
+  }
+}
+
+// Random elements in [-2, 2) (a linear congruential generator), rounded to T: the tile's bits and their values.
+template <typename T>
+struct RandomTile {
+  Tile16 bits;
+  float value[16][16];
+  explicit RandomTile(uint32_t seed) {
+    for (int i = 0; i < 16 * kTileLd; ++i) bits.x[i] = 0xFFFF;  // padding: NaN, never read
+    for (int r = 0; r < 16; ++r) {
+      for (int c = 0; c < 16; ++c) {
+        seed = seed * 1664525u + 1013904223u;
+        bits.at(r, c) = to_bits16<T>(static_cast<float>(seed >> 8) / (1 << 24) * 4.0f - 2.0f);
+        value[r][c] = from_bits16<T>(bits.at(r, c));
+      }
+    }
+  }
+};
+
+// |got - want| within 1e-5 of the sum of the magnitudes of the terms: float sums of exact float products.
+bool close(float got, double want, double magnitude) { return std::fabs(got - want) <= 1e-5 * magnitude + 1e-30; }
+
+struct GemmTiles {
+  Tile16 a, b, bt;  // A (m x k), B (k x n) and B^T (n x k), row-major
+  float c[16][16];
+};
+
+// D = A B + C (16 x 16 x 16 as two n-tiles of 8): A by ldmatrix_x4, B by ldmatrix_x4_trans from row-major memory
+// and again by ldmatrix_x4 from its transpose (the B fragment is column-major), C and D in the C layout.
+template <typename T>
+__global__ void mma_gemm_kernel(const GemmTiles* in, float* d_out) {  // 64 threads; d_out [2 warps][2][16][16]
+  PA_SHARED(Tile16, tiles_s, [2][3]);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int i = lane; i < 16 * kTileLd; i += 32) {
+    tiles_s[warp][0].x[i] = in[warp].a.x[i], tiles_s[warp][1].x[i] = in[warp].b.x[i];
+    tiles_s[warp][2].x[i] = in[warp].bt.x[i];
+  }
+  __syncwarp();
+  uint32_t a[4], b[4], bt[4];
+  paged_attn::ldmatrix_x4(a, quadrant_row(tiles_s[warp][0].x, lane));
+  paged_attn::ldmatrix_x4_trans(b, quadrant_row(tiles_s[warp][1].x, lane));  // n-tile j: b[2j], b[2j + 1]
+  paged_attn::ldmatrix_x4(bt, quadrant_row(tiles_s[warp][2].x, lane));       // n-tile j: bt[j], bt[j + 2]
+  for (int j = 0; j < 2; ++j) {
+    float c[4], d[4];
+    for (int i = 0; i < 4; ++i) c[i] = in[warp].c[g + 8 * (i / 2)][8 * j + 2 * t + i % 2];
+    const uint32_t b_j[2] = {b[2 * j], b[2 * j + 1]}, bt_j[2] = {bt[j], bt[j + 2]};
+    paged_attn::mma_m16n8k16<T>(d, a, b_j, c);
+    paged_attn::mma_m16n8k16<T>(c, a, bt_j, c);  // in place: D = C
+    for (int i = 0; i < 4; ++i) {
+      const int m = g + 8 * (i / 2), n = 8 * j + 2 * t + i % 2;
+      d_out[((2 * warp + 0) * 16 + m) * 16 + n] = d[i];
+      d_out[((2 * warp + 1) * 16 + m) * 16 + n] = c[i];
+    }
+  }
+}
+
+template <typename T>
+void mma_gemm(const simt::Options& options, const char* name) {
+  std::vector<GemmTiles> in(2);
+  std::vector<RandomTile<T>> a, b;
+  for (int w = 0; w < 2; ++w) {
+    a.emplace_back(11u + 2 * w), b.emplace_back(12u + 2 * w);
+    in[w].a = a[w].bits, in[w].b = b[w].bits;
+    for (int i = 0; i < 16 * kTileLd; ++i) in[w].bt.x[i] = 0xFFFF;
+    for (int r = 0; r < 16; ++r) {
+      for (int c = 0; c < 16; ++c) in[w].bt.at(c, r) = b[w].bits.at(r, c), in[w].c[r][c] = 0.375f * (r - c) + w;
+    }
+  }
+  std::vector<float> d(2 * 2 * 256);
+  simt::launch(options, mma_gemm_kernel<T>, dim3(1), dim3(64), 0, in.data(), d.data());
+  for (int w = 0; w < 2; ++w) {
+    for (int m = 0; m < 16; ++m) {
+      for (int n = 0; n < 16; ++n) {
+        double want = in[w].c[m][n], magnitude = std::fabs(want);
+        for (int k = 0; k < 16; ++k) {
+          want += static_cast<double>(a[w].value[m][k]) * b[w].value[k][n];
+          magnitude += std::fabs(static_cast<double>(a[w].value[m][k]) * b[w].value[k][n]);
+        }
+        for (int way = 0; way < 2; ++way) {
+          const float got = d[((2 * w + way) * 16 + m) * 16 + n];
+          CHECK(close(got, want, magnitude), "%s warp %d %s D[%d][%d] = %.9g, expected %.9g", name, w,
+                way ? "(B^T, in place)" : "(B)", m, n, got, want);
+        }
+      }
+    }
+  }
+}
+
+struct ChainTiles {
+  Tile16 k, q, v;  // K (16 keys x 16 dims), Q (rows 0-7: 8 queries x 16 dims; rows 8-15 unused), V (keys x dims)
+};
+
+// Attention's chain: S = K Q^T (keys x queries: A = K, and the B fragment of Q^T is Q's by ldmatrix_x4); P = S
+// rounded to T; O^T = V^T P^T (dims x queries): A = V^T by ldmatrix_x4_trans of V (its quadrants reordered), and P^T =
+// S's C fragment, whose 8 x 8 blocks (rows g, columns 2t, 2t + 1) movmatrix turns into the B layout.
+template <typename T>
+__global__ void mma_chain_kernel(const ChainTiles* in, float* s_out, float* o_out) {  // s [2][16][8], o [2][8][16]
+  PA_SHARED(ChainTiles, tiles_s, [2]);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int i = lane; i < 16 * kTileLd; i += 32) {
+    tiles_s[warp].k.x[i] = in[warp].k.x[i], tiles_s[warp].q.x[i] = in[warp].q.x[i];
+    tiles_s[warp].v.x[i] = in[warp].v.x[i];
+  }
+  __syncwarp();
+  uint32_t k[4], q[4], v[4];
+  paged_attn::ldmatrix_x4(k, quadrant_row(tiles_s[warp].k.x, lane));
+  paged_attn::ldmatrix_x4(q, quadrant_row(tiles_s[warp].q.x, lane));  // q[0], q[2]: queries 0-7, dims 0-7, 8-15
+  paged_attn::ldmatrix_x4_trans(v, quadrant_row(tiles_s[warp].v.x, lane));
+  const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const uint32_t q_b[2] = {q[0], q[2]};
+  float s[4];
+  paged_attn::mma_m16n8k16<T>(s, k, q_b, zero);
+  for (int i = 0; i < 4; ++i) s_out[(warp * 16 + g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = s[i];
+  const uint32_t p[2] = {paged_attn::movmatrix_trans(paged_attn::pack2<T>(s[0], s[1])),
+                         paged_attn::movmatrix_trans(paged_attn::pack2<T>(s[2], s[3]))};
+  const uint32_t v_a[4] = {v[0], v[2], v[1], v[3]};  // a[1] (dims 8-15, keys 0-7): V's quadrant 2 (keys 0-7, dims 8-15)
+  float o[4];
+  paged_attn::mma_m16n8k16<T>(o, v_a, p, zero);
+  for (int i = 0; i < 4; ++i) o_out[(warp * 8 + 2 * t + i % 2) * 16 + g + 8 * (i / 2)] = o[i];
+}
+
+template <typename T>
+void mma_chain(const simt::Options& options, const char* name) {
+  std::vector<ChainTiles> in(2);
+  std::vector<RandomTile<T>> k, q, v;
+  for (int w = 0; w < 2; ++w) {
+    k.emplace_back(21u + 3 * w), q.emplace_back(22u + 3 * w), v.emplace_back(23u + 3 * w);
+    in[w] = ChainTiles{k[w].bits, q[w].bits, v[w].bits};
+  }
+  std::vector<float> s(2 * 16 * 8), o(2 * 8 * 16);
+  simt::launch(options, mma_chain_kernel<T>, dim3(1), dim3(64), 0, in.data(), s.data(), o.data());
+  for (int w = 0; w < 2; ++w) {
+    float p[16][8];  // the kernel's S rounded to T, as pack2 rounds
+    for (int key = 0; key < 16; ++key) {
+      for (int query = 0; query < 8; ++query) {
+        double want = 0.0, magnitude = 0.0;
+        for (int dim = 0; dim < 16; ++dim) {
+          want += static_cast<double>(k[w].value[key][dim]) * q[w].value[query][dim];
+          magnitude += std::fabs(static_cast<double>(k[w].value[key][dim]) * q[w].value[query][dim]);
+        }
+        const float got = s[(w * 16 + key) * 8 + query];
+        CHECK(close(got, want, magnitude), "%s warp %d S[%d][%d] = %.9g, expected %.9g", name, w, key, query, got,
+              want);
+        p[key][query] = from_bits16<T>(to_bits16<T>(got));
+      }
+    }
+    for (int query = 0; query < 8; ++query) {
+      for (int dim = 0; dim < 16; ++dim) {
+        double want = 0.0, magnitude = 0.0;
+        for (int key = 0; key < 16; ++key) {
+          want += static_cast<double>(p[key][query]) * v[w].value[key][dim];
+          magnitude += std::fabs(static_cast<double>(p[key][query]) * v[w].value[key][dim]);
+        }
+        const float got = o[(w * 8 + query) * 16 + dim];
+        CHECK(close(got, want, magnitude), "%s warp %d O[%d][%d] = %.9g, expected %.9g", name, w, query, dim, got,
+              want);
+      }
+    }
+  }
+}
+
+int mma(const simt::Options& options) {
+  mma_layout(options);
+  mma_gemm<__half>(options, "half");
+  mma_gemm<__nv_bfloat16>(options, "bf16");
+  mma_chain<__half>(options, "half");
+  mma_chain<__nv_bfloat16>(options, "bf16");
+  return g_failures == 0 ? 0 : 1;
+}
+
+// Errors: every lane takes part; each lane's row is 16 bytes of shared memory, 16-byte aligned; the lanes agree on
+// trans.
+alignas(16) unsigned char g_global_rows[32 * 16];  // global memory
+
+__global__ void mma_divergent_kernel(int*) {  // only half the warp multiplies
+  const uint32_t a[4] = {}, b[2] = {};
+  float d[4] = {};
+  if (threadIdx.x % 32 < 16) paged_attn::mma_m16n8k16<__half>(d, a, b, d);
+}
+__global__ void ldmatrix_misaligned_kernel(int*) {  // rows 8 bytes past a 16-byte boundary
+  PA_SHARED(Tile16, tile_s, [1]);
+  uint32_t r[4];
+  paged_attn::ldmatrix_x4(r, quadrant_row(tile_s[0].x, threadIdx.x % 32) + 4);
+}
+__global__ void ldmatrix_global_kernel(int*) {  // rows in global memory
+  uint32_t r[4];
+  paged_attn::ldmatrix_x4(r, g_global_rows + 16 * (threadIdx.x % 32));
+}
+__global__ void ldmatrix_trans_mismatch_kernel(int*) {  // half the warp transposes
+  PA_SHARED(Tile16, tile_s, [1]);
+  uint32_t r[4];
+  uint16_t* row = quadrant_row(tile_s[0].x, threadIdx.x % 32);
+  if (threadIdx.x % 32 < 16) {
+    paged_attn::ldmatrix_x4(r, row);
+  } else {
+    paged_attn::ldmatrix_x4_trans(r, row);
+  }
+}
 // Sanitizer cases: the sanitizer, not the emulator, reports these.
 
 // Indexing the array itself: UBSan's bounds check reports it. Through a pointer: only ASan can, from the heap
@@ -900,6 +1183,12 @@ const std::map<std::string, Case> kCases = {
      [](const simt::Options& o) { return run_error_kernel(o, wmma_fill_nonuniform_kernel, 64); }},
     {"wmma_mma_vs_shuffle",
      [](const simt::Options& o) { return run_error_kernel(o, wmma_mma_vs_shuffle_kernel, 64); }},
+    {"mma", mma},
+    {"mma_divergent", [](const simt::Options& o) { return run_error_kernel(o, mma_divergent_kernel, 64); }},
+    {"ldmatrix_misaligned", [](const simt::Options& o) { return run_error_kernel(o, ldmatrix_misaligned_kernel, 64); }},
+    {"ldmatrix_global", [](const simt::Options& o) { return run_error_kernel(o, ldmatrix_global_kernel, 64); }},
+    {"ldmatrix_trans_mismatch",
+     [](const simt::Options& o) { return run_error_kernel(o, ldmatrix_trans_mismatch_kernel, 64); }},
 };
 
 }  // namespace

@@ -90,10 +90,14 @@ def build_programs(name, source, builds, flags, sources):
     return programs
 
 
+# The kernel headers selftest.cpp includes (mma.cuh, and its own): a change rebuilds it.
+SELFTEST_INCLUDES = [ROOT / "csrc" / "cuda" / name for name in ("mma.cuh", "device.cuh", "launch_plan.h")]
+
+
 @pytest.fixture(scope="session")
 def selftest():
     """build name -> path of the self-test program."""
-    sources = sorted(path for path in EMULATED.iterdir() if path.is_file())
+    sources = sorted(path for path in EMULATED.iterdir() if path.is_file()) + SELFTEST_INCLUDES
     return build_programs("selftest", EMULATED / "selftest.cpp", BUILDS, COMMON_FLAGS, sources)
 
 
@@ -114,7 +118,7 @@ def assert_clean_pass(result):
 # Cases that must pass, in every build and thread order.
 
 PASSING = ["votes", "block_reduce", "uneven_warps", "shared_poison", "atomics", "alignment", "syncwarp_exchange",
-           "wmma"]
+           "wmma", "mma"]
 
 
 @pytest.mark.parametrize("order,seed", ORDERS)
@@ -314,10 +318,15 @@ EMULATOR_ERRORS = {
     "wmma_bad_ldm": ["wmma::load_matrix_sync(mask 0xffffffff) at", "ldm 12, which is not a multiple of 16 bytes"],
     "wmma_fill_nonuniform": ["wmma::fill_fragment(mask 0xffffffff) at", "with another value than"],
     "wmma_mma_vs_shuffle": ["wmma::mma_sync(mask 0xffffffff) at", "__shfl_xor_sync(mask 0xffffffff) at"],
+    "mma_divergent": ["mma_m16n8k16(mask 0xffffffff) at", "exit"],
+    "ldmatrix_misaligned": ["calls ldmatrix_x4 at", "which is not 16 bytes of this block's shared memory at a 16-byte "
+                            "aligned address"],
+    "ldmatrix_global": ["calls ldmatrix_x4 at", "which is not 16 bytes of this block's shared memory"],
+    "ldmatrix_trans_mismatch": ["ldmatrix_x4(mask 0xffffffff) at", "ldmatrix_x4_trans(mask 0xffffffff) at"],
 }
 # Cases whose message must name two different call sites.
 TWO_SITES = {"barrier_skipped", "barrier_two_sites", "different_collectives", "collective_vs_barrier",
-             "wmma_mma_vs_shuffle"}
+             "wmma_mma_vs_shuffle", "ldmatrix_trans_mismatch"}
 
 
 @pytest.mark.parametrize("build,order,seed", [("plain", *o) for o in ORDERS] + [("asan", "random", 2),
