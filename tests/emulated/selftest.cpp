@@ -7,6 +7,7 @@
 // checks against its own model (shuffles, conversions, fp8, order).
 #include "simt.h"  // first: the kernel headers then take its PA_SHARED / PA_EXTERN_SHARED
 
+#include "../../csrc/cuda/cp_async.cuh"
 #include "../../csrc/cuda/mma.cuh"
 
 #include <cinttypes>
@@ -1033,8 +1034,8 @@ int mma(const simt::Options& options) {
   return g_failures == 0 ? 0 : 1;
 }
 
-// Errors: every lane takes part; each lane's row is 16 bytes of shared memory, 16-byte aligned; the lanes agree on
-// trans.
+// Errors: every lane takes part; each lane's row is 16 bytes of shared memory, 16-byte aligned, with no cp.async
+// pending; the lanes agree on trans.
 alignas(16) unsigned char g_global_rows[32 * 16];  // global memory
 
 __global__ void mma_divergent_kernel(int*) {  // only half the warp multiplies
@@ -1061,6 +1062,90 @@ __global__ void ldmatrix_trans_mismatch_kernel(int*) {  // half the warp transpo
     paged_attn::ldmatrix_x4_trans(r, row);
   }
 }
+__global__ void ldmatrix_pending_kernel(int*) {  // the rows' copies are committed but not waited for
+  PA_SHARED(Tile16, tile_s, [1]);
+  uint32_t r[4];
+  uint16_t* row = quadrant_row(tile_s[0].x, threadIdx.x % 32);
+  paged_attn::cp_async_16(row, g_global_rows + 16 * (threadIdx.x % 32), true);
+  paged_attn::cp_async_commit();
+  paged_attn::ldmatrix_x4(r, row);  // BUG: no cp_async_wait before
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// cp.async (csrc/cuda/cp_async.cuh): wait<1> completes the older of two groups only (outside ASan the younger one's
+// destination still reads 0xFF); wait<0> the rest; in_bounds false fills zeros and reads no
+// source; wait_all commits first; a destination whose copy completed takes another. After its wait and a __syncwarp
+// another lane reads the bytes (no race under TSan). Copies left pending at exit (committed or not) land there.
+
+bool same(const uint4& x, const uint4& y) { return x.x == y.x && x.y == y.y && x.z == y.z && x.w == y.w; }
+
+__global__ void cp_async_kernel(const uint4* src, uint4* out, int* ok) {  // 2 blocks of 64; src, out [2][64][4]
+  PA_SHARED(uint4, buf_s, [64][4]);
+  PA_SHARED(uint4, left_s, [64][2]);
+  const int tid = threadIdx.x, lane = tid % 32, gid = blockIdx.x * 64 + tid;
+  const uint4* s = src + 4 * gid;
+  uint4* b = buf_s[tid];
+  paged_attn::cp_async_16(&b[0], &s[0], true);
+  paged_attn::cp_async_commit();  // group 1: b[0]
+  paged_attn::cp_async_16(&b[1], &s[1], true);
+  paged_attn::cp_async_16(&b[2], nullptr, false);  // zero-fill: no source
+  paged_attn::cp_async_commit();                   // group 2: b[1], b[2]
+  paged_attn::cp_async_wait<1>();
+  bool good = same(b[0], s[0]);
+#if !defined(__SANITIZE_ADDRESS__)  // (there, a read of b[1] now is ASan's report: case cp_async_early_read)
+  good = good && b[1].x == 0xFFFFFFFFu && b[1].w == 0xFFFFFFFFu;  // still pending
+#endif
+  paged_attn::cp_async_wait<0>();
+  good = good && same(b[1], s[1]) && same(b[2], make_uint4(0, 0, 0, 0));
+  paged_attn::cp_async_16(&b[3], &s[3], true);  // not committed: wait_all commits it
+  paged_attn::cp_async_wait_all();
+  good = good && same(b[3], s[3]);
+  paged_attn::cp_async_16(&b[0], &s[2], true);  // into b[0] again
+  paged_attn::cp_async_wait_all();
+  ok[gid] = good && same(b[0], s[2]);
+  __syncwarp();
+  const uint4* other = buf_s[tid - lane + (lane + 1) % 32];  // the next lane's copies
+  for (int i = 0; i < 4; ++i) out[4 * gid + i] = other[i];
+  paged_attn::cp_async_16(&left_s[tid][0], &s[0], true);
+  paged_attn::cp_async_commit();
+  paged_attn::cp_async_16(&left_s[tid][1], &s[1], true);  // exits with both pending
+}
+
+int cp_async(const simt::Options& options) {
+  std::vector<uint4> src(2 * 64 * 4), out(2 * 64 * 4);
+  for (size_t i = 0; i < src.size(); ++i) {
+    const unsigned x = static_cast<unsigned>(4 * i);
+    src[i] = make_uint4(x + 1, x + 2, x + 3, x + 4);
+  }
+  std::vector<int> ok(2 * 64, 0);
+  simt::launch(options, cp_async_kernel, dim3(2), dim3(64), 0, src.data(), out.data(), ok.data());
+  for (int gid = 0; gid < 2 * 64; ++gid) {
+    CHECK(ok[gid] == 1, "thread %d of block %d saw a copy's bytes wrong", gid % 64, gid / 64);
+    const int other = gid - gid % 32 + (gid % 32 + 1) % 32;
+    const uint4 want[4] = {src[4 * other + 2], src[4 * other + 1], make_uint4(0, 0, 0, 0), src[4 * other + 3]};
+    for (int i = 0; i < 4; ++i) {
+      CHECK(same(out[4 * gid + i], want[i]), "thread %d of block %d read the next lane's copy %d as %08x",
+            gid % 64, gid / 64, i, out[4 * gid + i].x);
+    }
+  }
+  return g_failures ? 1 : 0;
+}
+
+// Errors: the destination is 16 aligned bytes of shared memory, and takes no second copy while one is pending.
+__global__ void cp_async_misaligned_kernel(int*) {  // 8 bytes past a 16-byte boundary
+  PA_SHARED(uint4, buf_s, [33]);
+  paged_attn::cp_async_16(reinterpret_cast<char*>(&buf_s[threadIdx.x % 32]) + 8, g_global_rows, true);
+}
+__global__ void cp_async_not_shared_kernel(int*) {  // into global memory
+  paged_attn::cp_async_16(g_global_rows + 16 * (threadIdx.x % 32), g_global_rows, true);
+}
+__global__ void cp_async_twice_kernel(int*) {
+  PA_SHARED(uint4, buf_s, [64]);
+  paged_attn::cp_async_16(&buf_s[threadIdx.x], g_global_rows, true);
+  paged_attn::cp_async_commit();
+  paged_attn::cp_async_16(&buf_s[threadIdx.x], g_global_rows + 16, true);  // BUG: the first is not waited for
+}
+
 // Sanitizer cases: the sanitizer, not the emulator, reports these.
 
 // Indexing the array itself: UBSan's bounds check reports it. Through a pointer: only ASan can, from the heap
@@ -1135,6 +1220,30 @@ int race(const simt::Options& options) {
   return 0;
 }
 
+// A thread reads its cp.async destination before the wait: poisoned under ASan (which then lists the pending copies).
+__global__ void cp_async_early_read_kernel(const uint4* src, uint4* out) {  // 32 threads
+  PA_SHARED(uint4, buf_s, [32]);
+  paged_attn::cp_async_16(&buf_s[threadIdx.x], &src[threadIdx.x], true);
+  paged_attn::cp_async_commit();
+  out[threadIdx.x] = buf_s[threadIdx.x];  // BUG: before cp_async_wait
+  paged_attn::cp_async_wait<0>();
+}
+// A lane reads another lane's completed copy with no __syncwarp after that lane's wait: the read races with the
+// copy's landing (the __syncwarp before the waits orders only the copies' start).
+__global__ void cp_async_race_kernel(const uint4* src, uint4* out) {  // 32 threads
+  PA_SHARED(uint4, buf_s, [32]);
+  paged_attn::cp_async_16(&buf_s[threadIdx.x], &src[threadIdx.x], true);
+  __syncwarp();
+  paged_attn::cp_async_wait_all();
+  out[threadIdx.x] = buf_s[threadIdx.x ^ 1];  // BUG: no __syncwarp between the neighbor's wait and this read
+}
+
+int cp_async_sanitized(const simt::Options& options, void (*kernel)(const uint4*, uint4*)) {
+  std::vector<uint4> src(32, make_uint4(1, 2, 3, 4)), out(32);
+  simt::launch(options, kernel, dim3(1), dim3(32), 0, src.data(), out.data());
+  return 0;
+}
+
 using Case = int (*)(const simt::Options&);
 
 const std::map<std::string, Case> kCases = {
@@ -1189,6 +1298,13 @@ const std::map<std::string, Case> kCases = {
     {"ldmatrix_global", [](const simt::Options& o) { return run_error_kernel(o, ldmatrix_global_kernel, 64); }},
     {"ldmatrix_trans_mismatch",
      [](const simt::Options& o) { return run_error_kernel(o, ldmatrix_trans_mismatch_kernel, 64); }},
+    {"ldmatrix_pending", [](const simt::Options& o) { return run_error_kernel(o, ldmatrix_pending_kernel, 64); }},
+    {"cp_async", cp_async},
+    {"cp_async_misaligned", [](const simt::Options& o) { return run_error_kernel(o, cp_async_misaligned_kernel, 64); }},
+    {"cp_async_not_shared", [](const simt::Options& o) { return run_error_kernel(o, cp_async_not_shared_kernel, 64); }},
+    {"cp_async_twice", [](const simt::Options& o) { return run_error_kernel(o, cp_async_twice_kernel, 64); }},
+    {"cp_async_early_read", [](const simt::Options& o) { return cp_async_sanitized(o, cp_async_early_read_kernel); }},
+    {"cp_async_race", [](const simt::Options& o) { return cp_async_sanitized(o, cp_async_race_kernel); }},
 };
 
 }  // namespace

@@ -90,8 +90,9 @@ def build_programs(name, source, builds, flags, sources):
     return programs
 
 
-# The kernel headers selftest.cpp includes (mma.cuh, and its own): a change rebuilds it.
-SELFTEST_INCLUDES = [ROOT / "csrc" / "cuda" / name for name in ("mma.cuh", "device.cuh", "launch_plan.h")]
+# The kernel headers selftest.cpp includes (mma.cuh and cp_async.cuh, and theirs): a change rebuilds it.
+SELFTEST_INCLUDES = [ROOT / "csrc" / "cuda" / name for name in ("mma.cuh", "cp_async.cuh", "device.cuh",
+                                                                 "launch_plan.h")]
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +119,7 @@ def assert_clean_pass(result):
 # Cases that must pass, in every build and thread order.
 
 PASSING = ["votes", "block_reduce", "uneven_warps", "shared_poison", "atomics", "alignment", "syncwarp_exchange",
-           "wmma", "mma"]
+           "wmma", "mma", "cp_async"]
 
 
 @pytest.mark.parametrize("order,seed", ORDERS)
@@ -323,10 +324,14 @@ EMULATOR_ERRORS = {
                             "aligned address"],
     "ldmatrix_global": ["calls ldmatrix_x4 at", "which is not 16 bytes of this block's shared memory"],
     "ldmatrix_trans_mismatch": ["ldmatrix_x4(mask 0xffffffff) at", "ldmatrix_x4_trans(mask 0xffffffff) at"],
+    "ldmatrix_pending": ["calls ldmatrix_x4 at", "where the cp.async of thread", "has not completed"],
+    "cp_async_misaligned": ["calls cp_async_16 at", "with the destination", "16-byte aligned address"],
+    "cp_async_not_shared": ["calls cp_async_16 at", "which is not 16 bytes of this block's shared memory"],
+    "cp_async_twice": ["calls cp_async_16 at", "where the cp.async of thread", "has not completed (no wait between)"],
 }
 # Cases whose message must name two different call sites.
 TWO_SITES = {"barrier_skipped", "barrier_two_sites", "different_collectives", "collective_vs_barrier",
-             "wmma_mma_vs_shuffle", "ldmatrix_trans_mismatch"}
+             "wmma_mma_vs_shuffle", "ldmatrix_trans_mismatch", "ldmatrix_pending", "cp_async_twice"}
 
 
 @pytest.mark.parametrize("build,order,seed", [("plain", *o) for o in ORDERS] + [("asan", "random", 2),
@@ -359,6 +364,13 @@ SANITIZER_CATCHES = {
     "race": ("tsan", ["WARNING: ThreadSanitizer: data race", "in race_kernel"]),
     "race_over_shuffle": ("tsan", ["WARNING: ThreadSanitizer: data race", "in race_over_shuffle_kernel"]),
     "order": ("tsan", ["WARNING: ThreadSanitizer: data race", "in last_writer_kernel"]),
+    # A read of a cp.async destination before the wait: poisoned, and the report lists the copy not waited for.
+    "cp_async_early_read": ("asan", ["ERROR: AddressSanitizer: use-after-poison", "in cp_async_early_read_kernel",
+                                     "simt: cp.async copies pending at this report",
+                                     "selftest.cpp:", "not yet waited for"]),
+    # Another lane's completed copy read without a __syncwarp after its wait: the read races with the copy's landing,
+    # written by that lane's wait (complete_copies).
+    "cp_async_race": ("tsan", ["WARNING: ThreadSanitizer: data race", "cp_async_race_kernel", "complete_copies"]),
 }
 
 
