@@ -1238,6 +1238,19 @@ __global__ void cp_async_race_kernel(const uint4* src, uint4* out) {  // 32 thre
   out[threadIdx.x] = buf_s[threadIdx.x ^ 1];  // BUG: no __syncwarp between the neighbor's wait and this read
 }
 
+// The pipelining bug: a lane starts a copy into a slot its neighbor still reads, before the __syncwarp that ends the
+// reads. The copy may land at once, so the read races with the copy's start (its 0xFF fill under the emulator),
+// though the wait that lands it comes after the barrier.
+__global__ void cp_async_overwrite_race_kernel(const uint4* src, uint4* out) {  // 32 threads
+  PA_SHARED(uint4, buf_s, [32]);
+  buf_s[threadIdx.x] = src[threadIdx.x];
+  __syncwarp();
+  out[threadIdx.x] = buf_s[threadIdx.x ^ 1];
+  paged_attn::cp_async_16(&buf_s[threadIdx.x], &src[threadIdx.x], true);  // BUG: the neighbor may still read it
+  __syncwarp();
+  paged_attn::cp_async_wait_all();
+}
+
 int cp_async_sanitized(const simt::Options& options, void (*kernel)(const uint4*, uint4*)) {
   std::vector<uint4> src(32, make_uint4(1, 2, 3, 4)), out(32);
   simt::launch(options, kernel, dim3(1), dim3(32), 0, src.data(), out.data());
@@ -1305,6 +1318,8 @@ const std::map<std::string, Case> kCases = {
     {"cp_async_twice", [](const simt::Options& o) { return run_error_kernel(o, cp_async_twice_kernel, 64); }},
     {"cp_async_early_read", [](const simt::Options& o) { return cp_async_sanitized(o, cp_async_early_read_kernel); }},
     {"cp_async_race", [](const simt::Options& o) { return cp_async_sanitized(o, cp_async_race_kernel); }},
+    {"cp_async_overwrite_race",
+     [](const simt::Options& o) { return cp_async_sanitized(o, cp_async_overwrite_race_kernel); }},
 };
 
 }  // namespace

@@ -371,6 +371,9 @@ SANITIZER_CATCHES = {
     # Another lane's completed copy read without a __syncwarp after its wait: the read races with the copy's landing,
     # written by that lane's wait (complete_copies).
     "cp_async_race": ("tsan", ["WARNING: ThreadSanitizer: data race", "cp_async_race_kernel", "complete_copies"]),
+    # A copy started into a slot another lane still reads before the barrier: the read races with the copy's start.
+    "cp_async_overwrite_race": ("tsan", ["WARNING: ThreadSanitizer: data race", "cp_async_overwrite_race_kernel",
+                                         "simt::cp_async_16"]),
 }
 
 
