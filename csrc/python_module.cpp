@@ -46,6 +46,7 @@ PyObject* grid_tuple(const paged_attn::Grid& grid) {
 //                      blocks_per_sm [, partition_tokens]
 //   "paged_attention_varlen": num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, element_bytes,
 //                             max_blocks_per_seq, block_size, sliding_window
+//   "decode_mma": head_dim   (the tensor-core decode kernel's dynamic shared memory: {"shared_bytes": ...})
 //   "reshape_and_cache": num_tokens, num_kv_heads, head_units
 //   "copy_blocks": num_pairs, launch_layers, block_units
 PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
@@ -83,6 +84,9 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
                          static_cast<long long>(plan.max_context), "sliding_window", plan.sliding_window, "grid",
                          grid_tuple(plan.grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes, "error",
                          error(plan.error));
+  }
+  if (name == "decode_mma" && sizes.size() == 1) {
+    return Py_BuildValue("{s:i}", "shared_bytes", paged_attn::decode_mma_shared_bytes(sizes[0]));
   }
   if ((name == "reshape_and_cache" || name == "copy_blocks") && sizes.size() == 3) {
     const auto plan = name == "copy_blocks" ? paged_attn::plan_copy_blocks(sizes[0], sizes[1], sizes[2])

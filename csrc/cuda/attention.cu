@@ -2,8 +2,9 @@
 // allocates the split-KV scratch, fills AttentionParams and launches on the current stream. The decode plan takes the
 // SM count and the resident blocks per SM of the kernel instantiation it launches (both cached per device).
 //
-//   decode (no query_start_loc): the decode kernels (attention_kernels.cuh: single pass or split-KV), one item per
-//       sequence.
+//   decode (no query_start_loc): the decode kernels (single pass or split-KV), one item per sequence: on tensor
+//       cores (decode_mma_kernels.cuh) for float16/bfloat16 over caches of the same dtype at the head dims of
+//       DecodeMmaHeadDims (compute capability 8.0+), else attention_kernels.cuh.
 //   query_start_loc, float16/bfloat16 queries (caches of the same dtype or fp8), a head dim of VarlenHeadDims,
 //       compute capability 8.0+: the decode kernels for the sequences with one query row (rows = kSingleTokenSeqs)
 //       and the tensor-core kernel (varlen_attention_kernels.cuh) for those with more (not launched when
@@ -79,21 +80,26 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
   return params;
 }
 
-// The decode kernels over num_items items (see QueryRows in attention_kernels.cuh).
+// The decode kernels over num_items items (see QueryRows in attention_kernels.cuh): decode_mma_kernel where
+// decode_on_tensor_cores says so, else paged_attention_kernel.
 template <typename T, typename C>
 void launch_decode(AttentionParams<T, C> params, QueryRows rows, int64_t num_items, int64_t sliding_window,
                    const at::Tensor& query, int64_t block_size, int64_t num_kv_heads) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int device = query.get_device();
   // The plan fills the SMs' waves with the instantiation it launches: its resident blocks per SM.
+  const bool tensor_cores = decode_on_tensor_cores(head_dim, sizeof(C), std::is_same_v<C, Fp8>,
+                                                   has_tensor_cores(device), params.key_cache.token_stride,
+                                                   params.value_cache.token_stride);
   int blocks_per_sm = 0;
-  C10_CUDA_CHECK(paged_attention_blocks_per_sm(params, attention_group_variant(num_heads, num_kv_heads), device,
-                                               &blocks_per_sm));
+  C10_CUDA_CHECK(paged_attention_blocks_per_sm(params, attention_group_variant(num_heads, num_kv_heads),
+                                               tensor_cores, device, &blocks_per_sm));
   TORCH_CHECK(blocks_per_sm >= 1, "paged_attention: the decode kernel for head_dim ", head_dim, " and ",
               num_heads / num_kv_heads, " query heads per kv head does not fit on an SM of this GPU");
-  const AttentionPlan plan = plan_attention(num_items, num_heads, num_kv_heads, params.max_blocks_per_seq,
-                                            block_size, sliding_window, multiprocessor_count(device), blocks_per_sm);
+  AttentionPlan plan = plan_attention(num_items, num_heads, num_kv_heads, params.max_blocks_per_seq, block_size,
+                                      sliding_window, multiprocessor_count(device), blocks_per_sm);
   TORCH_CHECK(plan.error.empty(), "paged_attention: this call cannot be launched on CUDA: ", plan.error);
+  if (tensor_cores) use_tensor_cores(plan, head_dim);
   at::Tensor partial_out, partial_max, partial_sum;
   if (plan.split()) {
     const auto options = query.options().dtype(at::kFloat);

@@ -88,6 +88,16 @@ constexpr int attention_group_variant(int64_t num_heads, int64_t num_kv_heads) {
   return smallest_variant(AttentionGroupVariants{}, static_cast<int>((group_size + head_chunks - 1) / head_chunks));
 }
 
+// The tensor-core decode kernel (decode_mma_kernels.cuh) serves float16 and bfloat16 queries over caches of the
+// same dtype, at these head dims (multiples of 16), on compute capability 8.0+; everything else takes
+// paged_attention_kernel. Its shared memory is dynamic: per warp, two stages of a K and a V chunk of
+// kDecodeChunk rows, each row padded by 8 elements (16 bytes) so that ldmatrix reads 8 rows from 8 bank groups.
+constexpr int kDecodeChunk = 16;  // tokens per chunk: the k of P V's m16n8k16
+using DecodeMmaHeadDims = IntList<32, 64, 80, 96, 112, 128, 192, 256>;
+constexpr int decode_mma_shared_bytes(int64_t head_dim) {
+  return static_cast<int>(2 /*stages*/ * 2 /*K, V*/ * (kAttentionThreads / 32) * kDecodeChunk * (head_dim + 8) * 2);
+}
+
 struct AttentionPlan {
   int group_size = 0;       // num_heads / num_kv_heads: the query heads that read one kv head
   int head_chunks = 0;      // thread blocks per (sequence, kv head, partition slot): ceil(group_size / kMaxGroup)
@@ -104,11 +114,28 @@ struct AttentionPlan {
                             // z + grid.z, ... of its sequence
   Grid reduce_grid;         // paged_attention_reduce_kernel (split-KV only): (num_seqs, num_heads, 1)
   int threads = kAttentionThreads;  // per thread block, both kernels
-  int shared_bytes = 0;             // dynamic shared memory, both kernels (all of theirs is static)
+  int shared_bytes = 0;             // dynamic shared memory of the attention kernel (the reduce's is static)
+  bool tensor_cores = false;        // the attention kernel is decode_mma_kernel (set by use_tensor_cores)
   std::string error;                // "" or why the call cannot be launched
 
   bool split() const { return num_partitions > 1; }
 };
+
+// Whether the decode kernels of a call are decode_mma_kernel (else paged_attention_kernel): float16/bfloat16
+// (element_bytes 2) over a cache of the same dtype, a head dim of DecodeMmaHeadDims, compute capability 8.0+, and
+// row offsets within 8 tokens of a block that fit in int32 (token strides in elements).
+inline bool decode_on_tensor_cores(int64_t head_dim, int64_t element_bytes, bool fp8_cache, bool has_tensor_cores,
+                                   int64_t key_token_stride, int64_t value_token_stride) {
+  const int64_t widest = key_token_stride > value_token_stride ? key_token_stride : value_token_stride;
+  return element_bytes == 2 && !fp8_cache && has_tensor_cores && contains(DecodeMmaHeadDims{}, head_dim) &&
+         widest >= 0 && widest <= (INT32_MAX - head_dim) / 8;
+}
+
+// Makes a plan launch the tensor-core decode kernel (for a head dim of DecodeMmaHeadDims): its shared memory.
+inline void use_tensor_cores(AttentionPlan& plan, int64_t head_dim) {
+  plan.tensor_cores = true;
+  plan.shared_bytes = decode_mma_shared_bytes(head_dim);
+}
 
 // A single pass this many waves long or longer is not split: its last wave wastes under 1/64 of the time (and the
 // model's products stay far inside int64).

@@ -9,8 +9,8 @@ cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16>& params,
 }
 
 cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__nv_bfloat16>& params, int group_variant,
-                                          int device, int* blocks) {
-  return attention_blocks_per_sm(params, group_variant, device, blocks);
+                                          bool tensor_cores, int device, int* blocks) {
+  return attention_blocks_per_sm(params, group_variant, tensor_cores, device, blocks);
 }
 
 }  // namespace paged_attn

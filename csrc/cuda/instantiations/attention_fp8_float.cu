@@ -10,8 +10,8 @@ cudaError_t launch_paged_attention(const AttentionParams<float, Fp8>& params, co
 }
 
 cudaError_t paged_attention_blocks_per_sm(const AttentionParams<float, Fp8>& params, int group_variant,
-                                          int device, int* blocks) {
-  return attention_blocks_per_sm(params, group_variant, device, blocks);
+                                          bool tensor_cores, int device, int* blocks) {
+  return attention_blocks_per_sm(params, group_variant, tensor_cores, device, blocks);
 }
 
 }  // namespace paged_attn

@@ -1,0 +1,356 @@
+// Paged decode attention on tensor cores: the decode kernel for float16 and bfloat16 queries over caches of the
+// same dtype (head dims of DecodeMmaHeadDims, compute capability 8.0+). The same parameters, tasks, partitions,
+// split-KV records and reduce as paged_attention_kernel (attention_kernels.cuh, whose opening comment gives the
+// math and the grid); only the way a thread block walks its tokens differs. Built to stream K and V at HBM speed:
+// per token row, no division and no block-table load; loads in flight while the previous chunk is computed; a few
+// instructions per 16 bytes (scripts/sass_report.py reads them from the SASS).
+//
+// A thread block (kAttentionThreads = 4 warps) serves one item, one kv head and up to kMaxGroup query heads of its
+// group, as paged_attention_kernel does. Its partition's tokens [begin, end) are cut into chunks of kDecodeChunk =
+// 16 tokens at absolute positions (chunk c: tokens 16c .. 16c + 15; tokens of a chunk outside [begin, end) are not
+// read and count as -inf logits), and warp w takes chunks first + w, first + w + 4, ... on its own: a running max,
+// sum and output per head, and a two-stage pipeline of its own in shared memory, so that the main loop has no
+// __syncthreads. Per chunk:
+//   0. (one chunk ahead) the chunk's K and V rows are copied into the free stage with cp.async, 16 bytes a copy,
+//      from the row offsets of its cache blocks: the block-table entries are loaded once per chunk (one, or two for
+//      block_size 8), a chunk ahead of their use, and give every row of K and V, with no division per row;
+//   1. S^T = K Q^T on tensor cores (mma.m16n8k16: M = the 16 tokens, N = 8 head slots, K = head_dim): the K rows by
+//      ldmatrix from shared memory, Q^T as B fragments held in registers for the whole kernel (loaded once, zero
+//      past the block's heads). Each lane holds 4 logits: tokens g and g + 8 of heads 2t, 2t + 1 (g = lane / 4,
+//      t = lane % 4; layouts in mma.cuh);
+//   2. online softmax on those registers: scale, soft cap, ALiBi and the window applied once per chunk; the chunk's
+//      max per head over the 8 lanes of one t (3 shuffles); p = exp(x - max), the running sum kept per lane (added
+//      over lanes at the end) and the accumulators rescaled;
+//   3. O^T += V^T P^T (M = head_dim in tiles of 16, N = 8 head slots, K = the 16 tokens): V^T by ldmatrix.trans
+//      from the same stage, P^T from the logits' registers by movmatrix (the accumulator layout of S^T, transposed,
+//      is the B layout), rounded to the query dtype as FlashAttention-2 rounds P.
+// At the end of a partition the four warps' (max, sum, output) are merged in shared memory in warp order (the same
+// bits on every run) and written: out = O / sum in single pass, the partition's record in split-KV.
+#pragma once
+
+#include "attention_kernels.cuh"
+#include "cp_async.cuh"
+#include "mma.cuh"
+
+namespace paged_attn {
+
+constexpr int kDecodeWarps = kAttentionThreads / 32;
+constexpr int kDecodeSlots = 8;  // head slots of a thread block: N of the m16n8k16 products (kMaxGroup)
+static_assert(kMaxGroup <= kDecodeSlots, "a thread block's heads fit the N = 8 of one product");
+
+// One warp's stages in shared memory: stage s holds K rows [kDecodeChunk][ROW] then V rows [kDecodeChunk][ROW].
+template <typename T, int HEAD_DIM>
+struct DecodeStages {
+  static constexpr int ROW = HEAD_DIM + 8;               // elements per row: padded (decode_mma_shared_bytes)
+  static constexpr int CACHE = kDecodeChunk * ROW;       // one chunk of one cache
+  static constexpr int STAGE = 2 * CACHE;                // K, then V
+  static constexpr int WARP = 2 * STAGE;                 // two stages
+  static constexpr int NVEC = HEAD_DIM / 8;              // 16-byte vectors per row
+  static constexpr int COPIES = kDecodeChunk * NVEC / 32;  // cp.async per lane per chunk and cache
+  static constexpr int KSTEPS = HEAD_DIM / 16;           // k steps of S^T, and m tiles of O^T
+  static_assert(HEAD_DIM % 16 == 0 && kDecodeChunk * NVEC % 32 == 0, "whole 16 x 16 tiles, whole copies per lane");
+  static_assert(WARP * kDecodeWarps * static_cast<int>(sizeof(T)) == decode_mma_shared_bytes(HEAD_DIM),
+                "the launch plan's shared memory");
+};
+
+// The chunk's two block-table entries' K/V rows of kv head `kv_head`: rows 0-7 of the chunk lie in block
+// entry[0], rows 8-15 in entry[1] (the same block unless block_size is 8).
+struct ChunkBlocks {
+  int32_t entry[2];
+};
+
+// Loads the block-table entries of chunk `chunk` (its tokens 16 chunk .. 16 chunk + 15): those that hold a token
+// before `end` (an entry past the sequence's last block may be garbage, or past the table's row).
+__device__ __forceinline__ ChunkBlocks load_chunk_blocks(const int32_t* block_table, int chunk, int end,
+                                                         int block_shift) {
+  const int first = chunk * kDecodeChunk;
+  const int index0 = first >> block_shift, index1 = (first + 8) >> block_shift;
+  ChunkBlocks blocks;
+  blocks.entry[0] = block_table[index0];
+  blocks.entry[1] = index1 != index0 && first + 8 < end ? block_table[index1] : blocks.entry[0];
+  return blocks;
+}
+
+// Step 0's per-lane constants: the lane's COPIES vectors of a chunk's rows (copy c = lane + 32 i: row c / NVEC,
+// vector c % NVEC), as element offsets from the row's 8-row group in its block (the same for every chunk: the
+// launcher takes this kernel only where 8 token strides fit in int32).
+template <int HEAD_DIM>
+struct ChunkCopies {
+  static constexpr int NVEC = HEAD_DIM / 8, COPIES = kDecodeChunk * NVEC / 32;
+  int lane;
+  int row[COPIES];                   // the copy's row in the chunk, 0-15
+  int key_offset[COPIES], value_offset[COPIES];  // (row % 8) * token_stride + 8 * vector
+
+  template <typename T>
+  __device__ __forceinline__ ChunkCopies(const PagedCache<const T>& key_cache, const PagedCache<const T>& value_cache,
+                                         int lane_)
+      : lane(lane_) {
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i) {
+      const int c = lane + 32 * i, vec = c % NVEC;  // NVEC is a constant: no division
+      row[i] = c / NVEC;
+      key_offset[i] = (row[i] % 8) * static_cast<int>(key_cache.token_stride) + 8 * vec;
+      value_offset[i] = (row[i] % 8) * static_cast<int>(value_cache.token_stride) + 8 * vec;
+    }
+  }
+};
+
+// The first K or V element of the 8-row groups of chunk `chunk` (rows 0-7 and 8-15) of kv head `kv_head`.
+template <typename T>
+__device__ __forceinline__ void chunk_groups(const T* (&group)[2], const PagedCache<const T>& cache,
+                                             const ChunkBlocks& blocks, int kv_head, int chunk) {
+  const int offset_mask = cache.block_size - 1;  // a power of two: 8, 16 or 32
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int first = chunk * kDecodeChunk + 8 * e;
+    group[e] = cache.data + static_cast<int64_t>(blocks.entry[e]) * cache.block_stride +
+               (first & offset_mask) * cache.token_stride + kv_head * cache.head_stride;
+  }
+}
+
+// Step 0: starts the copies of chunk `chunk`'s K and V rows into `stage`: the rows of tokens outside [begin, end)
+// are zero-filled and not read (their addresses, from block-table entries that may be garbage, are never used).
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void copy_chunk(T* stage, const ChunkCopies<HEAD_DIM>& copies,
+                                           const PagedCache<const T>& key_cache,
+                                           const PagedCache<const T>& value_cache, const ChunkBlocks& blocks,
+                                           int kv_head, int chunk, int begin, int end) {
+  using S = DecodeStages<T, HEAD_DIM>;
+  const T* k_group[2];
+  const T* v_group[2];
+  chunk_groups(k_group, key_cache, blocks, kv_head, chunk);
+  chunk_groups(v_group, value_cache, blocks, kv_head, chunk);
+  const unsigned first_rel = static_cast<unsigned>(chunk * kDecodeChunk - begin);  // token - begin, for row 0
+  const unsigned count = static_cast<unsigned>(end - begin);
+#pragma unroll
+  for (int i = 0; i < S::COPIES; ++i) {
+    const int row = copies.row[i];
+    const bool in_bounds = first_rel + row < count;  // begin <= token < end
+    T* dst = stage + row * S::ROW + 8 * (copies.lane + 32 * i - row * S::NVEC);  // 8 * vector
+    cp_async_16(dst, (row < 8 ? k_group[0] : k_group[1]) + copies.key_offset[i], in_bounds);
+    cp_async_16(dst + S::CACHE, (row < 8 ? v_group[0] : v_group[1]) + copies.value_offset[i], in_bounds);
+  }
+}
+
+// Q^T as the B fragments of S^T = K Q^T, one per k step: lane (g, t) holds head g's elements 16 s + 2t, + 1 and
+// 16 s + 8 + 2t, + 1, unscaled (exact in T), zero for a head slot past the task's heads.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void load_query_fragments(uint32_t (&q)[HEAD_DIM / 16][2], const AttentionParams<T>& p,
+                                                     const AttentionTask& task, int lane) {
+  const int g = lane / 4, t = lane % 4;
+  const bool has = g < task.num_heads;
+  const T* query =
+      p.query + query_row(p) * p.query_row_stride + (task.first_head + (has ? g : 0)) * p.query_head_stride;
+#pragma unroll
+  for (int s = 0; s < HEAD_DIM / 16; ++s) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int d = 16 * s + 8 * half + 2 * t;
+      q[s][half] = has ? pack2<T>(to_float(query[d]), to_float(query[d + 1])) : 0u;
+    }
+  }
+}
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1), from one exp and one approximate division (tanhf costs ~30 instructions in the
+// loop): absolute error ~1e-7 (logits_soft_cap * 1e-7 on a logit), +-1 for |x| large (exp gives inf or 0).
+__device__ __forceinline__ float fast_tanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
+
+// The kernel. Shared memory: decode_mma_shared_bytes(HEAD_DIM) bytes, dynamic (the plan's shared_bytes): the warps'
+// stages, then (after each partition) the warps' records for the merge.
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const AttentionParams<T> p) {
+  using S = DecodeStages<T, HEAD_DIM>;
+  PA_EXTERN_SHARED(uint4, shared_u4);
+  PA_SHARED(float, weight_s, [kDecodeWarps][kDecodeSlots]);  // merge: each warp's weight exp(max_w - max)
+  PA_SHARED(float, total_s, [kDecodeSlots]);                 // merge: the sum over warps of weight * sum_w
+  PA_SHARED(float, max_all_s, [kDecodeSlots]);               // merge: the max over warps
+  T* const shared = reinterpret_cast<T*>(shared_u4);
+  // The merge's records, over the stages (after every warp is done with them):
+  float* const out_s = reinterpret_cast<float*>(shared_u4);  // [kDecodeWarps][kDecodeSlots][HEAD_DIM]
+  float* const max_s = out_s + kDecodeWarps * kDecodeSlots * HEAD_DIM;  // [kDecodeWarps][kDecodeSlots]
+  float* const sum_s = max_s + kDecodeWarps * kDecodeSlots;             // [kDecodeWarps][kDecodeSlots]
+
+  AttentionTask task = attention_task(p);
+  if (!task.active) return;  // uniform across the thread block
+  if (p.num_partitions == 1 && task.begin >= task.end) {  // uniform across the thread block
+    write_empty<T, T, HEAD_DIM>(p, task);
+    return;
+  }
+  const int first_partition = window_start(task.seq_len, p.sliding_window) / p.partition_size;
+  int partition = task.partition;
+  if (partition < first_partition) {
+    partition += (first_partition - partition + gridDim.z - 1) / gridDim.z * gridDim.z;
+  }
+  if (static_cast<int64_t>(partition) * p.partition_size >= task.seq_len) return;  // no partition with tokens
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  T* const stages = shared + warp * S::WARP;
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
+  const int block_shift = p.key_cache.block_size == 8 ? 3 : p.key_cache.block_size == 16 ? 4 : 5;  // 8, 16, 32
+  const float inv_soft_cap = p.logits_soft_cap > 0.0f ? 1.0f / p.logits_soft_cap : 0.0f;
+  // This lane's two head slots, 2t and 2t + 1: their ALiBi slopes (0 past the task's heads).
+  float slope[2] = {0.0f, 0.0f};
+  if (p.alibi_slopes != nullptr) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      slope[k] = 2 * t + k < task.num_heads ? p.alibi_slopes[task.first_head + 2 * t + k] : 0.0f;
+    }
+  }
+  const ChunkCopies<HEAD_DIM> copies(p.key_cache, p.value_cache, lane);
+  uint32_t q[S::KSTEPS][2];
+  load_query_fragments<T, HEAD_DIM>(q, p, task, lane);
+  // ldmatrix row addresses within a chunk (lane l passes row l % 8 of matrix l / 8):
+  //   K (A of S^T, non-transposed): matrix m = (tokens 8 (m & 1) .., dims 8 (m >> 1) ..) of each 16 x 16 tile;
+  //   V (A of O^T = V^T .., transposed): matrix m = (tokens 8 (m >> 1) .., dims 8 (m & 1) ..).
+  const int k_lds = (lane % 8 + 8 * ((lane / 8) & 1)) * S::ROW + 8 * (lane / 16);
+  const int v_lds = (lane % 8 + 8 * (lane / 16)) * S::ROW + 8 * ((lane / 8) & 1);
+
+  for (; static_cast<int64_t>(partition) * p.partition_size < task.seq_len; partition += gridDim.z) {
+    set_partition(task, p, partition);  // begin < end: partition >= first_partition
+    float acc[S::KSTEPS][4];  // O^T: m tile j, (dim 16 j + g (+ 8), head slot 2t (+ 1))
+#pragma unroll
+    for (int j = 0; j < S::KSTEPS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // head slots 2t, 2t + 1
+
+    const int chunk_end = (task.end + kDecodeChunk - 1) / kDecodeChunk;
+    int chunk = task.begin / kDecodeChunk + warp;  // this warp's next chunk to compute
+    // The pipeline: chunk in stage 0, the next (chunk + kDecodeWarps) copied during its computation.
+    if (chunk < chunk_end) {
+      copy_chunk<T, HEAD_DIM>(stages, copies, p.key_cache, p.value_cache,
+                              load_chunk_blocks(block_table, chunk, task.end, block_shift), task.kv_head, chunk,
+                              task.begin, task.end);
+    }
+    cp_async_commit();
+    ChunkBlocks next_blocks{};
+    if (chunk + kDecodeWarps < chunk_end) {
+      next_blocks = load_chunk_blocks(block_table, chunk + kDecodeWarps, task.end, block_shift);
+    }
+    for (int stage = 0; chunk < chunk_end; chunk += kDecodeWarps, stage ^= 1) {
+      // 0. The next chunk into the other stage (free: the last chunk's __syncwarp below), and its successor's
+      //    block-table entries.
+      const int next = chunk + kDecodeWarps;
+      if (next < chunk_end) {
+        copy_chunk<T, HEAD_DIM>(stages + (stage ^ 1) * S::STAGE, copies, p.key_cache, p.value_cache, next_blocks,
+                                task.kv_head, next, task.begin, task.end);
+        if (next + kDecodeWarps < chunk_end) {
+          next_blocks = load_chunk_blocks(block_table, next + kDecodeWarps, task.end, block_shift);
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<1>();  // this chunk's group is complete (the next one's may be pending)
+      __syncwarp();        // and every lane's copies of it are visible to the whole warp
+      const T* k_stage = stages + stage * S::STAGE;
+      const T* v_stage = k_stage + S::CACHE;
+
+      // 1. S^T = K Q^T.
+      float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (token g, slot 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+#pragma unroll
+      for (int s = 0; s < S::KSTEPS; ++s) {
+        uint32_t a[4];
+        ldmatrix_x4(a, k_stage + k_lds + 16 * s);
+        mma_m16n8k16<T>(x, a, q[s], x);
+      }
+
+      // 2. Online softmax over the chunk's 16 tokens, per head slot.
+      const int token0 = chunk * kDecodeChunk + g;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int token = token0 + (k >= 2 ? 8 : 0);
+        float logit = x[k] * p.scale;
+        if (p.logits_soft_cap > 0.0f) logit = p.logits_soft_cap * fast_tanh(logit * inv_soft_cap);
+        logit += slope[k % 2] * static_cast<float>(token - (task.seq_len - 1));
+        x[k] = token >= task.begin && token < task.end ? logit : -INFINITY;
+      }
+      float rescale[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float chunk_max = fmaxf(x[h], x[h + 2]);
+#pragma unroll
+        for (int mask = 4; mask < 32; mask *= 2) {
+          chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, mask));
+        }
+        const float new_max = fmaxf(run_max[h], chunk_max);
+        const float base = new_max == -INFINITY ? 0.0f : new_max;  // p = 0, never exp(-inf - -inf) = NaN
+        x[h] = __expf(x[h] - base), x[h + 2] = __expf(x[h + 2] - base);
+        rescale[h] = __expf(run_max[h] - base);  // 0 on the first chunk with a token (run_max = -inf)
+        run_sum[h] = run_sum[h] * rescale[h] + (x[h] + x[h + 2]);
+        run_max[h] = new_max;
+      }
+#pragma unroll
+      for (int j = 0; j < S::KSTEPS; ++j) {
+        acc[j][0] *= rescale[0], acc[j][1] *= rescale[1], acc[j][2] *= rescale[0], acc[j][3] *= rescale[1];
+      }
+
+      // 3. O^T += V^T P^T: P^T's B fragment is the transpose of P's accumulator-layout halves (tokens 0-7, 8-15).
+      const uint32_t pt[2] = {movmatrix_trans(pack2<T>(x[0], x[1])), movmatrix_trans(pack2<T>(x[2], x[3]))};
+#pragma unroll
+      for (int j = 0; j < S::KSTEPS; ++j) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, v_stage + v_lds + 16 * j);
+        mma_m16n8k16<T>(acc[j], a, pt, acc[j]);
+      }
+      __syncwarp();  // every lane is done with this stage before the next iteration copies into it
+    }
+    cp_async_wait_all();  // (only empty groups are left)
+
+    // The merge: each warp's record into shared memory (over the stages: every warp must be done with them).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int mask = 4; mask < 32; mask *= 2) run_sum[h] += __shfl_xor_sync(0xffffffffu, run_sum[h], mask);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < S::KSTEPS; ++j) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int slot = 2 * t + k % 2, d = 16 * j + g + (k >= 2 ? 8 : 0);
+        out_s[(warp * kDecodeSlots + slot) * HEAD_DIM + d] = acc[j][k];
+      }
+    }
+    if (g == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        max_s[warp * kDecodeSlots + 2 * t + h] = run_max[h], sum_s[warp * kDecodeSlots + 2 * t + h] = run_sum[h];
+      }
+    }
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < task.num_heads) {
+      const int slot = threadIdx.x;
+      float max_all = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) max_all = fmaxf(max_all, max_s[w * kDecodeSlots + slot]);
+      const float base = max_all == -INFINITY ? 0.0f : max_all;
+      float total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        // every warp is added, also at weight 0 (0 * NaN = NaN: a NaN sum or output makes the row NaN)
+        const float weight = __expf(max_s[w * kDecodeSlots + slot] - base);
+        weight_s[w][slot] = weight;
+        total += weight * sum_s[w * kDecodeSlots + slot];
+      }
+      total_s[slot] = total, max_all_s[slot] = max_all;
+    }
+    __syncthreads();
+    const int64_t row = p.num_partitions == 1 ? query_row(p) : 0;
+    for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
+      const int slot = k / HEAD_DIM, d = k % HEAD_DIM;
+      float o = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) o += weight_s[w][slot] * out_s[(w * kDecodeSlots + slot) * HEAD_DIM + d];
+      if (p.num_partitions == 1) {
+        // the task has tokens, so total >= 1, or NaN, or 0 (every logit -inf: 0 / 0)
+        from_float(p.out[(row * p.num_heads + task.first_head + slot) * HEAD_DIM + d], o / total_s[slot]);
+      } else {
+        const int64_t record =
+            (static_cast<int64_t>(blockIdx.x) * p.num_heads + task.first_head + slot) * p.num_partitions +
+            task.partition;
+        p.partial_out[record * HEAD_DIM + d] = o;
+        if (d == 0) p.partial_max[record] = max_all_s[slot], p.partial_sum[record] = total_s[slot];
+      }
+    }
+    __syncthreads();  // the merge is done with shared memory before the next partition's copies
+  }
+}
+
+}  // namespace paged_attn
