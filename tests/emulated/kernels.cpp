@@ -19,6 +19,7 @@
 
 #include "../../csrc/cuda/attention_kernels.cuh"
 #include "../../csrc/cuda/cache_ops_kernels.cuh"
+#include "../../csrc/cuda/decode_mma_kernels.cuh"
 #include "../../csrc/cuda/varlen_attention_kernels.cuh"
 
 #include <cstdio>
@@ -175,7 +176,7 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
                         int64_t num_items) {
   const View& block_tables = c.tensor("block_tables");
   const int64_t num_heads = p.num_heads, head_dim = p.key_cache.head_dim;
-  const paged_attn::AttentionPlan plan = paged_attn::plan_attention(
+  paged_attn::AttentionPlan plan = paged_attn::plan_attention(
       num_items, num_heads, p.key_cache.num_kv_heads, block_tables.size(1), p.key_cache.block_size,
       static_cast<int64_t>(c.scalar("sliding_window")), static_cast<int64_t>(c.scalar("num_sms")),
       c.scalars.count("blocks_per_sm") ? static_cast<int64_t>(c.scalar("blocks_per_sm")) : 1,
@@ -188,6 +189,32 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
     p.partial_sum = nan_floats(records);
   }
   p.set_plan(plan);
+  // As csrc/cuda/attention.cu: the tensor-core decode kernel where decode_on_tensor_cores says so (the scalar
+  // tensor_cores = 0 takes the CUDA-core kernel, as a GPU below compute capability 8.0 does).
+  const bool tensor_cores = paged_attn::decode_on_tensor_cores(
+      head_dim, sizeof(C), std::is_same_v<C, paged_attn::Fp8>,
+      !c.scalars.count("tensor_cores") || c.scalar("tensor_cores") != 0, p.key_cache.token_stride,
+      p.value_cache.token_stride);
+  if constexpr (std::is_same_v<T, C> && sizeof(T) == 2) {
+    if (tensor_cores) {
+      paged_attn::use_tensor_cores(plan, head_dim);
+      const auto head_dims = paged_attn::DecodeMmaHeadDims{};
+      const bool found = paged_attn::dispatch(static_cast<int>(head_dim), head_dims, [&](auto hd) {
+        constexpr int HEAD_DIM = decltype(hd)::value;
+        simt::launch(options, paged_attn::decode_mma_kernel<T, HEAD_DIM>, to_dim3(plan.grid), dim3(plan.threads),
+                     plan.shared_bytes, p);
+        if (plan.split()) {
+          simt::launch(options, paged_attn::paged_attention_reduce_kernel<T, C, HEAD_DIM>, to_dim3(plan.reduce_grid),
+                       dim3(plan.threads), 0, p);
+        }
+      });
+      if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " has no tensor-core decode kernel");
+      std::printf("decode plan (tensor cores): %lld items, partitions %d of %d tokens in %lld slots, %d bytes\n",
+                  static_cast<long long>(num_items), plan.num_partitions, plan.partition_size,
+                  static_cast<long long>(plan.grid.z), plan.shared_bytes);
+      return;
+    }
+  }
   const bool found = paged_attn::dispatch_attention<C>(
       static_cast<int>(head_dim), plan.group_variant, [&](auto head_dim_constant, auto group_constant) {
         constexpr int HEAD_DIM = decltype(head_dim_constant)::value, GROUP = decltype(group_constant)::value;

@@ -25,6 +25,8 @@ ATTENTION = "csrc/cuda/attention_kernels.cuh"
 CACHE = "csrc/cuda/paged_cache.cuh"
 CACHE_OPS = "csrc/cuda/cache_ops_kernels.cuh"
 VARLEN = "csrc/cuda/varlen_attention_kernels.cuh"
+DECODE_MMA = "csrc/cuda/decode_mma_kernels.cuh"
+DECODE_MMA_TESTS = "tensor_cores_chunks or single_pass_every_head_dim"  # the tensor-core decode kernel's cases
 VARLEN_TESTS = "varlen"  # pytest -k: the tensor-core kernel's mutants run only the variable-length tests
 NONFINITE_TESTS = "nonfinite"  # and the NaN / inf mutants only the tests that plant them
 
@@ -101,6 +103,36 @@ MUTANTS = {
         ATTENTION,
         "      total += w * s[u];",
         "      if (w == 0.0f) continue;\n      total += w * s[u];", NONFINITE_TESTS),
+    # the tensor-core decode kernel (decode_mma_kernels.cuh): its cp.async pipeline and fragments
+    "tensor-core decode: the chunk is read without waiting for its copies": (
+        DECODE_MMA,
+        "      cp_async_wait<1>();  // this chunk's group",
+        "      // cp_async_wait<1>();  // this chunk's group", DECODE_MMA_TESTS),
+    "tensor-core decode: the wait leaves the chunk's own group pending (wait<2>)": (
+        DECODE_MMA,
+        "      cp_async_wait<1>();  // this chunk's group",
+        "      cp_async_wait<2>();  // this chunk's group", DECODE_MMA_TESTS),
+    "tensor-core decode: no __syncwarp between the copies' wait and the warp's reads of them": (
+        DECODE_MMA,
+        "      __syncwarp();        // and every lane's copies of it are visible to the whole warp",
+        "", DECODE_MMA_TESTS),
+    "tensor-core decode: no __syncwarp before the next chunk is copied over the stage just read": (
+        DECODE_MMA,
+        "      __syncwarp();  // every lane is done with this stage before the next iteration copies into it",
+        "", DECODE_MMA_TESTS),
+    "tensor-core decode: stale block-table entries (the prefetched chunk's entries not reloaded)": (
+        DECODE_MMA,
+        "          next_blocks = load_chunk_blocks(block_table, next + kDecodeWarps, task.end, block_shift);\n"
+        "        }\n      }",
+        "        }\n      }", DECODE_MMA_TESTS),
+    "tensor-core decode: P^T not transposed (the accumulator layout taken as the B layout)": (
+        DECODE_MMA,
+        "{movmatrix_trans(pack2<T>(x[0], x[1])), movmatrix_trans(pack2<T>(x[2], x[3]))}",
+        "{pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3])}", DECODE_MMA_TESTS),
+    "tensor-core decode: the accumulators not rescaled when the running max grows": (
+        DECODE_MMA,
+        "acc[j][0] *= rescale[0], acc[j][1] *= rescale[1], acc[j][2] *= rescale[0], acc[j][3] *= rescale[1];",
+        "(void)rescale;", DECODE_MMA_TESTS),
     # thread blocks that run several partitions (the plan's grid.z below a sequence's partitions)
     "a thread block's later partitions start from the running max and sum of the one before": (
         ATTENTION,

@@ -163,7 +163,7 @@ def relayout(key_cache, value_cache, layout):
 
 def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, *, layout="contiguous",
                    alibi=False, sliding_window=None, soft_cap=None, split=False, partition_tokens=32, num_sms=1000,
-                   blocks_per_sm=1):
+                   blocks_per_sm=1, tensor_cores=True):
     query, key_cache, value_cache, block_tables, seq_lens_t = make_case(
         seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu",
         layout="contiguous" if layout in ("packed", "transposed") else layout)
@@ -179,6 +179,8 @@ def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtyp
     scalars = dict(scale=head_dim**-0.5, soft_cap=float(soft_cap or 0.0), sliding_window=int(sliding_window or 0),
                    num_sms=num_sms if split else 1, blocks_per_sm=blocks_per_sm,
                    partition_tokens=partition_tokens if split else 1 << 30)
+    if not tensor_cores:  # as on a GPU below compute capability 8.0: the CUDA-core decode kernel for every dtype
+        scalars["tensor_cores"] = 0
     return Case("attention", tensors, scalars, ("out",), dtype)
 
 
@@ -241,6 +243,54 @@ def test_attention_every_group_size_split_and_strided(driver, tmp_path, num_head
     query a slice of a fused QKV tensor, split-KV."""
     case = attention_case([1, 45, 70], num_heads, num_kv_heads, 64, 8, torch.float16, layout="strided", split=True)
     check_attention(driver, case, tmp_path)
+
+
+def decode_kernel_run(driver, case: Case, tmp_path):
+    """The driver's report of the decode launch (one run, ASan build): which kernel and plan it took."""
+    case_file = case.write(tmp_path)
+    done = subprocess.run([str(driver["asan"]), str(case_file), "forward", "0"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("dtype, head_dim, tensor_cores, expected", [
+    (torch.float16, 128, True, "tensor cores"), (torch.bfloat16, 64, True, "tensor cores"),
+    (torch.bfloat16, 256, True, "tensor cores"), (torch.float16, 120, True, "group variant"),
+    (torch.float32, 128, True, "group variant"), (torch.bfloat16, 128, False, "group variant")],
+    ids=["half128", "bf16_64", "bf16_256", "half120_no_instantiation", "float32", "bf16_below_sm80"])
+def test_decode_kernel_choice(driver, tmp_path, dtype, head_dim, tensor_cores, expected):
+    """float16 / bfloat16 with a cache of the same dtype at a head dim of DecodeMmaHeadDims take the tensor-core
+    decode kernel (decode_mma_kernels.cuh); other dtypes and head dims, and GPUs without mma.sync, the CUDA-core
+    kernel. (The other tests rely on this choice to cover both kernels.)"""
+    case = attention_case([5, 40], 8, 2, head_dim, 16, dtype, tensor_cores=tensor_cores)
+    assert expected in decode_kernel_run(driver, case, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["half", "bfloat16"])
+@pytest.mark.parametrize("split", [False, True], ids=["single_pass", "split_kv"])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (16, 1)], ids=["group1", "group4", "group16"])
+def test_attention_cuda_core_kernel_for_half_and_bfloat16(driver, tmp_path, dtype, split, num_heads, num_kv_heads):
+    """The CUDA-core decode kernel, which float16 / bfloat16 take on GPUs below compute capability 8.0 (and for head
+    dims without a tensor-core instantiation): the tensor-core kernel has taken over the other tests' 16-bit cases."""
+    case = attention_case([1, 33, 70], num_heads, num_kv_heads, 128, 16, dtype, split=split, alibi=True,
+                          soft_cap=5.0, sliding_window=50, tensor_cores=False)
+    check_attention(driver, case, tmp_path)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("window", [None, 37], ids=["no_window", "window37"])
+def test_attention_tensor_cores_chunks_and_pipeline(driver, tmp_path, block_size, window):
+    """The tensor-core decode kernel's 16-token chunks: sequences shorter than a chunk, ending inside one or at its
+    edge, long enough for each warp's two-stage pipeline to wrap many times (200 tokens: 13 chunks over 4 warps),
+    windows and partitions of 24 tokens that start inside a chunk, block size 8 (two cache blocks per chunk)."""
+    seq_lens = [3, 16, 47, 200]
+    for split in (False, True):
+        case = attention_case(seq_lens, 8, 1, 64, block_size, torch.bfloat16, sliding_window=window, split=split,
+                              partition_tokens=24)
+        directory = tmp_path / ("split" if split else "single")
+        directory.mkdir()
+        check_attention(driver, case, directory)
 
 
 def decode_plan(case: Case, num_items=None):
