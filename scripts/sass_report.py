@@ -3,7 +3,7 @@
     python scripts/sass_report.py paged_attn/_C*.so            # the report (scripts/setup.sh: build/sass_report.txt)
     python scripts/sass_report.py --json FILE                  # the same, as JSON
     python scripts/sass_report.py --check-decode FILE          # exit 1 unless the decode targets below are met
-    python scripts/sass_report.py --kernels 'paged_attention_kernel<bf16' FILE   # only these kernels (faster)
+    python scripts/sass_report.py --kernels 'decode_mma_kernel<bf16' FILE   # only these kernels (faster)
     python scripts/sass_report.py --baseline bench/sass_baseline.json FILE      # before -> after; exit 1 if worse
     (FILE may also be a report saved with --json or --json-out: nothing is disassembled then)
 
@@ -62,9 +62,11 @@ from ptxas_report import demangle, natural, short  # noqa: E402  (the same names
 SM90 = dict(sms=132, clock_hz=1.98e9, hbm_bytes_per_s=4.8e12, issue_per_clock=4, regs_per_sm=65536, reg_unit=256,
             smem_per_sm=228 * 1024, smem_reserved_per_block=1024, max_blocks=32, max_warps=64)
 
-# The decode targets (issue 22): bfloat16 and float16, head dim 128, MHA / GQA-4 / GQA-8 (group variants 1, 4, 8).
+# The decode targets (issue 22): bfloat16 and float16, head dim 128, MHA / GQA-4 / GQA-8. One tensor-core kernel
+# serves every group (its heads are the N = 8 columns of the products, a run-time count), so the three variants are
+# the same machine code.
 DECODE_TARGETS = dict(ceiling=1.5, in_flight_bytes=32 * 1024, local_bytes=0)
-DECODE_KERNEL = re.compile(r"^paged_attention_kernel<(bf16|half), \1, 128, (1|4|8)>$")
+DECODE_KERNEL = re.compile(r"^decode_mma_kernel<(bf16|half), 128>$")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,15 +337,18 @@ class Kernel:
 
 
 def dynamic_shared(name):
-    """The dynamic shared memory a kernel is launched with: the tensor-core kernel's from its launch plan."""
-    m = re.match(r"varlen_attention_kernel<(bf16|half), [^,]+, (\d+)", name)
-    if not m:
+    """The dynamic shared memory a kernel is launched with: the tensor-core kernels' from their launch plans."""
+    varlen = re.match(r"varlen_attention_kernel<(bf16|half), [^,]+, (\d+)", name)
+    decode = re.match(r"decode_mma_kernel<(bf16|half), (\d+)>", name)
+    if not varlen and not decode:
         return 0
     try:
         from paged_attn import _C
     except ImportError:
         return None
-    plan = _C._launch_plan("paged_attention_varlen", 1, 2, 1, 1, int(m.group(2)), 2, 1, 16, 0)
+    if decode:
+        return _C._launch_plan("decode_mma", int(decode.group(2)))["shared_bytes"]
+    plan = _C._launch_plan("paged_attention_varlen", 1, 2, 1, 1, int(varlen.group(2)), 2, 1, 16, 0)
     return None if plan["error"] else plan["shared_bytes"]
 
 

@@ -170,17 +170,16 @@ def test_decode_targets_are_checked_for_the_listed_variants():
         return k
 
     rows = sass_report.decode_targets([
-        kernel("paged_attention_kernel<bf16, bf16, 128, 1>", 1.6, 40 * 1024),
-        kernel("paged_attention_kernel<half, half, 128, 4>", 1.4, 40 * 1024),
-        kernel("paged_attention_kernel<bf16, bf16, 128, 8>", 1.6, 16 * 1024, local=8),
-        kernel("paged_attention_kernel<bf16, bf16, 64, 8>", 0.5, 0),        # other head dims: not targeted
+        kernel("decode_mma_kernel<bf16, 128>", 1.6, 40 * 1024),
+        kernel("decode_mma_kernel<half, 128>", 1.4, 16 * 1024, local=8),
+        kernel("decode_mma_kernel<bf16, 64>", 0.5, 0),                      # other head dims: not targeted
+        kernel("paged_attention_kernel<bf16, bf16, 128, 8>", 0.5, 0),       # the CUDA-core kernel: not targeted
         kernel("paged_attention_kernel<float, float, 128, 1>", 0.5, 0),     # float32 queries: not targeted
         kernel("paged_attention_kernel<bf16, Fp8, 128, 1>", 0.5, 0),        # fp8 caches: not targeted
     ])
     assert [(k.name, failed) for k, failed in rows] == [
-        ("paged_attention_kernel<bf16, bf16, 128, 1>", []),
-        ("paged_attention_kernel<half, half, 128, 4>", ["issue ceiling"]),
-        ("paged_attention_kernel<bf16, bf16, 128, 8>", ["bytes in flight", "local memory"]),
+        ("decode_mma_kernel<bf16, 128>", []),
+        ("decode_mma_kernel<half, 128>", ["issue ceiling", "bytes in flight", "local memory"]),
     ]
 
 
@@ -362,11 +361,13 @@ def test_report_reads_the_built_decode_kernels():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     kernels = sass_report.report(paged_attn._C.__file__, only=sass_report.DECODE_KERNEL.pattern)
-    assert {k.name for k in kernels} == {f"paged_attention_kernel<{t}, {t}, 128, {g}>"
-                                         for t in ("bf16", "half") for g in (1, 4, 8)}
+    assert {k.name for k in kernels} == {"decode_mma_kernel<bf16, 128>", "decode_mma_kernel<half, 128>"}
     for k in kernels:
         assert k.threads == 128 and k.blocks_per_sm >= 1, k.name
-        assert k.loops and all(loop.loads.get("LDG.128", 0) + loop.loads.get("LDGSTS.128", 0) for loop in k.loops)
+        assert k.dynamic_shared == paged_attn._C._launch_plan("decode_mma", 128)["shared_bytes"] > 48 * 1024
+        assert k.loops and all(loop.loads.get("LDGSTS.128", 0) and loop.hmma for loop in k.loops)
         assert k.ceiling is not None and k.in_flight_per_sm > 0
     rows = sass_report.decode_targets(kernels)
-    assert len(rows) == 6
+    assert len(rows) == 2
+    # issue 22's targets, met by the built library (CI builds it): a regression fails here
+    assert [(k.name, failed) for k, failed in rows if failed] == []
