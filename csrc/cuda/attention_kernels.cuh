@@ -556,8 +556,30 @@ __device__ __forceinline__ void write_empty(const AttentionParams<T, C>& p, cons
 // One thread block: the partitions blockIdx.z, blockIdx.z + gridDim.z, ... of its item's row that hold tokens of the
 // window (the grid's partition slots are bounded by the plan, so a block may run several; each is computed as a
 // block of its own would, from fresh accumulators, and writes its own record); in single pass the whole row.
+//
+// Registers: the loop over partitions (around the tile loop) made ptxas keep more values live than a block of one
+// partition did (fp8 cache, head dim 256, one head: 118 registers instead of 80), spills in some variants, a
+// resident block fewer per SM. decode_min_blocks<C, HEAD_DIM, GROUP>() is, per variant, the blocks per SM it held
+// with one partition per block (a5ad90d, bench/sass_baseline.json); as __launch_bounds__'s minimum it caps the
+// registers at what those blocks allow, which the variants meet with no more local memory than then (sm_90,
+// ptxas 13.0: scripts/sass_report.py --baseline compares every variant).
+template <typename C, int HEAD_DIM, int GROUP>
+constexpr int decode_min_blocks() {
+  if constexpr (sizeof(C) == 4) {  // float32
+    if (GROUP == 1) return HEAD_DIM <= 128 ? 9 : HEAD_DIM == 192 ? 7 : 6;
+    if (GROUP == 4) return HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128 ? 6 : HEAD_DIM <= 120 ? 5 : 4;
+    return HEAD_DIM <= 128 ? 4 : 2;
+  } else if constexpr (sizeof(C) == 1) {  // fp8
+    if (GROUP == 1) return HEAD_DIM == 80 || HEAD_DIM == 96 || HEAD_DIM == 112 || HEAD_DIM == 192 ? 5 : 6;
+    return GROUP == 4 ? 4 : 2;
+  } else {  // float16, bfloat16
+    return GROUP == 1 ? 8 : GROUP == 4 ? 4 : 2;
+  }
+}
+
 template <typename T, typename C, int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const AttentionParams<T, C> p) {
+__global__ void __launch_bounds__(kAttentionThreads, (decode_min_blocks<C, HEAD_DIM, GROUP>()))
+    paged_attention_kernel(const AttentionParams<T, C> p) {
   using R = DecodeSplit<C, HEAD_DIM, GROUP>;
   PA_SHARED(float, logits_s, [GROUP][kTile]);  // the tile's logits, then probabilities
   PA_SHARED(float, max_s, [GROUP]);            // running max of each head's logits
