@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/sass_decode_table.py [--baseline bench/sass_baseline.json] [--report build/sass_report.json]
 
+The table in bench/RESULTS.md (2026-12-03) compares with the baseline of a5ad90d, before the tensor-core decode:
+    git show f5cdf9b:bench/sass_baseline.json > /tmp/a5ad90d.json
+    .venv/bin/python bench/sass_decode_table.py --baseline /tmp/a5ad90d.json
+
 One row per decode variant of the baseline (query dtype, cache dtype, head dim, query heads per thread block):
 the kernel that served it then (paged_attention_kernel<T, C, D, G>) against the one that serves it now, which is
 decode_mma_kernel<T, D> where the current report has one (float16 / bfloat16 with a cache of the same dtype, on
