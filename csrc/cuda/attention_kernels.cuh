@@ -2,7 +2,10 @@
 // its sequence, which lie in scattered blocks of the paged cache, reached through its block table.
 // No torch here: csrc/cuda/attention.cu checks the tensors and launches these kernels with the plan of
 // plan_attention (launch_plan.h); the emulated tests launch them with the same plan. (Query rows of sequences with
-// several query tokens have a tensor-core kernel of their own: varlen_attention_kernels.cuh.)
+// several query tokens have a tensor-core kernel of their own: varlen_attention_kernels.cuh; and on compute
+// capability 8.0+ float16/bfloat16 decode over a cache of the same dtype takes decode_mma_kernels.cuh, which shares
+// this file's parameters, tasks, partitions and reduce. This kernel serves float32 queries, fp8 caches, head dims
+// without a tensor-core instantiation and older GPUs.)
 //
 // Math, per query row at position P of a sequence (P = L - 1 for the last token of a sequence of length L), query
 // head h (reading kv head h / group_size) and token t in [start, P], start = max(0, P + 1 - sliding_window) (0
