@@ -59,7 +59,9 @@ void merge_rows(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a, const
       const scalar_t* a = a_ptr + token * out_a.stride(0) + head * out_a.stride(1);
       const scalar_t* b = b_ptr + token * out_b.stride(0) + head * out_b.stride(1);
       scalar_t* o = out_ptr + token * out.stride(0) + head * out.stride(1);
-      for (int64_t d = 0; d < head_size; ++d) {  // contiguous (checked): the compiler vectorizes it
+      // Rows are contiguous (checked): GCC 12 (-O3 -march=x86-64-v3) vectorizes this loop for float32 and bfloat16
+      // (-fopt-info-vec); float16 converts element by element.
+      for (int64_t d = 0; d < head_size; ++d) {
         o[d] = static_cast<scalar_t>(static_cast<float>(a[d]) * s.a + static_cast<float>(b[d]) * s.b);
       }
     }
