@@ -30,9 +30,10 @@ The cache layout (the one full description; every other file points here):
   swapped); the block stride must reach past a block's span.
 
 Memory: a tensor an op writes (the caches of :func:`reshape_and_cache` and :func:`copy_blocks`, ``dst`` of
-:func:`swap_blocks`, ``out`` of :func:`paged_attention`, ``out`` and ``lse`` of :func:`merge_attention_states`) must not share a byte with any other argument; the tensors
-an op only reads may share memory with each other (one scale tensor as both ``k_scale`` and ``v_scale``, one tensor
-as ``key`` and ``value``, or as both caches of :func:`paged_attention`). Memory is compared element by element, so
+:func:`swap_blocks`, ``out`` of :func:`paged_attention`, ``out`` and ``lse`` of :func:`merge_attention_states`) must
+not share a byte with any other argument; the tensors an op only reads may share memory with each other (one scale
+tensor as both ``k_scale`` and ``v_scale``, one tensor as ``key`` and ``value``, or as both caches of
+:func:`paged_attention`). Memory is compared element by element, so
 interleaved but disjoint layouts (the halves of a ``[num_blocks, 2, ...]`` allocation) are fine; :func:`swap_blocks`
 compares the block spans of ``dst`` with those of ``src`` and with ``block_mapping`` (unless ``src`` and ``dst`` are
 one cache: the same data pointer, shape and strides).
