@@ -1157,6 +1157,19 @@ float wmma_to_float(T x) {
   else return __bfloat162float(x);
 }
 
+// d = a * b + c for 16 x K x N matrices in float, each sum from c in k order with fmaf (wmma::mma_sync and
+// mma_m16n8k16 alike; d may not be c).
+template <int K, int N>
+void product_in_k_order(float (&d)[16][N], const float (&a)[16][K], const float (&b)[K][N], const float (&c)[16][N]) {
+  for (int m = 0; m < 16; ++m) {
+    for (int n = 0; n < N; ++n) {
+      float sum = c[m][n];
+      for (int k = 0; k < K; ++k) sum = fmaf(a[m][k], b[k][n], sum);
+      d[m][n] = sum;
+    }
+  }
+}
+
 // load_matrix_sync / store_matrix_sync: the lanes' arguments.
 struct WmmaMemory {
   const void* pointer;
@@ -1221,13 +1234,7 @@ void wmma_compute_mma(const Meeting&, const std::vector<Thread*>& lanes) {
     }
   }
   float d[16][16];
-  for (int m = 0; m < 16; ++m) {
-    for (int n = 0; n < 16; ++n) {
-      float sum = acc[m][n];
-      for (int k = 0; k < 16; ++k) sum = fmaf(a[m][k], b[k][n], sum);
-      d[m][n] = sum;
-    }
-  }
+  product_in_k_order(d, a, b, acc);
   for (const Thread* t : lanes) {  // after every input is read: d may be a or c
     const auto& args = *static_cast<const WmmaMma<D, A, B, C>*>(t->payload);
     for (int i = 0; i < 8; ++i) {
@@ -1484,17 +1491,10 @@ struct MmaArgs {
   const float* c;
 };
 
+// A 16-bit element of T (__half or __nv_bfloat16) given by its bits, as float.
 template <typename T>
 float element_to_float(uint16_t bits) {
-  if constexpr (std::is_same_v<T, __half>) {
-    __half_raw raw;
-    raw.x = bits;
-    return __half2float(__half(raw));
-  } else {
-    __nv_bfloat16_raw raw;
-    raw.x = bits;
-    return __bfloat162float(__nv_bfloat16(raw));
-  }
+  return wmma_to_float(from_bits<T>(bits));
 }
 
 template <typename T>
@@ -1504,7 +1504,9 @@ void mma_complete(const Meeting&, const std::vector<Thread*>& lanes) {
     const auto& args = *static_cast<const MmaArgs*>(t->payload);
     const int g = t->lane / 4, q = t->lane % 4;
     for (int i = 0; i < 4; ++i) {  // a[i]: rows g (+ 8 for odd i), columns 2q, 2q + 1 (+ 8 for i >= 2)
-      for (int h = 0; h < 2; ++h) a[g + 8 * (i % 2)][2 * q + h + 8 * (i / 2)] = element_to_float<T>(half_of(args.a[i], h));
+      for (int h = 0; h < 2; ++h) {
+        a[g + 8 * (i % 2)][2 * q + h + 8 * (i / 2)] = element_to_float<T>(half_of(args.a[i], h));
+      }
     }
     for (int i = 0; i < 2; ++i) {  // b[i]: rows 2q, 2q + 1 (+ 8 for i = 1), column g
       for (int h = 0; h < 2; ++h) b[2 * q + h + 8 * i][g] = element_to_float<T>(half_of(args.b[i], h));
@@ -1512,13 +1514,7 @@ void mma_complete(const Meeting&, const std::vector<Thread*>& lanes) {
     for (int i = 0; i < 4; ++i) c[g + 8 * (i / 2)][2 * q + i % 2] = args.c[i];  // c[i]: row g (+ 8), col 2q (+ 1)
   }
   float d[16][8];
-  for (int m = 0; m < 16; ++m) {
-    for (int n = 0; n < 8; ++n) {
-      float sum = c[m][n];
-      for (int k = 0; k < 16; ++k) sum = fmaf(a[m][k], b[k][n], sum);
-      d[m][n] = sum;
-    }
-  }
+  product_in_k_order(d, a, b, c);
   for (const Thread* t : lanes) {  // after every input is read: d may be c
     const auto& args = *static_cast<const MmaArgs*>(t->payload);
     const int g = t->lane / 4, q = t->lane % 4;
