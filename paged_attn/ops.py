@@ -182,7 +182,12 @@ def paged_attention(
         sum are accumulated in float32. On the CPU the result is batch-invariant: a decode row's keys are summed
         in chunks at fixed token positions (multiples of 512) merged left to right, so its output bits do not
         depend on the other sequences of the batch, their order, the thread count, or which physical blocks
-        hold its keys (and a prefill row's do not depend on the other sequences either).
+        hold its keys (and a prefill row's do not depend on the other sequences either). Shared blocks: on the
+        CPU the op finds, in the block tables, the 512-token chunks that several decode rows read in the same
+        physical blocks (the same entries over the same tokens: a prompt shared by samples or beams, a cached
+        prefix shared by requests, the rows of one sequence in a variable-length call) and reads each once for up
+        to 16 of those rows, each row from its own state, so the bits stay those of the row alone. Nothing to
+        pass; ``PAGED_ATTN_NO_SHARED_BLOCKS=1`` switches the search off (for measuring).
 
     Example::
 

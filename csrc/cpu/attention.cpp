@@ -10,6 +10,9 @@
 // acc likewise; always, whatever the batch and the thread count (see paged_attention_kernel). So a row's output
 // bits do not depend on the other rows of the call, on the thread count, or on which physical blocks hold its keys.
 // Threads share out (row, chunk) items, so that a few long rows still keep every thread busy.
+// Shared blocks: a chunk that several rows read as the same tokens in the same physical blocks is attended once for
+// a group of them (find_shared_chunks, attend_shared_chunks), each row from its own state, before the rest; the rows
+// merge its state in chunk order like any other, so sharing changes no bit either.
 // Only tokens t < L (and in the window) are ever read: unused cache slots and block-table entries may hold
 // anything, NaN included.
 //
@@ -124,17 +127,20 @@ struct Chunks {
 // work worth waking them (kMinBytesPerCpuTask of keys and values each). Which thread computes a chunk never changes
 // a bit of the result (see paged_attention_kernel), only the time.
 template <typename scalar_t, typename cache_t>
-std::vector<int64_t> split_among_threads(const Chunks<scalar_t, cache_t>& chunks, int64_t num_rows) {
+std::vector<int64_t> split_among_threads(const Chunks<scalar_t, cache_t>& chunks, int64_t num_rows,
+                                         const std::vector<int64_t>& item_slot) {
   const Problem<scalar_t, cache_t>& pb = chunks.pb;
   const int64_t num_items = chunks.num_items();
-  // An item's cost: its tokens and a tile's worth for its set-up.
+  // An item's cost: its tokens (none if it was attended in a shared chunk) and a tile's worth for its set-up.
   std::vector<int64_t> cost_before(num_items + 1, 0);
   int64_t total_tokens = 0;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t c0 = chunks.first_chunk(r);
     for (int64_t i = 0; i < chunks.num_chunks(r); ++i) {
       const int64_t item = chunks.first_item[r] + i;
-      const int64_t tokens = std::max<int64_t>(0, chunks.chunk_end(r, c0 + i) - chunks.chunk_begin(r, c0 + i));
+      const int64_t tokens = item_slot.empty() || item_slot[item] < 0
+                                 ? std::max<int64_t>(0, chunks.chunk_end(r, c0 + i) - chunks.chunk_begin(r, c0 + i))
+                                 : 0;
       total_tokens += tokens;
       cost_before[item + 1] = cost_before[item] + tokens + kTileTokens;
     }
@@ -149,6 +155,134 @@ std::vector<int64_t> split_among_threads(const Chunks<scalar_t, cache_t>& chunks
   }
   part_begin[0] = 0, part_begin[num_parts] = num_items;
   return part_begin;
+}
+
+// Shared chunks: a chunk of several rows that covers the same tokens [begin, end) in the same physical blocks
+// (their block-table entries over it are equal), as a prompt's blocks shared by n samples or beams, a cached
+// system prompt shared by many requests, or the rows of one sequence in a varlen call. Such a chunk is attended
+// once for a group of its rows (decode_kernels.h: attend with n rows), each row from its own fresh state, so each
+// row's chunk state has the bits it has when the row reads the chunk alone; the rows merge it in chunk order as
+// any other (paged_attention_kernel). Found on the host from the block tables, for every chunk at any depth and in
+// any number of groups; a group holds at most kMaxSharedRows rows, or fewer when that leaves threads idle (a larger
+// run of equal chunks makes several groups, each reading the chunk once).
+constexpr int64_t kMaxSharedRows = 16;        // rows per group: their scratch (~35 KB each at 32 x 128) stays in L2
+
+struct SharedChunks {
+  struct Group {
+    int64_t chunk, begin, end;  // the tokens [begin, end) of chunk `chunk`
+    int64_t first, num_rows;    // its rows: rows[first, first + num_rows)
+  };
+  std::vector<Group> groups;
+  std::vector<int64_t> rows;       // the groups' rows; position j holds the chunk state in slot j
+  std::vector<int64_t> item_slot;  // [num_items]: the slot of the (row, chunk) item's state, -1 if not shared
+};
+
+template <typename scalar_t, typename cache_t>
+SharedChunks find_shared_chunks(const Chunks<scalar_t, cache_t>& chunks, int64_t num_rows) {
+  const Problem<scalar_t, cache_t>& pb = chunks.pb;
+  SharedChunks shared;
+  // PAGED_ATTN_NO_SHARED_BLOCKS=1: every row reads every chunk alone (for measuring; the bits are the same).
+  if (num_rows < 2 || std::getenv("PAGED_ATTN_NO_SHARED_BLOCKS") != nullptr) return shared;
+  struct Item {
+    int64_t item, row, chunk, begin, end;
+  };
+  std::vector<Item> items;
+  items.reserve(chunks.num_items());
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t c0 = chunks.first_chunk(r);
+    for (int64_t i = 0; i < chunks.num_chunks(r); ++i) {
+      const int64_t begin = chunks.chunk_begin(r, c0 + i), end = chunks.chunk_end(r, c0 + i);
+      if (begin < end) items.push_back({chunks.first_item[r] + i, r, c0 + i, begin, end});
+    }
+  }
+  const int64_t bs = pb.block_size;
+  const auto entries = [&](const Item& it) { return pb.block_table(it.row) + it.begin / bs; };
+  const auto num_entries = [&](const Item& it) { return (it.end - 1) / bs - it.begin / bs + 1; };
+  const auto same_range = [](const Item& a, const Item& b) { return a.begin == b.begin && a.end == b.end; };
+  std::sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    if (!same_range(a, b)) return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    const int32_t *ea = entries(a), *eb = entries(b);
+    const int64_t n = num_entries(a);
+    const auto diff = std::mismatch(ea, ea + n, eb);
+    if (diff.first != ea + n) return *diff.first < *diff.second;
+    return a.row < b.row;
+  });
+  // The runs of equal (range, entries), and their split into groups.
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [first, last) in items
+  for (size_t i = 0; i < items.size();) {
+    size_t j = i + 1;
+    const int64_t n = num_entries(items[i]);
+    while (j < items.size() && same_range(items[i], items[j]) &&
+           std::equal(entries(items[i]), entries(items[i]) + n, entries(items[j]))) {
+      ++j;
+    }
+    if (j - i >= 2) runs.emplace_back(i, j);
+    i = j;
+  }
+  if (runs.empty()) return shared;
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(1, (threads + static_cast<int64_t>(runs.size()) - 1) /
+                                                  static_cast<int64_t>(runs.size()));
+  shared.item_slot.assign(chunks.num_items(), -1);
+  for (const auto& [first, last] : runs) {
+    const int64_t n = last - first;
+    const int64_t num_groups = std::min(std::max((n + kMaxSharedRows - 1) / kMaxSharedRows, splits), n / 2);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t b = first + n * g / num_groups, e = first + n * (g + 1) / num_groups;
+      const Item& head = items[b];
+      shared.groups.push_back({head.chunk, head.begin, head.end, static_cast<int64_t>(shared.rows.size()), e - b});
+      for (int64_t k = b; k < e; ++k) {
+        shared.item_slot[items[k].item] = static_cast<int64_t>(shared.rows.size());
+        shared.rows.push_back(items[k].row);
+      }
+    }
+  }
+  return shared;
+}
+
+// Attends the shared chunks' groups (each group's chunk read once for its rows), the threads taking runs of groups
+// of about equal work; row j of the groups' rows leaves its chunk state in states[j].
+template <typename scalar_t, typename cache_t>
+void attend_shared_chunks(const Problem<scalar_t, cache_t>& pb, const SharedChunks& shared, float* states) {
+  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
+  const int64_t state_size = RowState::size(num_heads, head_dim);
+  const int64_t num_groups = static_cast<int64_t>(shared.groups.size());
+  std::vector<int64_t> cost_before(num_groups + 1, 0);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const SharedChunks::Group& group = shared.groups[g];
+    cost_before[g + 1] = cost_before[g] + (group.end - group.begin) * group.num_rows + kTileTokens;
+  }
+  const int64_t kv_bytes = cost_before.back() * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)};
+  const int64_t num_parts =
+      std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_groups));
+  std::vector<int64_t> part_begin(num_parts + 1);
+  for (int64_t p = 0; p <= num_parts; ++p) {
+    part_begin[p] = std::lower_bound(cost_before.begin(), cost_before.end(), cost_before.back() * p / num_parts) -
+                    cost_before.begin();
+  }
+  part_begin[0] = 0, part_begin[num_parts] = num_groups;
+  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin_index, int64_t part_end_index) {
+    std::vector<Scratch> scratch;
+    std::vector<Scratch*> scs;
+    std::vector<float> sums(num_heads);
+    for (int64_t part = part_begin_index; part < part_end_index; ++part) {
+      for (int64_t g = part_begin[part]; g < part_begin[part + 1]; ++g) {
+        const SharedChunks::Group& group = shared.groups[g];
+        while (static_cast<int64_t>(scratch.size()) < group.num_rows) {
+          scratch.emplace_back(num_heads, pb.group_size, head_dim);
+        }
+        scs.clear();
+        for (int64_t i = 0; i < group.num_rows; ++i) scs.push_back(&scratch[i]);
+        attend(pb, shared.rows.data() + group.first, group.num_rows, group.begin, group.end, scs.data(),
+               [&](int64_t) {
+                 for (int64_t i = 0; i < group.num_rows; ++i) {
+                   copy_state(chunk_state(scratch[i], num_heads, sums.data()), num_heads, head_dim,
+                              RowState(states + (group.first + i) * state_size, num_heads, head_dim));
+                 }
+               });
+      }
+    }
+  });
 }
 
 // The decode kernel over rows [0, num_rows) of the problem.
@@ -166,15 +300,21 @@ std::vector<int64_t> split_among_threads(const Chunks<scalar_t, cache_t>& chunks
 // whose chunks all fall in one part is merged and written there. A row cut between parts (at most one per part
 // boundary): the part holding its first chunk leaves its running state R in row scratch, the later parts leave
 // each chunk's own state C there, and after the parallel pass these are merged on in chunk order.
-// (For a later return_lse: R's m + log(s). For rows that read the same physical blocks in a chunk: their chunk
-// states C can be computed together from one read of those blocks, and each row's merge goes on as here.)
+// Shared chunks (find_shared_chunks) are attended first, for their groups of rows, into slots; a row's walk takes
+// their states from there in their turn, and attends its own chunks between them in runs. (For a later
+// return_lse: R's m + log(s).)
 template <typename scalar_t, typename cache_t>
 void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_rows,
                             scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
   const int64_t state_size = RowState::size(num_heads, head_dim);
   const Chunks<scalar_t, cache_t> chunks(pb, num_rows);
-  const std::vector<int64_t> part_begin = split_among_threads(chunks, num_rows);
+  // The shared chunks first: their rows' states, in slots.
+  const SharedChunks shared = find_shared_chunks(chunks, num_rows);
+  std::vector<float> shared_states(shared.rows.size() * state_size);
+  if (!shared.groups.empty()) attend_shared_chunks(pb, shared, shared_states.data());
+  const auto slot_of = [&](int64_t item) { return shared.item_slot.empty() ? -1 : shared.item_slot[item]; };
+  const std::vector<int64_t> part_begin = split_among_threads(chunks, num_rows, shared.item_slot);
   const int64_t num_parts = static_cast<int64_t>(part_begin.size()) - 1;
 
   // Rows cut between parts, and their states: slot 0 the running state R of the part with the row's first chunk,
@@ -202,6 +342,7 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
 
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin_index, int64_t part_end_index) {
     Scratch sc(num_heads, pb.group_size, head_dim);
+    Scratch* sc_ptr = &sc;
     std::vector<float> running_buffer(state_size), chunk_sums(num_heads);
     const RowState running(running_buffer.data(), num_heads, head_dim);
     for (int64_t part = part_begin_index; part < part_end_index; ++part) {
@@ -213,17 +354,29 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
         const int64_t begin = std::max(item_begin, row_first), end = std::min(item_end, row_end);
         const int64_t c0 = chunks.first_chunk(row);
         const bool has_first = begin == row_first, has_last = end == row_end;
-        attend(pb, row, chunks.chunk_begin(row, c0 + begin - row_first),
-               chunks.chunk_end(row, c0 + end - 1 - row_first), sc, [&](int64_t c) {
-                 const RowState chunk = chunk_state(sc, num_heads, chunk_sums.data());
-                 if (!has_first) {
-                   copy_state(chunk, num_heads, head_dim, cut_slot(row, 1 + c - c0));
-                 } else if (c == c0) {
-                   copy_state(chunk, num_heads, head_dim, running);
-                 } else {
-                   merge_into(running, chunk, num_heads, head_dim);
-                 }
-               });
+        const auto absorb = [&](int64_t c, RowState chunk) {  // chunk c's state, in chunk order
+          if (!has_first) {
+            copy_state(chunk, num_heads, head_dim, cut_slot(row, 1 + c - c0));
+          } else if (c == c0) {
+            copy_state(chunk, num_heads, head_dim, running);
+          } else {
+            merge_into(running, chunk, num_heads, head_dim);
+          }
+        };
+        // Runs of the row's own chunks in one attend call each; a shared chunk's state from its slot.
+        for (int64_t item = begin; item < end;) {
+          if (const int64_t slot = slot_of(item); slot >= 0) {
+            absorb(c0 + item - row_first, RowState(shared_states.data() + slot * state_size, num_heads, head_dim));
+            ++item;
+            continue;
+          }
+          int64_t run_end = item + 1;
+          while (run_end < end && slot_of(run_end) < 0) ++run_end;
+          attend(pb, &row, 1, chunks.chunk_begin(row, c0 + item - row_first),
+                 chunks.chunk_end(row, c0 + run_end - 1 - row_first), &sc_ptr,
+                 [&](int64_t c) { absorb(c, chunk_state(sc, num_heads, chunk_sums.data())); });
+          item = run_end;
+        }
         if (has_first && has_last) {
           write_row(pb, row, running, out);
         } else if (has_first) {

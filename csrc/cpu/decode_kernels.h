@@ -7,7 +7,8 @@
 // absolute positions [16 i, 16 (i + 1)), whatever the block size (a tile may span blocks; the tile holds each
 // token's row pointers, looked up in the block table once), each chunk from a fresh online-softmax state. Within
 // a tile it serves each kv head's whole group of query heads in turn, so every key/value row is read from memory
-// once (GQA reuse). Per (tile, kv head), for tiles of up to 4 query heads of the group:
+// once (GQA reuse); in a chunk shared by several rows (attention.cpp), each row in turn, while the rows are in L1.
+// Per (tile, kv head), for tiles of up to 4 query heads of the group:
 //   1. logits of the heads for the tile's tokens,
 //   2. online softmax: when a logit exceeds a head's running max, raise the max (rescaling the running sum and
 //      the accumulator); p = exp(x - max), and the running sum (kept per tile lane) += p,
@@ -182,36 +183,44 @@ void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
 // ---------------------------------------------------------------------------------------------------------------
 // Tasks
 
-// Attends every query head of query row `row` to its sequence's tokens [begin, end), which start at a chunk
-// boundary or at the row's window start and end at a chunk boundary or at the row's end: the chunks
-// [c kChunkTokens, (c + 1) kChunkTokens) it overlaps, each from a fresh online-softmax state. The tiles lie at
-// absolute positions too ([16 i, 16 (i + 1)), but the first, which starts at `begin`), so chunk boundaries are tile
-// boundaries. After each chunk's last tile, chunk_done(c) finds the chunk's (max, lane sums, acc) in sc, then the
-// state is reset for the next. The tiles run on across chunk boundaries (the prefetch too): only the state restarts.
+// Attends every query head of the query rows rows[0], ..., rows[n - 1] to their sequences' tokens [begin, end),
+// which start at a chunk boundary or at the rows' window start and end at a chunk boundary or at the rows' end;
+// for n > 1 these are the same tokens in the same physical blocks for every row (a shared chunk, see attention.cpp),
+// read once for all: each tile's rows are worked on by every row in turn while they are in L1. scs[i] is row i's
+// scratch. The chunks [c kChunkTokens, (c + 1) kChunkTokens) the range overlaps are each attended from a fresh
+// online-softmax state. The tiles lie at absolute positions too ([16 i, 16 (i + 1)), but the first, which starts
+// at `begin`), so chunk boundaries are tile boundaries. After each chunk's last tile, chunk_done(c) finds each row's
+// chunk state (max, lane sums, acc) in its scratch, then the states are reset for the next. The tiles run on across
+// chunk boundaries (the prefetch too): only the states restart. A row's sequence of steps, and so its bits, are the
+// same for any n and any position in rows: each row's tiles, heads and head tiles come in the same order.
 template <typename scalar_t, typename cache_t, typename ChunkDone>
-void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, int64_t end, Scratch& sc,
-            ChunkDone&& chunk_done) {
+void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n, int64_t begin, int64_t end,
+            Scratch* const* scs, ChunkDone&& chunk_done) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-  const scalar_t* query = pb.query + pb.token(row) * pb.query_row_stride;  // [num_heads, head_dim]
-  if (!pb.avx512_bf16) {
+  const auto query_of = [&](int64_t i) {  // [num_heads, head_dim]
+    return pb.query + pb.token(rows[i]) * pb.query_row_stride;
+  };
+  for (int64_t i = 0; i < n && !pb.avx512_bf16; ++i) {
+    const scalar_t* query = query_of(i);
     for (int64_t h = 0; h < num_heads; ++h) {
       for (int64_t d = 0; d < head_dim; ++d) {
-        sc.q[h * head_dim + d] = pb.scale * static_cast<float>(query[h * pb.query_head_stride + d]);
+        scs[i]->q[h * head_dim + d] = pb.scale * static_cast<float>(query[h * pb.query_head_stride + d]);
       }
     }
   }
   const auto reset = [&] {
-    std::fill_n(sc.acc, num_heads * head_dim, 0.f);
-    std::fill_n(sc.max_logit, num_heads, kNegInf);
-    std::fill_n(sc.exp_sums, num_heads * kTileTokens, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      std::fill_n(scs[i]->acc, num_heads * head_dim, 0.f);
+      std::fill_n(scs[i]->max_logit, num_heads, kNegInf);
+      std::fill_n(scs[i]->exp_sums, num_heads * kTileTokens, 0.f);
+    }
   };
   reset();
   if (begin >= end) {  // an empty row (length 0): one empty chunk
     chunk_done(int64_t{0});
     return;
   }
-  const int32_t* block_table = pb.block_table(row);
-  const int64_t last_token = pb.row_len(row) - 1;
+  const int32_t* block_table = pb.block_table(rows[0]);  // the rows' tables agree on [begin, end)
   const int64_t aligned_begin = begin / kTileTokens * kTileTokens;
   const int64_t num_tiles = (end - aligned_begin + kTileTokens - 1) / kTileTokens;
   // Tile k: [max(begin, aligned_begin + 16 k), min(end, aligned_begin + 16 (k + 1))).
@@ -225,7 +234,8 @@ void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, in
   constexpr int64_t kRing = kPrefetchTiles + 1;
   Tile<cache_t> tiles[kRing];
   for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) load_tile(tiles[k], k);
-  Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim);
+  // The last row of a unit prefetches (the next unit's rows into L1 as late as they can come); the others not.
+  Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim), idle(pb.kv, pb.num_kv_heads, pb.head_dim);
   for (int64_t k = 0; k < num_tiles; ++k) {
     const Tile<cache_t>& tile = tiles[k % kRing];
     if (k + kPrefetchTiles < num_tiles) {
@@ -241,15 +251,19 @@ void attend(const Problem<scalar_t, cache_t>& pb, int64_t row, int64_t begin, in
       prefetcher.unit_tile = !last_head ? &tile : k + 1 < num_tiles ? &tiles[(k + 1) % kRing] : nullptr;
       prefetcher.key_offset = last_head ? 0 : (kv_head + 1) * pb.kv.key.head_stride;
       prefetcher.value_offset = last_head ? 0 : (kv_head + 1) * pb.kv.value.head_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        Prefetcher<cache_t>& pf = i + 1 == n ? prefetcher : idle;
+        const int64_t last_token = pb.row_len(rows[i]) - 1;
 #if defined(CPU_CAPABILITY_AVX2)
-      if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
-        if (pb.avx512_bf16) {
-          attend_tile_avx512(pb, query, kv_head, tile, last_token, sc, prefetcher);
-          continue;
+        if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
+          if (pb.avx512_bf16) {
+            attend_tile_avx512(pb, query_of(i), kv_head, tile, last_token, *scs[i], pf);
+            continue;
+          }
         }
-      }
 #endif
-      attend_tile(pb, kv_head, tile, last_token, sc, prefetcher);
+        attend_tile(pb, kv_head, tile, last_token, *scs[i], pf);
+      }
     }
     const int64_t tile_end = tile.first + tile.num_tokens;
     if (tile_end == end || tile_end % kChunkTokens == 0) {

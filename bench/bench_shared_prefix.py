@@ -1,0 +1,147 @@
+"""Shared blocks read once (issue 24 §3): CPU decode over sequences that share their prefix's physical blocks, against
+the same op on the same batch with the shared blocks copied into distinct blocks of the same bytes (identical math,
+nothing to share), in one run, methods taking turns round by round, medians of the repeats.
+
+Cases (bfloat16 by default, 32 query / 8 kv heads, head dim 128, block size 16; block tables shuffled):
+
+  * ``8x4096+64``: 8 sequences sharing a 4,096-token prefix, each with a 64-token tail of its own;
+  * ``64x2048+256``: 64 sequences behind one 2,048-token prefix, each with a 256-token tail of its own;
+  * ``64x2304 unrelated``: 64 sequences of 2,304 tokens that share nothing (``shared`` and ``distinct`` are then
+    the same batch: the ratio says what looking for sharing costs when there is none).
+
+Before timing, the two layouts are checked to give the same output bits (the op is batch-invariant: a sequence's
+output does not depend on which physical blocks hold its keys), and against the float64 reference on a few rows.
+``off`` is the shared batch with the search for sharing switched off (``PAGED_ATTN_NO_SHARED_BLOCKS=1``: each row
+reads every block itself; what the caches alone give). ``bytes ratio`` is the KV bytes the distinct batch reads
+over those the shared one needs read once.
+
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import paged_attn
+from paged_attn import reference
+
+CASES = {  # name: (num_seqs, prefix tokens shared by all, own tail tokens)
+    "8x4096+64": (8, 4096, 64),
+    "64x2048+256": (64, 2048, 256),
+    "64x2304 unrelated": (64, 0, 2304),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--quick", action="store_true", help="a quarter of every length, 5 repeats")
+    return p.parse_args()
+
+
+def make_case(num_seqs: int, prefix: int, tail: int, args: argparse.Namespace, dtype: torch.dtype, seed: int):
+    """Caches, query and the two block tables (shared prefix blocks; the same bytes in distinct blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    bs = args.block_size
+    if prefix % bs:
+        raise ValueError(f"the prefix ({prefix}) must be whole blocks of {bs}")
+    prefix_blocks, tail_blocks = prefix // bs, -(-tail // bs)
+    # Physical blocks: the prefix once, each sequence's tail, then every sequence's own copy of the prefix.
+    num_blocks = prefix_blocks + num_seqs * tail_blocks + num_seqs * prefix_blocks
+    shape = (num_blocks, bs, args.num_kv_heads, args.head_dim)
+    key_cache = torch.randn(shape, generator=g).to(dtype)
+    value_cache = torch.randn(shape, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)  # physical ids, shuffled
+    prefix_ids = perm[:prefix_blocks]
+    tail_ids = perm[prefix_blocks:prefix_blocks + num_seqs * tail_blocks].view(num_seqs, tail_blocks)
+    copy_ids = perm[prefix_blocks + num_seqs * tail_blocks:].view(num_seqs, prefix_blocks)
+    for s in range(num_seqs):
+        key_cache[copy_ids[s]] = key_cache[prefix_ids]
+        value_cache[copy_ids[s]] = value_cache[prefix_ids]
+    shared = torch.cat([prefix_ids.expand(num_seqs, prefix_blocks), tail_ids], dim=1).to(torch.int32).contiguous()
+    distinct = torch.cat([copy_ids, tail_ids], dim=1).to(torch.int32).contiguous()
+    seq_lens = torch.full((num_seqs,), prefix + tail, dtype=torch.int32)
+    query = torch.randn(num_seqs, args.num_heads, args.head_dim, generator=g).to(dtype)
+    return query, key_cache, value_cache, shared, distinct, seq_lens
+
+
+def median_times(methods, repeats: int):
+    for fn in methods.values():
+        fn()
+    times = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    repeats = 5 if args.quick else args.repeats
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}; "
+          f"{args.dtype}, {args.num_heads}/{args.num_kv_heads} heads, head dim {args.head_dim}, "
+          f"block size {args.block_size}; medians of {repeats}")
+    print(f"{'case':<20} {'shared ms':>10} {'distinct ms':>12} {'speed-up':>9} {'off ms':>8} {'vs off':>7} "
+          f"{'bytes ratio':>12}")
+    for seed, name in enumerate(args.cases.split(",")):
+        num_seqs, prefix, tail = CASES[name]
+        if args.quick:
+            prefix, tail = prefix // 4, max(args.block_size, tail // 4)
+        query, key_cache, value_cache, shared, distinct, seq_lens = make_case(num_seqs, prefix, tail, args, dtype,
+                                                                              seed)
+        out_shared = paged_attn.paged_attention(query, key_cache, value_cache, shared, seq_lens)
+        out_distinct = paged_attn.paged_attention(query, key_cache, value_cache, distinct, seq_lens)
+        if not torch.equal(out_shared, out_distinct):
+            raise SystemExit(f"{name}: shared and distinct blocks gave different bits")
+        rows = [0, num_seqs - 1]
+        expected = reference.paged_attention(query[rows], key_cache, value_cache, shared[rows], seq_lens[rows])
+        err = (out_shared[rows].double() - expected.double()).abs().max().item()
+        if not err <= (2e-2 if dtype != torch.float32 else 1e-4):
+            raise SystemExit(f"{name}: max abs error {err:.3g} against the float64 reference")
+        def unshared():  # the shared tables, the search for sharing off: what the cache alone gives
+            os.environ["PAGED_ATTN_NO_SHARED_BLOCKS"] = "1"
+            try:
+                paged_attn.paged_attention(query, key_cache, value_cache, shared, seq_lens, out=out_off)
+            finally:
+                del os.environ["PAGED_ATTN_NO_SHARED_BLOCKS"]
+
+        out_off = torch.empty_like(out_shared)
+        unshared()
+        if not torch.equal(out_off, out_shared):
+            raise SystemExit(f"{name}: the search for sharing on and off gave different bits")
+        times = median_times({
+            "shared": lambda: paged_attn.paged_attention(query, key_cache, value_cache, shared, seq_lens,
+                                                         out=out_shared),
+            "distinct": lambda: paged_attn.paged_attention(query, key_cache, value_cache, distinct, seq_lens,
+                                                           out=out_distinct),
+            "off": unshared,
+        }, repeats)
+        bytes_ratio = num_seqs * (prefix + tail) / (prefix + num_seqs * tail)
+        print(f"{name:<20} {times['shared'] * 1e3:>10.2f} {times['distinct'] * 1e3:>12.2f} "
+              f"{times['distinct'] / times['shared']:>8.2f}x {times['off'] * 1e3:>8.2f} "
+              f"{times['off'] / times['shared']:>6.2f}x {bytes_ratio:>11.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
