@@ -355,6 +355,34 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                     {v_scale.has_value() ? &*v_scale : &none, "v_scale", false}});
 }
 
+void check_merge_attention_states_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_a,
+                                       const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b) {
+  TORCH_CHECK(out_a.dim() == 3, "out_a must have shape [num_tokens, num_heads, head_size], got ", out_a.sizes());
+  const auto dtype = out_a.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "out_a must be float32, float16 or bfloat16, got ", dtype);
+  check_same_layout(out_a, "out_a", out_b, "out_b");
+  check_same_layout(out_a, "out_a", out, "out");
+  for (const auto& [t, name] : {std::pair{&out_a, "out_a"}, std::pair{&out_b, "out_b"}, std::pair{&out, "out"}}) {
+    TORCH_CHECK(t->stride(2) == 1 || t->size(2) <= 1, name,
+                " must be contiguous in its last dimension (head_size), got strides ", t->strides());
+  }
+  const auto lse_sizes = out_a.sizes().slice(0, 2);
+  for (const auto& [t, name] : {std::pair{&lse_a, "lse_a"}, std::pair{&lse_b, "lse_b"}, std::pair{&lse, "lse"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, name, " must be float32, got ", t->scalar_type());
+    TORCH_CHECK(t->sizes() == lse_sizes, name, " must have shape [num_tokens, num_heads] = ", lse_sizes, ", got ",
+                t->sizes());
+    TORCH_CHECK(t->device() == out_a.device(), name, " and out_a must be on the same device, got ", t->device(),
+                " and ", out_a.device());
+  }
+  TORCH_CHECK(!has_self_overlap(out), "out must not have overlapping elements, got shape ", out.sizes(),
+              " and strides ", out.strides());
+  TORCH_CHECK(!has_self_overlap(lse), "lse must not have overlapping elements, got shape ", lse.sizes(),
+              " and strides ", lse.strides());
+  check_no_overlap({{&out, "out", true}, {&lse, "lse", true}, {&out_a, "out_a", false}, {&lse_a, "lse_a", false},
+                    {&out_b, "out_b", false}, {&lse_b, "lse_b", false}});
+}
+
 void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at::Tensor& seq_lens_cpu,
                                  int64_t num_tokens, std::optional<int64_t> max_query_len) {
   const auto starts = query_start_loc_cpu.contiguous();

@@ -107,6 +107,12 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
+// merge_attention_states: out_a, out_b [num_tokens, num_heads, head_size] of one dtype (float32, float16, bfloat16),
+// shape and device, last dimension contiguous; lse_a, lse_b float32 [num_tokens, num_heads] on that device, any
+// strides; out like out_a, lse like lse_a (any strides, no self-overlap); out and lse overlap no other argument.
+void check_merge_attention_states_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_a,
+                                       const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b);
+
 // query_start_loc (int32 [num_seqs + 1]) starts at 0, never decreases and ends at num_tokens; each sequence's
 // query_len = qsl[s + 1] - qsl[s] is at most seq_lens[s] and, when max_query_len is given, at most max_query_len.
 // Takes CPU tensors.

@@ -22,4 +22,8 @@ TORCH_LIBRARY(paged_attn, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor? alibi_slopes, int sliding_window, float logits_soft_cap, "
         "Tensor? query_start_loc=None, int? max_query_len=None, *, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  // Merge two partial attention results over disjoint key ranges (out_* [num_tokens, num_heads, head_size], lse_*
+  // float32 [num_tokens, num_heads], natural log): out = softmax-weighted mix of out_a, out_b; lse = logaddexp.
+  m.def("merge_attention_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, Tensor out_b, "
+        "Tensor lse_b) -> ()");
 }

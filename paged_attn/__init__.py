@@ -12,6 +12,7 @@ from .block_manager import BlockManager, OutOfBlocksError
 from .ops import (
     copy_blocks,
     has_cuda_kernels,
+    merge_attention_states,
     paged_attention,
     reshape_and_cache,
     set_validation,
@@ -24,6 +25,7 @@ __all__ = [
     "OutOfBlocksError",
     "copy_blocks",
     "has_cuda_kernels",
+    "merge_attention_states",
     "paged_attention",
     "reshape_and_cache",
     "set_validation",

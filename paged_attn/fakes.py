@@ -203,3 +203,18 @@ def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_s
     _require(_is_finite(logits_soft_cap) and logits_soft_cap >= 0,
              "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap)
     _check_kv_scales(key_cache, k_scale, v_scale)
+
+
+@torch.library.register_fake("paged_attn::merge_attention_states")
+def _(out, lse, out_a, lse_a, out_b, lse_b) -> None:
+    _require(out_a.dim() == 3, "out_a must have shape [num_tokens, num_heads, head_size], got ", _shape(out_a))
+    _require(out_a.dtype in _KV_DTYPES, "out_a must be float32, float16 or bfloat16, got ", out_a.dtype)
+    _check_same_layout(out_a, "out_a", out_b, "out_b")
+    _check_same_layout(out_a, "out_a", out, "out")
+    lse_shape = _shape(out_a)[:2]
+    for t, name in ((lse_a, "lse_a"), (lse_b, "lse_b"), (lse, "lse")):
+        _require(t.dtype == torch.float32, name, " must be float32, got ", t.dtype)
+        _require(_shape(t) == lse_shape, name, " must have shape [num_tokens, num_heads] = ", lse_shape, ", got ",
+                 _shape(t))
+        _require(t.device == out_a.device, name, " and out_a must be on the same device, got ", t.device, " and ",
+                 out_a.device)

@@ -30,9 +30,10 @@ The cache layout (the one full description; every other file points here):
   swapped); the block stride must reach past a block's span.
 
 Memory: a tensor an op writes (the caches of :func:`reshape_and_cache` and :func:`copy_blocks`, ``dst`` of
-:func:`swap_blocks`, ``out`` of :func:`paged_attention`) must not share a byte with any other argument; the tensors
-an op only reads may share memory with each other (one scale tensor as both ``k_scale`` and ``v_scale``, one tensor
-as ``key`` and ``value``, or as both caches of :func:`paged_attention`). Memory is compared element by element, so
+:func:`swap_blocks`, ``out`` of :func:`paged_attention`, ``out`` and ``lse`` of :func:`merge_attention_states`) must
+not share a byte with any other argument; the tensors an op only reads may share memory with each other (one scale
+tensor as both ``k_scale`` and ``v_scale``, one tensor as ``key`` and ``value``, or as both caches of
+:func:`paged_attention`). Memory is compared element by element, so
 interleaved but disjoint layouts (the halves of a ``[num_blocks, 2, ...]`` allocation) are fine; :func:`swap_blocks`
 compares the block spans of ``dst`` with those of ``src`` and with ``block_mapping`` (unless ``src`` and ``dst`` are
 one cache: the same data pointer, shape and strides).
@@ -221,6 +222,62 @@ def paged_attention(
         None if max_query_len is None else int(max_query_len), k_scale=k_scale, v_scale=v_scale,
     )
     return out
+
+
+def merge_attention_states(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key ranges A and B into the result over A and B, exactly
+    (split-KV decode, cascade / shared-prefix attention, chunked prefill against a cached prefix).
+
+    With ``m = max(lse_a, lse_b)``, ``w_a = exp(lse_a - m)``, ``w_b = exp(lse_b - m)``, per (token, head)::
+
+        out = (w_a * out_a + w_b * out_b) / (w_a + w_b)    # float32, rounded once to out's dtype
+        lse = m + log(w_a + w_b)
+
+    Args:
+        out_a, out_b: ``[num_tokens, num_heads, head_size]``, float32, float16 or bfloat16, of one shape, dtype and
+            device, last dimension contiguous (any other strides).
+        lse_a, lse_b: float32 ``[num_tokens, num_heads]`` on that device, any strides: the natural-log log-sum-exp
+            of each row's (scaled) logits over its key range; ``-inf`` for a part that saw no key. vLLM keeps lse as
+            ``[num_heads, num_tokens]``: pass ``lse.t()``.
+        out, lse: optional outputs to write into (``out`` like ``out_a``, ``lse`` float32 ``[num_tokens,
+            num_heads]``, any strides without self-overlap); neither may share memory with another argument.
+
+    Returns:
+        ``(out, lse)``.
+
+    Edges: an lse of ``+inf`` is read as ``-inf`` (a part that saw no key: FlashAttention 2 writes +inf there, and
+    vLLM's ``merge_attn_states`` does the same); both parts ``-inf``: ``out = 0 * out_a + 0 * out_b`` (0 for finite
+    values, never NaN from 0 / 0) and ``lse = -inf``; a NaN lse gives a NaN row and NaN lse; a NaN in ``out_a`` or
+    ``out_b`` gives NaN in that element, even where its part has weight 0 (``0 * NaN``), as in vLLM.
+
+    Checked against vLLM's ``merge_attn_states`` (``csrc/attention/merge_attn_states.cu`` and the Triton
+    ``triton_merge_attn_states.py``): the same formula (scales ``w / (w_a + w_b)`` first, then a float32 sum,
+    one rounding), the same +inf -> -inf rule and NaN propagation; there lse is ``[num_heads, num_tokens]`` and two
+    ``-inf`` parts give NaN (``-inf - -inf``), here 0 and -inf. FlashInfer's ``merge_state``
+    (``include/flashinfer/attention/cascade.cuh``): the same formula and our ``[num_tokens, num_heads]`` lse
+    layout, but its lse is base 2 (multiply ours by ``log2(e)``), it has no +inf rule, and two ``-inf`` parts give
+    NaN too.
+
+    Example::
+
+        out_a, lse_a = ...  # attention over keys [0, k)
+        out_b, lse_b = ...  # attention over keys [k, n)
+        out, lse = paged_attn.merge_attention_states(out_a, lse_a, out_b, lse_b)  # attention over [0, n)
+    """
+    if out is None:
+        out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
+    if lse is None:
+        lse = torch.empty(out_a.shape[:2], dtype=torch.float32, device=out_a.device)
+    torch.ops.paged_attn.merge_attention_states(out, lse, out_a, lse_a, out_b, lse_b)
+    return out, lse
 
 
 def set_validation(enabled: bool) -> None:

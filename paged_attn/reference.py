@@ -127,6 +127,50 @@ def paged_attention(
     return out.to(query.dtype)
 
 
+def attention_with_lse(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    keys: torch.Tensor,  # [num_keys, num_heads, head_size]
+    values: torch.Tensor,  # [num_keys, num_heads, head_size]
+    scale: Optional[float] = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_size], [num_tokens, num_heads] (compute_dtype)
+    """Every query token attends to every key (no mask), returning the output and the natural-log log-sum-exp of
+    each row's scaled logits: the two halves of a partial result that merge_attention_states merges. With no keys:
+    out = 0 and lse = -inf."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    logits = torch.einsum("nhd,thd->nht", query.to(compute_dtype), keys.to(compute_dtype)) * scale
+    lse = torch.logsumexp(logits, dim=-1)  # -inf over no keys
+    if keys.shape[0] == 0:
+        return torch.zeros(query.shape, dtype=compute_dtype, device=query.device), lse
+    out = torch.einsum("nht,thd->nhd", torch.softmax(logits, dim=-1), values.to(compute_dtype))
+    return out, lse
+
+
+def merge_attention_states(
+    out_a: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    lse_a: torch.Tensor,  # [num_tokens, num_heads], natural log
+    out_b: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    lse_b: torch.Tensor,  # [num_tokens, num_heads]
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out_a's dtype; float32
+    """The merge of two partial results over disjoint key ranges, in compute_dtype, out rounded once to out_a's dtype:
+    m = max(lse_a, lse_b), w = exp(lse - m), out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
+    Edges as the kernels (csrc/cpu/merge_attention_states.cpp): +inf reads as -inf; both -inf gives scales 0 and
+    lse -inf; a NaN lse gives a NaN row and lse; NaN (or inf times a zero scale) in out_a / out_b gives NaN there."""
+    a, b = lse_a.to(compute_dtype), lse_b.to(compute_dtype)
+    a = torch.where(a == math.inf, -math.inf, a)
+    b = torch.where(b == math.inf, -math.inf, b)
+    empty = (a == -math.inf) & (b == -math.inf)
+    m = torch.where(empty, 0.0, torch.maximum(a, b))  # maximum propagates NaN, as the weights do anyway
+    w_a, w_b = torch.exp(a - m), torch.exp(b - m)  # both 0 where empty
+    total = w_a + w_b
+    lse = torch.where(empty, -math.inf, m + torch.log(total))
+    total = torch.where(empty, 1.0, total)
+    scale_a, scale_b = (w_a / total)[..., None], (w_b / total)[..., None]
+    out = out_a.to(compute_dtype) * scale_a + out_b.to(compute_dtype) * scale_b
+    return out.to(out_a.dtype), lse.to(torch.float32)
+
+
 class PagedAttentionExecutor:
     """Teaching reference: PagedAttention as the paper describes it, one sequence and one head at a time, walking
     the sequence's blocks in order with an online softmax.

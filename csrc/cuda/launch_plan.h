@@ -393,6 +393,16 @@ inline CopyPlan plan_reshape_and_cache(int64_t num_tokens, int64_t num_kv_heads,
   return plan;
 }
 
+// merge_attention_states: one warp per (token, head) row, kMergeRowsPerBlock heads of one token per thread block.
+constexpr int kMergeRowsPerBlock = 4;
+inline CopyPlan plan_merge_attention_states(int64_t num_tokens, int64_t num_heads) {
+  CopyPlan plan;
+  plan.grid = {num_tokens, (num_heads + kMergeRowsPerBlock - 1) / kMergeRowsPerBlock, 1};
+  plan.threads = 32 * kMergeRowsPerBlock;
+  plan.error = grid_error(plan.grid, "num_tokens", "ceil(num_heads / 4)", "1");
+  return plan;
+}
+
 // copy_blocks: one thread block per (pair, layer, key or value) of one launch of up to kMaxLayersPerLaunch layers.
 inline CopyPlan plan_copy_blocks(int64_t num_pairs, int64_t launch_layers, int64_t block_units) {
   CopyPlan plan;

@@ -15,7 +15,7 @@ _spec = importlib.util.spec_from_file_location("sass_report", Path(__file__).res
 sass_report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_report)
 
-OPS = ["reshape_and_cache", "copy_blocks", "swap_blocks"]
+OPS = ["reshape_and_cache", "copy_blocks", "swap_blocks", "merge_attention_states"]
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -5,8 +5,8 @@
 //   kernels CASE_FILE ORDER SEED     ORDER: forward | reverse | random
 //
 // A case file is a list of lines:
-//   op attention | reshape_and_cache | copy_blocks
-//   dtype float | half | bfloat16                      (attention)
+//   op attention | reshape_and_cache | copy_blocks | merge_attention_states
+//   dtype float | half | bfloat16                      (attention, merge_attention_states)
 //   buffer ID BYTES PATH                              read into an exact-size heap allocation (64-byte aligned)
 //   tensor NAME ID BYTE_OFFSET NDIM SIZES... STRIDES...  a view of a buffer (strides in elements)
 //   scalar NAME VALUE
@@ -20,6 +20,7 @@
 #include "../../csrc/cuda/attention_kernels.cuh"
 #include "../../csrc/cuda/cache_ops_kernels.cuh"
 #include "../../csrc/cuda/decode_mma_kernels.cuh"
+#include "../../csrc/cuda/merge_attention_states_kernels.cuh"
 #include "../../csrc/cuda/varlen_attention_kernels.cuh"
 
 #include <cstdio>
@@ -406,6 +407,26 @@ void run_copy_blocks(const Case& c, const simt::Options& options) {
   std::printf("plan: access width %lld bytes, %d launches\n", static_cast<long long>(width), launches);
 }
 
+// merge_attention_states (merge_attention_states_kernel) on tensors out, lse, out_a, lse_a, out_b, lse_b.
+template <typename T>
+void run_merge_attention_states(const Case& c, const simt::Options& options) {
+  const View &out = c.tensor("out"), &lse = c.tensor("lse"), &out_a = c.tensor("out_a"), &lse_a = c.tensor("lse_a"),
+             &out_b = c.tensor("out_b"), &lse_b = c.tensor("lse_b");
+  const int64_t num_tokens = out_a.size(0), num_heads = out_a.size(1);
+  const auto plan = paged_attn::plan_merge_attention_states(num_tokens, num_heads);
+  if (num_tokens == 0 || num_heads == 0) return;
+  if (!plan.error.empty()) throw CaseError("plan_merge_attention_states: " + plan.error);
+  const paged_attn::MergeAttentionStatesParams<T> p{
+      out.as<T>(), lse.as<float>(), out_a.as<const T>(), lse_a.as<const float>(), out_b.as<const T>(),
+      lse_b.as<const float>(), {out.stride(0), out.stride(1)}, {out_a.stride(0), out_a.stride(1)},
+      {out_b.stride(0), out_b.stride(1)}, {lse.stride(0), lse.stride(1)}, {lse_a.stride(0), lse_a.stride(1)},
+      {lse_b.stride(0), lse_b.stride(1)}, static_cast<int>(num_heads), static_cast<int>(out_a.size(2))};
+  simt::launch(options, paged_attn::merge_attention_states_kernel<T>, to_dim3(plan.grid), dim3(plan.threads),
+               plan.shared_bytes, p);
+  std::printf("plan: grid (%lld, %lld), %d threads\n", static_cast<long long>(plan.grid.x),
+              static_cast<long long>(plan.grid.y), plan.threads);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -435,6 +456,11 @@ int main(int argc, char** argv) {
       run_reshape_and_cache(c, options);
     } else if (c.op == "copy_blocks") {
       run_copy_blocks(c, options);
+    } else if (c.op == "merge_attention_states") {
+      if (c.dtype == "float") run_merge_attention_states<float>(c, options);
+      else if (c.dtype == "half") run_merge_attention_states<__half>(c, options);
+      else if (c.dtype == "bfloat16") run_merge_attention_states<__nv_bfloat16>(c, options);
+      else throw CaseError("unknown dtype " + c.dtype);
     } else {
       throw CaseError("unknown op " + c.op);
     }

@@ -4,6 +4,7 @@ import pytest
 import test_attention as attention
 import test_cache_ops_errors as errors
 import test_fp8 as fp8
+import test_merge_attention_states as merge
 import test_varlen_attention as varlen
 import torch
 import torch.utils._pytree as pytree
@@ -76,10 +77,13 @@ REAL_ONLY = {
         ("reshape_and_cache", "overlapping blocks"), ("reshape_and_cache", "overlapping rows"),
         ("swap_blocks", "layouts differ within a block"), ("swap_blocks", "overlapping elements"),
         ("swap_blocks", "overlapping block spans"),
+        ("merge_attention_states", "out_a last dim"), ("merge_attention_states", "out last dim"),
+        ("merge_attention_states", "out overlaps itself"), ("merge_attention_states", "lse overlaps itself"),
     },
     "shared memory: a fake tensor has no address": {
         ("swap_blocks", "K half into V half of one packed cache"),
         ("swap_blocks", "V half into K half of one packed cache"),
+        ("merge_attention_states", "out is out_a"), ("merge_attention_states", "lse is lse_b"),
     },
     "index values: a fake tensor has no values": {
         ("reshape_and_cache", "slot range"),
@@ -102,13 +106,14 @@ REAL_ONLY_CASES = {case: reason for reason, cases in REAL_ONLY.items() for case 
 
 
 def error_cases():
-    """(op, case name) for every error case of tests/ops/test_cache_ops_errors.py, tests/ops/test_attention.py and
-    tests/ops/test_fp8.py."""
+    """(op, case name) for every error case of tests/ops/test_cache_ops_errors.py, tests/ops/test_attention.py,
+    tests/ops/test_fp8.py and tests/ops/test_merge_attention_states.py."""
     cases = [("reshape_and_cache", name) for name in errors.RESHAPE_ERRORS]
     cases += [("copy_blocks", name) for name in errors.COPY_ERRORS]
     cases += [("swap_blocks", name) for name in errors.SWAP_ERRORS]
     cases += [("paged_attention varlen", name) for name in varlen.ERRORS]
     cases += [("fp8", name) for name in fp8.ERRORS]
+    cases += [("merge_attention_states", name) for name in merge.ERRORS]
     return cases + [("paged_attention", name) for name in attention.ERRORS]
 
 
@@ -125,6 +130,9 @@ def error_call(op, name):
         return paged_attn.swap_blocks, errors.SWAP_ERRORS[name][0](src, dst, torch.tensor([[0, 1]])), {}
     if op == "fp8":
         return fp8.error_call(name)
+    if op == "merge_attention_states":
+        args, kwargs = merge.ERRORS[name][0](*merge.error_parts())
+        return paged_attn.merge_attention_states, args, kwargs
     if op == "paged_attention varlen":
         case = varlen.make_varlen_case(varlen.MIXED, 4, 2, 64, 16, torch.float32, "cpu")
         kwargs = varlen._bad(case, **varlen.ERRORS[name][0])  # query_start_loc (and max_query_len) by keyword
