@@ -296,7 +296,8 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& alibi_slopes,
                                 int64_t sliding_window, double logits_soft_cap,
                                 const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
-                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                const std::optional<at::Tensor>& lse) {
   check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", query.sizes());
   TORCH_CHECK(query.device() == key_cache.device(), "query and key_cache must be on the same device, got ",
@@ -345,8 +346,16 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
   TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0,
               "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap);
   check_kv_scales(key_cache, k_scale, v_scale);
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == query.size(0) &&
+                    lse->size(1) == num_heads && lse->device() == query.device(),
+                "lse must be a float32 tensor of shape [num_tokens, num_heads] = [", query.size(0), ", ", num_heads,
+                "] on ", query.device(), ", got ", lse->scalar_type(), " ", lse->sizes(), " on ", lse->device());
+    TORCH_CHECK(lse->is_contiguous(), "lse must be contiguous");
+  }
   const at::Tensor none;
-  check_no_overlap({{&out, "out", true}, {&query, "query", false}, {&key_cache, "key_cache", false},
+  check_no_overlap({{&out, "out", true}, {lse.has_value() ? &*lse : &none, "lse", true},
+                    {&query, "query", false}, {&key_cache, "key_cache", false},
                     {&value_cache, "value_cache", false}, {&block_tables, "block_tables", false},
                     {&seq_lens, "seq_lens", false},
                     {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes", false},

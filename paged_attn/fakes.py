@@ -164,7 +164,7 @@ def _(src, dst, block_mapping) -> None:
 
 @torch.library.register_fake("paged_attn::paged_attention")
 def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-      logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None) -> None:
+      logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None, lse=None) -> None:
     _check_cache_pair(key_cache, value_cache)
     _require(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", _shape(query))
     _check_like_cache(query, "query", key_cache)
@@ -203,6 +203,12 @@ def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_s
     _require(_is_finite(logits_soft_cap) and logits_soft_cap >= 0,
              "logits_soft_cap must be positive and finite (or 0 for none), got ", logits_soft_cap)
     _check_kv_scales(key_cache, k_scale, v_scale)
+    if lse is not None:
+        _require(lse.dtype == torch.float32 and lse.dim() == 2 and lse.shape[0] == num_tokens
+                 and lse.shape[1] == num_heads and lse.device == query.device,
+                 "lse must be a float32 tensor of shape [num_tokens, num_heads] = [", num_tokens, ", ", num_heads,
+                 "] on ", query.device, ", got ", lse.dtype, " ", _shape(lse), " on ", lse.device)
+        _require(lse.is_contiguous(), "lse must be contiguous")
 
 
 @torch.library.register_fake("paged_attn::merge_attention_states")

@@ -144,7 +144,8 @@ def paged_attention(
     out: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Attention over a paged KV cache: decode (one query token per sequence), or any mix of prefills, prefill
     chunks and decodes with ``query_start_loc``.
 
@@ -177,9 +178,14 @@ def paged_attention(
         out: optional ``[num_tokens, num_heads, head_dim]`` contiguous output to write into.
         k_scale, v_scale: fp8 caches only: float32 ``[1]`` on the caches' device (default 1.0); keys are read as
             ``float(key_cache) * k_scale``, values as ``float(value_cache) * v_scale``.
+        return_lse: also return each row's log-sum-exp (CPU; on CUDA not yet, an error).
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given). Softmax and the weighted
+        ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given); with ``return_lse``,
+        ``(out, lse)``: lse float32 ``[num_tokens, num_heads]``, per row and head the natural-log log-sum-exp of
+        its final logits (scaled, soft-capped, with ALiBi) over the keys it sees, ``-inf`` for a row that sees no
+        key; with :func:`merge_attention_states`, partial results over disjoint key ranges (a cascade over a shared
+        prefix, split-KV) merge into the full one. Softmax and the weighted
         sum are accumulated in float32. On the CPU the result is batch-invariant: a decode row's keys are summed
         in chunks at fixed token positions (multiples of 512) merged left to right, so its output bits do not
         depend on the other sequences of the batch, their order, the thread count, or which physical blocks
@@ -216,12 +222,13 @@ def paged_attention(
         scale = query.shape[-1] ** -0.5
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if return_lse else None
     torch.ops.paged_attn.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
         int(sliding_window or 0), float(logits_soft_cap or 0.0), query_start_loc,
-        None if max_query_len is None else int(max_query_len), k_scale=k_scale, v_scale=v_scale,
+        None if max_query_len is None else int(max_query_len), k_scale=k_scale, v_scale=v_scale, lse=lse,
     )
-    return out
+    return (out, lse) if return_lse else out
 
 
 def merge_attention_states(

@@ -87,11 +87,13 @@ def paged_attention(
     compute_dtype: torch.dtype = torch.float32,
     k_scale: Optional[torch.Tensor] = None,  # float32 [1], fp8 caches only: keys read as float(stored) * k_scale
     v_scale: Optional[torch.Tensor] = None,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query dtype
+    return_lse: bool = False,
+):  # [num_tokens, num_heads, head_dim], query dtype; return_lse: and lse [num_tokens, num_heads] in compute_dtype
     """Paged attention, one sequence at a time: gather the sequence's keys/values through its block table (fp8:
     dequantized), then causal softmax attention of its query tokens (the last q_s of its L_s tokens, at positions
     L_s - q_s + i) in compute_dtype, each row over exactly the keys it can see (so a NaN or inf outside them never
-    reaches it)."""
+    reaches it). return_lse: also each row's natural-log log-sum-exp of its final logits (-inf for a row that sees
+    no key)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -100,6 +102,7 @@ def paged_attention(
         query_start_loc = torch.arange(num_tokens + 1)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=compute_dtype, device=query.device)
+    lse = torch.full((num_tokens, num_heads), -math.inf, dtype=compute_dtype, device=query.device)
     for seq, seq_len in enumerate(lens):
         first, last = starts[seq], starts[seq + 1]
         if first == last or seq_len == 0:
@@ -124,7 +127,8 @@ def paged_attention(
                 logits = logits + alibi_slopes.to(query.device, compute_dtype)[:, None] * distance
             probs = torch.softmax(logits, dim=-1)
             out[first + row] = torch.einsum("ht,thd->hd", probs, values[visible])
-    return out.to(query.dtype)
+            lse[first + row] = torch.logsumexp(logits, dim=-1)
+    return (out.to(query.dtype), lse) if return_lse else out.to(query.dtype)
 
 
 def attention_with_lse(

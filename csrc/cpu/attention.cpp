@@ -87,10 +87,14 @@ inline void merge_into(RowState dst, RowState src, int64_t num_heads, int64_t he
   }
 }
 
-// out = acc / sum for every head of the row (0 for a row that saw no key).
+// out = acc / sum for every head of the row (0 for a row that saw no key), and if asked lse = max + log(sum) (-inf
+// for a row that saw no key: max = -inf, sum = 0).
 template <typename scalar_t, typename cache_t>
 void write_row(const Problem<scalar_t, cache_t>& pb, int64_t row, RowState state, scalar_t* out) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
+  for (int64_t h = 0; pb.lse && h < num_heads; ++h) {
+    pb.lse[pb.token(row) * num_heads + h] = state.max[h] + std::log(state.sum[h]);
+  }
   for (int64_t h = 0; h < num_heads; ++h) {
     const float inv_sum = state.sum[h] > 0 ? pb.v_scale / state.sum[h] : 0.f;
     const float* acc = state.acc + h * head_dim;
@@ -410,9 +414,10 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
                          const std::optional<at::Tensor>& query_start_loc,  // [num_seqs + 1], int32, or none
                          std::optional<int64_t> max_query_len,
                          const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
-                         const std::optional<at::Tensor>& v_scale) {  // [1], float32 (fp8 caches only)
+                         const std::optional<at::Tensor>& v_scale,  // [1], float32 (fp8 caches only)
+                         const std::optional<at::Tensor>& lse) {    // [num_tokens, num_heads], float32, or none
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                             sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale);
+                             sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse);
   const int64_t block_size = key_cache.size(1);
   check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size);
   if (query_start_loc.has_value()) check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
@@ -470,6 +475,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
     pb.logits_soft_cap = static_cast<float>(logits_soft_cap);
     pb.v_scale = v_scale_value;
     pb.avx512_bf16 = avx512_bf16_path<scalar_t, cache_t>(head_dim);
+    pb.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     if (!starts.defined()) return paged_attention_kernel(pb, num_rows, out_ptr);
     if (!prefill_seqs.empty()) {

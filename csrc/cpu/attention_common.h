@@ -231,6 +231,7 @@ struct Problem {  // every field set by name (attention.cpp: paged_attention_cpu
   int64_t sliding_window = 0;
   float scale = 0.f, logits_soft_cap = 0.f;  // scale includes k_scale (fp8 caches)
   float v_scale = 1.f;                       // multiplies the output (1 but for fp8 caches)
+  float* lse = nullptr;  // [num_tokens, num_heads]: each row's log-sum-exp of its logits (return_lse), or nullptr
   bool avx512_bf16 = false;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
 
   int64_t row_len(int64_t row) const { return row_lens[row]; }

@@ -415,6 +415,7 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
     const int64_t i = r / group_size, head = first_head + r % group_size;
     scalar_t* dst = out + ((first_query_row + i) * pb.num_heads + head) * head_dim;
     const float inv_sum = pb.v_scale / sc.sum[r];  // sum > 0: every row sees at least its own token
+    if (pb.lse) pb.lse[(first_query_row + i) * pb.num_heads + head] = sc.max_logit[r] + std::log(sc.sum[r]);
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(sc.o[r * head_dim + d] * inv_sum);
   }
 }
