@@ -127,6 +127,22 @@ struct Chunks {
   }
 };
 
+// Parts of about equal cost for the threads: part p is items [part_begin[p], part_begin[p + 1]) of the
+// cost_before.size() - 1 items, cost_before[i] the cost of the items before i; as many parts as there are threads
+// worth waking for kv_bytes of keys and values (kMinBytesPerCpuTask each), at most one per item.
+inline std::vector<int64_t> split_by_cost(const std::vector<int64_t>& cost_before, int64_t kv_bytes) {
+  const int64_t num_items = static_cast<int64_t>(cost_before.size()) - 1;
+  const int64_t num_parts =
+      std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<int64_t> part_begin(num_parts + 1);
+  for (int64_t p = 0; p <= num_parts; ++p) {  // the first item whose cost ends past p / num_parts of the total
+    const int64_t target = cost_before.back() * p / num_parts;
+    part_begin[p] = std::lower_bound(cost_before.begin(), cost_before.end(), target) - cost_before.begin();
+  }
+  part_begin[0] = 0, part_begin[num_parts] = num_items;
+  return part_begin;
+}
+
 // The threads' shares: part p is items [part_begin[p], part_begin[p + 1]), about equal in tokens. Threads only for
 // work worth waking them (kMinBytesPerCpuTask of keys and values each). Which thread computes a chunk never changes
 // a bit of the result (see paged_attention_kernel), only the time.
@@ -142,23 +158,13 @@ std::vector<int64_t> split_among_threads(const Chunks<scalar_t, cache_t>& chunks
     const int64_t c0 = chunks.first_chunk(r);
     for (int64_t i = 0; i < chunks.num_chunks(r); ++i) {
       const int64_t item = chunks.first_item[r] + i;
-      const int64_t tokens = item_slot.empty() || item_slot[item] < 0
-                                 ? std::max<int64_t>(0, chunks.chunk_end(r, c0 + i) - chunks.chunk_begin(r, c0 + i))
-                                 : 0;
+      const int64_t tokens =
+          item_slot[item] < 0 ? std::max<int64_t>(0, chunks.chunk_end(r, c0 + i) - chunks.chunk_begin(r, c0 + i)) : 0;
       total_tokens += tokens;
       cost_before[item + 1] = cost_before[item] + tokens + kTileTokens;
     }
   }
-  const int64_t kv_bytes = total_tokens * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)};
-  const int64_t num_parts =
-      std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_items));
-  std::vector<int64_t> part_begin(num_parts + 1);
-  for (int64_t p = 0; p <= num_parts; ++p) {  // the first item whose cost ends past p / num_parts of the total
-    const int64_t target = cost_before.back() * p / num_parts;
-    part_begin[p] = std::lower_bound(cost_before.begin(), cost_before.end(), target) - cost_before.begin();
-  }
-  part_begin[0] = 0, part_begin[num_parts] = num_items;
-  return part_begin;
+  return split_by_cost(cost_before, total_tokens * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)});
 }
 
 // Shared chunks: a chunk of several rows that covers the same tokens [begin, end) in the same physical blocks
@@ -173,8 +179,8 @@ constexpr int64_t kMaxSharedRows = 16;        // rows per group: their scratch (
 
 struct SharedChunks {
   struct Group {
-    int64_t chunk, begin, end;  // the tokens [begin, end) of chunk `chunk`
-    int64_t first, num_rows;    // its rows: rows[first, first + num_rows)
+    int64_t begin, end;       // the tokens of the chunk
+    int64_t first, num_rows;  // its rows: rows[first, first + num_rows)
   };
   std::vector<Group> groups;
   std::vector<int64_t> rows;       // the groups' rows; position j holds the chunk state in slot j
@@ -185,10 +191,11 @@ template <typename scalar_t, typename cache_t>
 SharedChunks find_shared_chunks(const Chunks<scalar_t, cache_t>& chunks, int64_t num_rows) {
   const Problem<scalar_t, cache_t>& pb = chunks.pb;
   SharedChunks shared;
+  shared.item_slot.assign(chunks.num_items(), -1);
   // PAGED_ATTN_NO_SHARED_BLOCKS=1: every row reads every chunk alone (for measuring; the bits are the same).
   if (num_rows < 2 || std::getenv("PAGED_ATTN_NO_SHARED_BLOCKS") != nullptr) return shared;
   struct Item {
-    int64_t item, row, chunk, begin, end;
+    int64_t item, row, begin, end;
   };
   std::vector<Item> items;
   items.reserve(chunks.num_items());
@@ -196,7 +203,7 @@ SharedChunks find_shared_chunks(const Chunks<scalar_t, cache_t>& chunks, int64_t
     const int64_t c0 = chunks.first_chunk(r);
     for (int64_t i = 0; i < chunks.num_chunks(r); ++i) {
       const int64_t begin = chunks.chunk_begin(r, c0 + i), end = chunks.chunk_end(r, c0 + i);
-      if (begin < end) items.push_back({chunks.first_item[r] + i, r, c0 + i, begin, end});
+      if (begin < end) items.push_back({chunks.first_item[r] + i, r, begin, end});
     }
   }
   const int64_t bs = pb.block_size;
@@ -227,14 +234,13 @@ SharedChunks find_shared_chunks(const Chunks<scalar_t, cache_t>& chunks, int64_t
   const int64_t threads = at::get_num_threads();
   const int64_t splits = std::max<int64_t>(1, (threads + static_cast<int64_t>(runs.size()) - 1) /
                                                   static_cast<int64_t>(runs.size()));
-  shared.item_slot.assign(chunks.num_items(), -1);
   for (const auto& [first, last] : runs) {
     const int64_t n = last - first;
     const int64_t num_groups = std::min(std::max((n + kMaxSharedRows - 1) / kMaxSharedRows, splits), n / 2);
     for (int64_t g = 0; g < num_groups; ++g) {
       const int64_t b = first + n * g / num_groups, e = first + n * (g + 1) / num_groups;
       const Item& head = items[b];
-      shared.groups.push_back({head.chunk, head.begin, head.end, static_cast<int64_t>(shared.rows.size()), e - b});
+      shared.groups.push_back({head.begin, head.end, static_cast<int64_t>(shared.rows.size()), e - b});
       for (int64_t k = b; k < e; ++k) {
         shared.item_slot[items[k].item] = static_cast<int64_t>(shared.rows.size());
         shared.rows.push_back(items[k].row);
@@ -256,15 +262,9 @@ void attend_shared_chunks(const Problem<scalar_t, cache_t>& pb, const SharedChun
     const SharedChunks::Group& group = shared.groups[g];
     cost_before[g + 1] = cost_before[g] + (group.end - group.begin) * group.num_rows + kTileTokens;
   }
-  const int64_t kv_bytes = cost_before.back() * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)};
-  const int64_t num_parts =
-      std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_groups));
-  std::vector<int64_t> part_begin(num_parts + 1);
-  for (int64_t p = 0; p <= num_parts; ++p) {
-    part_begin[p] = std::lower_bound(cost_before.begin(), cost_before.end(), cost_before.back() * p / num_parts) -
-                    cost_before.begin();
-  }
-  part_begin[0] = 0, part_begin[num_parts] = num_groups;
+  const std::vector<int64_t> part_begin =
+      split_by_cost(cost_before, cost_before.back() * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)});
+  const int64_t num_parts = static_cast<int64_t>(part_begin.size()) - 1;
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin_index, int64_t part_end_index) {
     std::vector<Scratch> scratch;
     std::vector<Scratch*> scs;
@@ -305,8 +305,7 @@ void attend_shared_chunks(const Problem<scalar_t, cache_t>& pb, const SharedChun
 // boundary): the part holding its first chunk leaves its running state R in row scratch, the later parts leave
 // each chunk's own state C there, and after the parallel pass these are merged on in chunk order.
 // Shared chunks (find_shared_chunks) are attended first, for their groups of rows, into slots; a row's walk takes
-// their states from there in their turn, and attends its own chunks between them in runs. (For a later
-// return_lse: R's m + log(s).)
+// their states from there in their turn, and attends its own chunks between them in runs.
 template <typename scalar_t, typename cache_t>
 void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_rows,
                             scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
@@ -317,7 +316,6 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
   const SharedChunks shared = find_shared_chunks(chunks, num_rows);
   std::vector<float> shared_states(shared.rows.size() * state_size);
   if (!shared.groups.empty()) attend_shared_chunks(pb, shared, shared_states.data());
-  const auto slot_of = [&](int64_t item) { return shared.item_slot.empty() ? -1 : shared.item_slot[item]; };
   const std::vector<int64_t> part_begin = split_among_threads(chunks, num_rows, shared.item_slot);
   const int64_t num_parts = static_cast<int64_t>(part_begin.size()) - 1;
 
@@ -369,13 +367,13 @@ void paged_attention_kernel(const Problem<scalar_t, cache_t>& pb, int64_t num_ro
         };
         // Runs of the row's own chunks in one attend call each; a shared chunk's state from its slot.
         for (int64_t item = begin; item < end;) {
-          if (const int64_t slot = slot_of(item); slot >= 0) {
+          if (const int64_t slot = shared.item_slot[item]; slot >= 0) {
             absorb(c0 + item - row_first, RowState(shared_states.data() + slot * state_size, num_heads, head_dim));
             ++item;
             continue;
           }
           int64_t run_end = item + 1;
-          while (run_end < end && slot_of(run_end) < 0) ++run_end;
+          while (run_end < end && shared.item_slot[run_end] < 0) ++run_end;
           attend(pb, &row, 1, chunks.chunk_begin(row, c0 + item - row_first),
                  chunks.chunk_end(row, c0 + run_end - 1 - row_first), &sc_ptr,
                  [&](int64_t c) { absorb(c, chunk_state(sc, num_heads, chunk_sums.data())); });
