@@ -60,6 +60,13 @@ void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::
   }
 }
 
+void check_sink_values(const std::optional<at::Tensor>& sinks) {
+  if (!sinks.has_value()) return;
+  const at::Tensor nan = at::isnan(*sinks);
+  TORCH_CHECK(!nan.any().item<bool>(), "sinks must not be NaN (-inf: no sink for that head), got NaN for head ",
+              nan.nonzero().min().item<int64_t>());
+}
+
 void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
               cache.sizes());
@@ -297,7 +304,7 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 int64_t sliding_window, double logits_soft_cap,
                                 const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                                const std::optional<at::Tensor>& lse) {
+                                const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks) {
   check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", query.sizes());
   TORCH_CHECK(query.device() == key_cache.device(), "query and key_cache must be on the same device, got ",
@@ -353,10 +360,20 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                 "] on ", query.device(), ", got ", lse->scalar_type(), " ", lse->sizes(), " on ", lse->device());
     TORCH_CHECK(lse->is_contiguous(), "lse must be contiguous");
   }
+  if (sinks.has_value()) {
+    const auto dtype = sinks->scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                "sinks must be float32, float16 or bfloat16 (one logit per query head), got ", dtype);
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads, "sinks must have shape [num_heads] = [", num_heads,
+                "], got ", sinks->sizes());
+    TORCH_CHECK(sinks->device() == query.device(), "sinks must be on the query's device ", query.device(), ", got ",
+                sinks->device());
+  }
   const at::Tensor none;
   check_no_overlap({{&out, "out", true}, {lse.has_value() ? &*lse : &none, "lse", true},
                     {&query, "query", false}, {&key_cache, "key_cache", false},
                     {&value_cache, "value_cache", false}, {&block_tables, "block_tables", false},
+                    {sinks.has_value() ? &*sinks : &none, "sinks", false},
                     {&seq_lens, "seq_lens", false},
                     {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes", false},
                     {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc", false},

@@ -42,6 +42,11 @@ void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor
 // validation_enabled() (the CPU ones always: they read the values anyway).
 void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
 
+// paged_attention's sinks (those given) hold no NaN: -inf is "no sink" and +inf a sink that takes the whole softmax
+// (the output 0, its limit), but NaN has no meaning. Reads the values: on CUDA only under validation_enabled()
+// (without it a NaN sink makes the head's output NaN, never a silent wrong number).
+void check_sink_values(const std::optional<at::Tensor>& sinks);
+
 // A paged cache as the ops accept it (cache layout: see paged_attn/ops.py): 4 dims, a cache dtype, block_size,
 // num_kv_heads and head_dim positive (num_blocks may be 0), head_dim contiguous, no self-overlap (has_self_overlap).
 void check_cache(const at::Tensor& cache, const char* name);
@@ -106,7 +111,7 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 int64_t sliding_window, double logits_soft_cap,
                                 const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                                const std::optional<at::Tensor>& lse);
+                                const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks);
 
 // merge_attention_states: out_a, out_b [num_tokens, num_heads, head_size] of one dtype (float32, float16, bfloat16),
 // shape and device, last dimension contiguous; lse_a, lse_b float32 [num_tokens, num_heads] on that device, any

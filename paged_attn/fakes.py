@@ -164,7 +164,8 @@ def _(src, dst, block_mapping) -> None:
 
 @torch.library.register_fake("paged_attn::paged_attention")
 def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-      logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None, lse=None) -> None:
+      logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None, lse=None,
+      sinks=None) -> None:
     _check_cache_pair(key_cache, value_cache)
     _require(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", _shape(query))
     _check_like_cache(query, "query", key_cache)
@@ -209,6 +210,13 @@ def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_s
                  "lse must be a float32 tensor of shape [num_tokens, num_heads] = [", num_tokens, ", ", num_heads,
                  "] on ", query.device, ", got ", lse.dtype, " ", _shape(lse), " on ", lse.device)
         _require(lse.is_contiguous(), "lse must be contiguous")
+    if sinks is not None:
+        _require(sinks.dtype in (torch.float32, torch.float16, torch.bfloat16),
+                 "sinks must be float32, float16 or bfloat16 (one logit per query head), got ", sinks.dtype)
+        _require(sinks.dim() == 1 and sinks.shape[0] == num_heads, "sinks must have shape [num_heads] = [",
+                 num_heads, "], got ", _shape(sinks))
+        _require(sinks.device == query.device, "sinks must be on the query's device ", query.device, ", got ",
+                 sinks.device)
 
 
 @torch.library.register_fake("paged_attn::merge_attention_states")

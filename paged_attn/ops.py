@@ -145,6 +145,7 @@ def paged_attention(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Attention over a paged KV cache: decode (one query token per sequence), or any mix of prefills, prefill
     chunks and decodes with ``query_start_loc``.
@@ -179,6 +180,18 @@ def paged_attention(
         k_scale, v_scale: fp8 caches only: float32 ``[1]`` on the caches' device (default 1.0); keys are read as
             ``float(key_cache) * k_scale``, values as ``float(value_cache) * v_scale``.
         return_lse: also return each row's log-sum-exp (CPU; on CUDA not yet, an error).
+        sinks: attention sinks (gpt-oss): ``[num_heads]`` float32 (or float16 / bfloat16, as gpt-oss stores them,
+            converted exactly) on the query's device; head ``h``'s softmax also counts ``sinks[h]`` as a logit
+            without a value vector: ``out = sum_t e^(x_t - M) v_t / (e^(sinks[h] - M) + sum_t e^(x_t - M))``, ``M``
+            the max over the row's logits and the sink. The sink is not scaled, soft-capped, biased by ALiBi or
+            masked by the window, and is counted once per row whatever the split (chunks, threads, shared
+            blocks). As openai/gpt-oss's ``torch/model.py`` ``sdpa`` (the sink concatenated, unscaled, to the
+            scaled and masked logits before the softmax, its weight dropped), vLLM's CPU ``s_aux`` and
+            FlashAttention's ``learnable_sink``. ``-inf``: no sink for that head (the same bits as without);
+            ``+inf``: the sink takes the whole softmax, the output is 0 (its limit), never NaN; NaN is an error
+            (on CUDA with validation on; without it the head's output is NaN). A row that sees no key outputs
+            zeros. With ``return_lse`` the lse counts the sink (``sinks[h]`` for a row that sees no key), so a
+            cascade passes ``sinks`` to one of its parts only. CPU; on CUDA not yet, an error.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given); with ``return_lse``,
@@ -227,6 +240,7 @@ def paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,
         int(sliding_window or 0), float(logits_soft_cap or 0.0), query_start_loc,
         None if max_query_len is None else int(max_query_len), k_scale=k_scale, v_scale=v_scale, lse=lse,
+        sinks=sinks,
     )
     return (out, lse) if return_lse else out
 

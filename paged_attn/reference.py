@@ -88,12 +88,14 @@ def paged_attention(
     k_scale: Optional[torch.Tensor] = None,  # float32 [1], fp8 caches only: keys read as float(stored) * k_scale
     v_scale: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    sinks: Optional[torch.Tensor] = None,  # [num_heads]: each head's sink logit (gpt-oss)
 ):  # [num_tokens, num_heads, head_dim], query dtype; return_lse: and lse [num_tokens, num_heads] in compute_dtype
     """Paged attention, one sequence at a time: gather the sequence's keys/values through its block table (fp8:
     dequantized), then causal softmax attention of its query tokens (the last q_s of its L_s tokens, at positions
     L_s - q_s + i) in compute_dtype, each row over exactly the keys it can see (so a NaN or inf outside them never
     reaches it). return_lse: also each row's natural-log log-sum-exp of its final logits (-inf for a row that sees
-    no key)."""
+    no key). sinks: as openai/gpt-oss's torch/model.py sdpa, the sink is concatenated to the row's final logits
+    before the softmax and its weight dropped (+inf: the limit, weights 0 and lse +inf); the lse counts it."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -103,6 +105,9 @@ def paged_attention(
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     out = torch.zeros(num_tokens, num_heads, head_dim, dtype=compute_dtype, device=query.device)
     lse = torch.full((num_tokens, num_heads), -math.inf, dtype=compute_dtype, device=query.device)
+    sink = None if sinks is None else sinks.to(query.device, compute_dtype)
+    if sink is not None:
+        lse[:] = sink  # a row that sees no key: only the sink
     for seq, seq_len in enumerate(lens):
         first, last = starts[seq], starts[seq + 1]
         if first == last or seq_len == 0:
@@ -125,9 +130,15 @@ def paged_attention(
             if alibi_slopes is not None:
                 distance = (tokens[visible] - position).to(compute_dtype)  # t - p <= 0
                 logits = logits + alibi_slopes.to(query.device, compute_dtype)[:, None] * distance
+            if sink is not None:
+                logits = torch.cat([logits, sink[:, None]], dim=-1)
             probs = torch.softmax(logits, dim=-1)
+            row_lse = torch.logsumexp(logits, dim=-1)
+            if sink is not None:
+                probs = torch.where(sink[:, None] == math.inf, 0.0, probs[:, :-1])  # the limit, not inf - inf
+                row_lse = torch.where(sink == math.inf, math.inf, row_lse)
             out[first + row] = torch.einsum("ht,thd->hd", probs, values[visible])
-            lse[first + row] = torch.logsumexp(logits, dim=-1)
+            lse[first + row] = row_lse
     return (out.to(query.dtype), lse) if return_lse else out.to(query.dtype)
 
 

@@ -88,15 +88,14 @@ inline void merge_into(RowState dst, RowState src, int64_t num_heads, int64_t he
 }
 
 // out = acc / sum for every head of the row (0 for a row that saw no key), and if asked lse = max + log(sum) (-inf
-// for a row that saw no key: max = -inf, sum = 0).
+// for a row that saw no key: max = -inf, sum = 0); with a sink, as finish_row says.
 template <typename scalar_t, typename cache_t>
 void write_row(const Problem<scalar_t, cache_t>& pb, int64_t row, RowState state, scalar_t* out) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-  for (int64_t h = 0; pb.lse && h < num_heads; ++h) {
-    pb.lse[pb.token(row) * num_heads + h] = state.max[h] + std::log(state.sum[h]);
-  }
   for (int64_t h = 0; h < num_heads; ++h) {
-    const float inv_sum = state.sum[h] > 0 ? pb.v_scale / state.sum[h] : 0.f;
+    const RowFinish finish = finish_row(state.max[h], state.sum[h], pb.v_scale, pb.sinks, h);
+    if (pb.lse) pb.lse[pb.token(row) * num_heads + h] = finish.lse;
+    const float inv_sum = finish.out_scale;
     const float* acc = state.acc + h * head_dim;
     scalar_t* dst = out + (pb.token(row) * num_heads + h) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[acc_index(d, pb.avx512_bf16)] * inv_sum);
@@ -413,13 +412,16 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
                          std::optional<int64_t> max_query_len,
                          const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
                          const std::optional<at::Tensor>& v_scale,  // [1], float32 (fp8 caches only)
-                         const std::optional<at::Tensor>& lse) {    // [num_tokens, num_heads], float32, or none
+                         const std::optional<at::Tensor>& lse,      // [num_tokens, num_heads], float32, or none
+                         const std::optional<at::Tensor>& sinks) {  // [num_heads], float32/16, bfloat16, or none
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                             sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse);
+                             sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
+                             sinks);
   const int64_t block_size = key_cache.size(1);
   check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size);
   if (query_start_loc.has_value()) check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
   check_kv_scale_values(k_scale, v_scale);
+  check_sink_values(sinks);
   if (out.numel() == 0) return;
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
@@ -427,6 +429,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const auto slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
+  const auto sinks_f32 = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();  // exact
   // With query_start_loc: sequences with at least kMinPrefillQueryLen query tokens go to the tiled prefill kernel;
   // the rows of those with fewer (decodes, short chunks) to the decode kernel: row i of the q_s rows of sequence s,
   // at position L_s - q_s + i, as a row of length L_s - q_s + i + 1.
@@ -474,6 +477,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
     pb.v_scale = v_scale_value;
     pb.avx512_bf16 = avx512_bf16_path<scalar_t, cache_t>(head_dim);
     pb.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+    pb.sinks = sinks_f32.defined() ? sinks_f32.const_data_ptr<float>() : nullptr;
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     if (!starts.defined()) return paged_attention_kernel(pb, num_rows, out_ptr);
     if (!prefill_seqs.empty()) {

@@ -7,6 +7,8 @@
 // start = max(0, L - sliding_window) (0 without a window):
 //   x_t = scale * (q . k_t);  x_t = cap * tanh(x_t / cap) if logits_soft_cap = cap > 0;
 //   x_t += slope[h] * (t - (L - 1)) with ALiBi;  out = sum_t softmax(x)_t * v_t, accumulated in float32.
+// With sinks (gpt-oss), head h's softmax also counts sink[h] as a logit without a value, once per row, when the
+// row's state is final (finish_row): out = sum_t e^(x_t - M) v_t / (e^(sink[h] - M) + sum_t e^(x_t - M)).
 //
 // fp8 caches (float8_e4m3fn, float8_e5m2; the query float32, float16 or bfloat16): every fp8 value is exactly a
 // bfloat16 and a float32. A bfloat16 query takes the AVX-512 path, which decodes 32 cache bytes at a time into
@@ -232,6 +234,7 @@ struct Problem {  // every field set by name (attention.cpp: paged_attention_cpu
   float scale = 0.f, logits_soft_cap = 0.f;  // scale includes k_scale (fp8 caches)
   float v_scale = 1.f;                       // multiplies the output (1 but for fp8 caches)
   float* lse = nullptr;  // [num_tokens, num_heads]: each row's log-sum-exp of its logits (return_lse), or nullptr
+  const float* sinks = nullptr;  // [num_heads]: each head's sink logit (gpt-oss), or nullptr
   bool avx512_bf16 = false;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
 
   int64_t row_len(int64_t row) const { return row_lens[row]; }
@@ -245,6 +248,26 @@ struct Problem {  // every field set by name (attention.cpp: paged_attention_cpu
   }
   int64_t window_start(int64_t row) const { return first_visible(row_lens[row] - 1); }
 };
+
+// How a row's final state (max, sum of exp(x - max), acc) of one head becomes its output and log-sum-exp:
+// out = acc * out_scale, lse = log(sum of exp over the logits and the sink). Without a sink out_scale =
+// v_scale / sum (0 for a row that saw no key: sum = 0) and lse = max + log(sum). With a sink S (gpt-oss: a logit
+// with no value vector, outside the soft cap, ALiBi and the window, counted once, here at the end), over
+// M = max(max, S): total = e^(max - M) sum + e^(S - M), out_scale = v_scale e^(max - M) / total, lse = M + log(total),
+// so a row that saw no key gives out 0 and lse S. S = -inf is no sink (the same bits as none); S = +inf takes the
+// whole softmax: out 0 (the limit), lse +inf. A NaN max or sum (a NaN logit) stays NaN.
+struct RowFinish {
+  float out_scale, lse;
+};
+inline RowFinish finish_row(float max, float sum, float v_scale, const float* sinks, int64_t head) {
+  const float sink = sinks ? sinks[head] : -INFINITY;
+  if (sink == -INFINITY) return {sum > 0 ? v_scale / sum : 0.f, max + std::log(sum)};
+  if (sink == INFINITY) return {0.f, INFINITY};
+  const float m = std::isnan(max) ? max : std::max(max, sink);
+  const float w = max == m ? 1.f : std::exp(max - m);  // 0 for a row that saw no key (max = -inf)
+  const float total = std::fma(w, sum, std::exp(sink - m));
+  return {v_scale * w / total, m + std::log(total)};
+}
 
 // A task's scratch memory: the online-softmax state of every query head, and one tile's logits of one group.
 struct Scratch {

@@ -414,8 +414,10 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / group_size, head = first_head + r % group_size;
     scalar_t* dst = out + ((first_query_row + i) * pb.num_heads + head) * head_dim;
-    const float inv_sum = pb.v_scale / sc.sum[r];  // sum > 0: every row sees at least its own token
-    if (pb.lse) pb.lse[(first_query_row + i) * pb.num_heads + head] = sc.max_logit[r] + std::log(sc.sum[r]);
+    // sum > 0: every row sees at least its own token
+    const RowFinish finish = finish_row(sc.max_logit[r], sc.sum[r], pb.v_scale, pb.sinks, head);
+    const float inv_sum = finish.out_scale;
+    if (pb.lse) pb.lse[(first_query_row + i) * pb.num_heads + head] = finish.lse;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(sc.o[r * head_dim + d] * inv_sum);
   }
 }

@@ -127,10 +127,13 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
                           std::optional<int64_t> max_query_len,
                           const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
                           const std::optional<at::Tensor>& v_scale,  // [1], float32 (fp8 caches only)
-                          const std::optional<at::Tensor>& lse) {    // [num_tokens, num_heads], float32, or none
+                          const std::optional<at::Tensor>& lse,      // [num_tokens, num_heads], float32, or none
+                          const std::optional<at::Tensor>& sinks) {  // [num_heads], float32/16, bfloat16, or none
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
-                             sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse);
+                             sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
+                             sinks);
   TORCH_CHECK(!lse.has_value(), "paged_attention: lse (return_lse=True) is not implemented on CUDA yet");
+  TORCH_CHECK(!sinks.has_value(), "paged_attention: sinks are not implemented on CUDA yet");
   const bool fp8 = is_fp8(key_cache.scalar_type());
   TORCH_CHECK(query.is_cuda(), "paged_attention: expected CUDA tensors, got ", query.device());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
