@@ -113,6 +113,11 @@ class PagedAttnBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        # Attention sinks (gpt-oss): the op takes them on the CPU; its CUDA kernels do not yet.
+        return not _on_cuda()
+
+    @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
@@ -221,8 +226,11 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
                  sinks: Optional[torch.Tensor] = None) -> None:
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"paged_attn's vLLM backend supports decoder attention only, got {attn_type}")
-        if sinks is not None:
-            raise NotImplementedError("paged_attn's vLLM backend does not support attention sinks")
+        if sinks is not None and _on_cuda():
+            raise NotImplementedError("paged_attn's vLLM backend does not support attention sinks on CUDA yet")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must have shape [num_heads] = [{num_heads}] (this rank's heads), got "
+                             f"{list(sinks.shape)}")
         if _on_rocm():
             raise NotImplementedError(ROCM_REASON)
         if kv_cache_dtype not in PagedAttnBackend.supported_kv_cache_dtypes:
@@ -239,6 +247,9 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         self.fp8_dtype = FP8_CACHE_DTYPES.get(kv_cache_dtype)  # None: the cache holds the model's dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # The layer's sinks parameter itself (vLLM loads the weights into it after this), passed to every call;
+        # the op converts float16/bfloat16 to float32 exactly.
+        self.sinks = sinks
         # Our K/V views of the last cache tensor seen, the key of the memory they view, and a weak reference to
         # that tensor (its callback drops the views when vLLM drops the cache): see _caches.
         self._split: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -311,5 +322,5 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
         torch.ops.paged_attn.paged_attention(
             out, query, key_cache, value_cache, attn_metadata.block_tables, attn_metadata.seq_lens, self.scale,
             self.alibi_slopes, self.sliding_window or 0, self.logits_soft_cap or 0.0, attn_metadata.query_start_loc,
-            attn_metadata.max_query_len, k_scale=k_scale, v_scale=v_scale)
+            attn_metadata.max_query_len, k_scale=k_scale, v_scale=v_scale, sinks=self.sinks)
         return output

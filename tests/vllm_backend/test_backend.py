@@ -233,11 +233,85 @@ def test_profiling_run_without_metadata_leaves_output():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"attn_type": "encoder_only"}, "decoder attention only"),
-                                           ({"sinks": torch.zeros(4)}, "sinks"),
                                            ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype=")])
 def test_unsupported_features_raise(kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
         make_impl(4, 32, 2, **kwargs)
+
+
+def test_sinks_on_cuda_and_sinks_of_another_shape_raise(monkeypatch):
+    with pytest.raises(ValueError, match=r"sinks must have shape \[num_heads\] = \[4\].*got \[2\]"):
+        make_impl(4, 32, 2, sinks=torch.zeros(2))
+    monkeypatch.setattr(pa_backend, "_on_cuda", lambda: True)
+    with pytest.raises(NotImplementedError, match="attention sinks on CUDA"):
+        make_impl(4, 32, 2, sinks=torch.zeros(4))
+
+
+def vllm_cpu_attention(query, keys, values, block_tables, seq_lens, query_start_loc, scale, sinks, block_size,
+                       num_blocks, logits_soft_cap=0.0):
+    """vLLM's own CPU attention (vllm-cpu's cpu_attention_with_kv_cache, s_aux = the sinks) on the same keys and
+    values, written into its own cache layout by its own cpu_attn_reshape_and_cache."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = keys.shape[1]
+    isa = _get_attn_isa(query.dtype, block_size, head_dim)
+    kv_cache = torch.zeros(num_blocks, num_kv_heads, 2 * block_size, head_dim, dtype=query.dtype)
+    key_cache, value_cache = kv_cache.chunk(2, dim=2)
+    slots = torch.cat([block_tables[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) %
+                       block_size for s, n in enumerate(seq_lens.tolist())])
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
+    metadata = ops.cpu_attn_get_scheduler_metadata(len(seq_lens), num_heads, num_kv_heads, head_dim, seq_lens,
+                                                   query.dtype, query_start_loc, True, -1, isa, False)
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, out, query_start_loc, seq_lens, scale, True, None,
+                                    -1, block_tables, logits_soft_cap, metadata, sinks)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logits_soft_cap", [None, 8.0])
+def test_sinks_match_vllm_cpu_attention_and_the_reference(dtype, logits_soft_cap):
+    """gpt-oss's sinks (a layer parameter in the model's dtype) through our backend, against vLLM's own CPU kernel
+    with s_aux on the same tensors, and the float64 reference: a prefill, a chunk after cached tokens, decodes."""
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 8, 2, 64, 32, 24
+    query_lens, seq_lens = [40, 5, 1, 1], [40, 70, 100, 1]
+    block_tables = torch.tensor([[3, 7, -1, -1], [0, 5, 12, -1], [9, 2, 11, 20], [15, -1, -1, -1]],
+                                dtype=torch.int32)
+    gen = torch.Generator().manual_seed(30)
+    keys = torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=gen).to(dtype)
+    values = torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    sinks = torch.nn.Parameter(torch.empty(num_heads).uniform_(-1.0, 3.0, generator=gen).to(dtype),
+                               requires_grad=False)
+    kv_cache = packed_cache(num_blocks, num_kv_heads, block_size, head_dim, "LBHNC", dtype)
+    impl = make_impl(num_heads, head_dim, num_kv_heads, sinks=sinks, logits_soft_cap=logits_soft_cap)
+    layer = torch.nn.Module()
+    slots = torch.cat([block_tables[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) %
+                       block_size for s, n in enumerate(seq_lens)])
+    impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
+    query_start_loc = torch.tensor([0, 40, 45, 46, 47], dtype=torch.int32)
+    metadata = pa_backend.PagedAttnMetadata(
+        num_actual_tokens=len(query), max_query_len=max(query_lens), query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+        slot_mapping=torch.full((len(query),), -1, dtype=torch.int64))
+    output = torch.empty_like(query)
+    impl.forward(layer, query, None, None, kv_cache, metadata, output)
+
+    key_cache, value_cache = pa_backend.split_kv_cache(kv_cache, head_dim)
+    expected = reference.paged_attention(query, key_cache, value_cache, block_tables, metadata.seq_lens,
+                                         query_start_loc=query_start_loc, scale=head_dim ** -0.5,
+                                         logits_soft_cap=logits_soft_cap, compute_dtype=torch.float64, sinks=sinks)
+    without = reference.paged_attention(query, key_cache, value_cache, block_tables, metadata.seq_lens,
+                                        query_start_loc=query_start_loc, scale=head_dim ** -0.5,
+                                        logits_soft_cap=logits_soft_cap, compute_dtype=torch.float64)
+    assert (expected - without).abs().max() > 0.05, "the sinks must matter in this case"
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(output, expected.to(dtype), **tol)
+    theirs = vllm_cpu_attention(query, keys, values, block_tables, metadata.seq_lens, query_start_loc,
+                                head_dim ** -0.5, sinks, block_size, num_blocks, logits_soft_cap or 0.0)
+    torch.testing.assert_close(output, theirs, **tol)
 
 
 def test_backend_class_contract(monkeypatch):
@@ -265,9 +339,9 @@ def test_backend_class_contract(monkeypatch):
                                                 "kv_cache_dtype": "int8_per_token_head", "attn_type": "encoder_only"})
     assert set(reasons) == {"head_size not supported", "block_size not supported", "attention sinks not supported",
                             "kv_cache_dtype not supported", "attention type encoder_only not supported"}
-    # On the CPU: any block size and head size.
+    # On the CPU: any block size and head size, and attention sinks.
     monkeypatch.setattr(pa_backend, "_on_cuda", lambda: False)
-    assert backend.validate_configuration(**{**config, "head_size": 48, "block_size": 20}) == []
+    assert backend.validate_configuration(**{**config, "head_size": 48, "block_size": 20, "has_sink": True}) == []
 
 
 def test_register_is_idempotent_and_gated(monkeypatch):
