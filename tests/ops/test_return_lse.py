@@ -107,7 +107,8 @@ def test_cascade_of_a_shared_prefix_and_own_blocks_merges_into_the_full_result(c
     torch.testing.assert_close(merged_lse.double(), expected_lse, **lse_tolerance(query_dtype))
 
 
-def lse_error_case():
+def op_args_case():
+    """The op's positional arguments for a small float32 GQA decode of 16 query heads (for tests of its checks)."""
     num_heads, num_kv_heads = HEADS["gqa"]
     seqs = make_seqs([50, 20], num_heads, num_kv_heads, HEAD_DIM, torch.float32, torch.float32, 11)
     query, key_cache, value_cache, block_tables, seq_lens = lay_out(seqs, 16, 12)
@@ -127,9 +128,10 @@ LSE_ERRORS = {  # name: (lse from out, the expected message's start)
 }
 
 
-def op_error(args, lse):
+def op_error(args, **kwargs):
+    """The op's error message for positional args (op_args_case) and keyword arguments, or None."""
     try:
-        torch.ops.paged_attn.paged_attention(*args, lse=lse)
+        torch.ops.paged_attn.paged_attention(*args, **kwargs)
     except RuntimeError as error:
         return str(error)
     return None
@@ -138,18 +140,18 @@ def op_error(args, lse):
 @pytest.mark.parametrize("name", sorted(LSE_ERRORS))
 def test_bad_lse_is_refused_by_the_kernel_and_the_fake(name):
     make_lse, message = LSE_ERRORS[name]
-    args = lse_error_case()
+    args = op_args_case()
     lse = make_lse(args[0])
-    real = op_error(args, lse)
+    real = op_error(args, lse=lse)
     assert real is not None and real.startswith(message), real
     if name == "lse inside out":
         return  # memory overlap needs the real tensors (the fakes do not check it)
     with FakeTensorMode() as mode:
         fake_args, fake_lse = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, lse))
-        assert op_error(fake_args, fake_lse) == real
+        assert op_error(fake_args, lse=fake_lse) == real
 
 
 def test_opcheck_with_lse():
-    args = lse_error_case()
+    args = op_args_case()
     lse = torch.empty(args[1].shape[:2])
     torch.library.opcheck(torch.ops.paged_attn.paged_attention.default, args, {"lse": lse})

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from conftest import run_on_portable_path
 from test_attention import tolerance
 from test_batch_invariance import CACHES, FEATURES, HEADS, HEAD_DIM, assert_same_bits, lay_out, make_seqs, op_kwargs
-from test_return_lse import lse_tolerance
+from test_return_lse import op_args_case, lse_tolerance, op_error
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import paged_attn
@@ -208,14 +208,6 @@ def test_cascade_with_the_sinks_in_one_part_merges_into_the_full_result():
     torch.testing.assert_close(merged_lse, full_lse, rtol=1e-5, atol=1e-4)
 
 
-def sinks_error_case():
-    num_heads, num_kv_heads = HEADS["gqa"]
-    seqs = make_seqs([50, 20], num_heads, num_kv_heads, HEAD_DIM, torch.float32, torch.float32, 20)
-    query, key_cache, value_cache, block_tables, seq_lens = lay_out(seqs, 16, 21)
-    return (torch.empty_like(query), query, key_cache, value_cache, block_tables, seq_lens, HEAD_DIM**-0.5, None, 0,
-            0.0)
-
-
 SINK_ERRORS = {  # name: (sinks, the expected message's start, whether the fake can see it)
     "int32": (torch.zeros(16, dtype=torch.int32),
               "sinks must be float32, float16 or bfloat16 (one logit per query head), got Int", True),
@@ -230,29 +222,21 @@ SINK_ERRORS = {  # name: (sinks, the expected message's start, whether the fake 
 }
 
 
-def op_error(args, sinks):
-    try:
-        torch.ops.paged_attn.paged_attention(*args, sinks=sinks)
-    except RuntimeError as error:
-        return str(error)
-    return None
-
-
 @pytest.mark.parametrize("name", sorted(SINK_ERRORS))
 def test_bad_sinks_are_refused_by_the_kernel_and_the_fake(name):
     sinks, message, fake_sees_it = SINK_ERRORS[name]
-    args = sinks_error_case()
-    real = op_error(args, sinks)
+    args = op_args_case()
+    real = op_error(args, sinks=sinks)
     assert real is not None and real.startswith(message), real
     if not fake_sees_it:  # values, and a device the fake mode cannot mix, need the real tensors
         return
     with FakeTensorMode() as mode:
         fake_args, fake_sinks = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, sinks))
-        assert op_error(fake_args, fake_sinks) == real
+        assert op_error(fake_args, sinks=fake_sinks) == real
 
 
 def test_opcheck_with_sinks():
-    args = sinks_error_case()
+    args = op_args_case()
     torch.library.opcheck(torch.ops.paged_attn.paged_attention.default, args,
                           {"sinks": make_sinks(16, 22), "lse": torch.empty(args[1].shape[:2])})
 

@@ -29,6 +29,12 @@ def packed_cache(num_blocks, num_kv_heads, block_size, head_dim, layout, dtype):
     return torch.full((num_blocks, num_kv_heads, block_size, 2 * head_dim), float("nan"), dtype=dtype)
 
 
+def slots_of(block_tables, seq_lens, block_size):
+    """The cache slots of every token of the sequences, in order (int64 [sum(seq_lens)])."""
+    return torch.cat([block_tables[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+                      for s, n in enumerate(seq_lens)])
+
+
 def make_impl(num_heads, head_dim, num_kv_heads, **kwargs):
     # AttentionImplBase.__new__ asks vLLM's distributed state for the context-parallel sizes; outside an engine it
     # has none, which vLLM reads as 1.
@@ -52,9 +58,8 @@ def test_mixed_batch_matches_reference(layout, options, dtype):
     # Fill the history, then this step's tokens, through the backend's own cache update (plus a padding slot).
     all_k = [torch.randn(n, num_kv_heads, head_dim, dtype=dtype) for n in seq_lens]
     all_v = [torch.randn(n, num_kv_heads, head_dim, dtype=dtype) for n in seq_lens]
-    slots = [torch.tensor([int(block_tables[s, t // block_size]) * block_size + t % block_size for t in range(n)])
-             for s, n in enumerate(seq_lens)]
-    impl.do_kv_cache_update(layer, torch.cat(all_k), torch.cat(all_v), kv_cache, torch.cat(slots))
+    slots = slots_of(block_tables, seq_lens, block_size)
+    impl.do_kv_cache_update(layer, torch.cat(all_k), torch.cat(all_v), kv_cache, slots)
     pad_k = torch.randn(1, num_kv_heads, head_dim, dtype=dtype)
     impl.do_kv_cache_update(layer, pad_k, pad_k.clone(), kv_cache, torch.tensor([-1]))
 
@@ -97,8 +102,7 @@ def test_fp8_cache_matches_reference(layout, kv_cache_dtype, fp8_dtype):
     layer._k_scale, layer._v_scale = torch.tensor(0.05), torch.tensor(0.02)
     keys = torch.randn(sum(seq_lens), num_kv_heads, head_dim) * 4
     values = torch.randn(sum(seq_lens), num_kv_heads, head_dim)
-    slots = torch.cat([torch.tensor([int(block_tables[s, t // block_size]) * block_size + t % block_size
-                                     for t in range(n)]) for s, n in enumerate(seq_lens)])
+    slots = slots_of(block_tables, seq_lens, block_size)
     impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
 
     key_cache, value_cache = pa_backend.split_kv_cache(kv_cache.view(fp8_dtype), head_dim)
@@ -259,8 +263,7 @@ def vllm_cpu_attention(query, keys, values, block_tables, seq_lens, query_start_
     isa = _get_attn_isa(query.dtype, block_size, head_dim)
     kv_cache = torch.zeros(num_blocks, num_kv_heads, 2 * block_size, head_dim, dtype=query.dtype)
     key_cache, value_cache = kv_cache.chunk(2, dim=2)
-    slots = torch.cat([block_tables[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) %
-                       block_size for s, n in enumerate(seq_lens.tolist())])
+    slots = slots_of(block_tables, seq_lens.tolist(), block_size)
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
     metadata = ops.cpu_attn_get_scheduler_metadata(len(seq_lens), num_heads, num_kv_heads, head_dim, seq_lens,
                                                    query.dtype, query_start_loc, True, -1, isa, False)
@@ -288,8 +291,7 @@ def test_sinks_match_vllm_cpu_attention_and_the_reference(dtype, logits_soft_cap
     kv_cache = packed_cache(num_blocks, num_kv_heads, block_size, head_dim, "LBHNC", dtype)
     impl = make_impl(num_heads, head_dim, num_kv_heads, sinks=sinks, logits_soft_cap=logits_soft_cap)
     layer = torch.nn.Module()
-    slots = torch.cat([block_tables[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) %
-                       block_size for s, n in enumerate(seq_lens)])
+    slots = slots_of(block_tables, seq_lens, block_size)
     impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
     query_start_loc = torch.tensor([0, 40, 45, 46, 47], dtype=torch.int32)
     metadata = pa_backend.PagedAttnMetadata(
