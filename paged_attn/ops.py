@@ -179,7 +179,7 @@ def paged_attention(
         out: optional ``[num_tokens, num_heads, head_dim]`` contiguous output to write into.
         k_scale, v_scale: fp8 caches only: float32 ``[1]`` on the caches' device (default 1.0); keys are read as
             ``float(key_cache) * k_scale``, values as ``float(value_cache) * v_scale``.
-        return_lse: also return each row's log-sum-exp (CPU; on CUDA not yet, an error).
+        return_lse: also return each row's log-sum-exp.
         sinks: attention sinks (gpt-oss): ``[num_heads]`` float32 (or float16 / bfloat16, as gpt-oss stores them,
             converted exactly) on the query's device; head ``h``'s softmax also counts ``sinks[h]`` as a logit
             without a value vector: ``out = sum_t e^(x_t - M) v_t / (e^(sinks[h] - M) + sum_t e^(x_t - M))``, ``M``
@@ -191,7 +191,7 @@ def paged_attention(
             ``+inf``: the sink takes the whole softmax, the output is 0 (its limit), never NaN; NaN is an error
             (on CUDA with validation on; without it the head's output is NaN). A row that sees no key outputs
             zeros. With ``return_lse`` the lse counts the sink (``sinks[h]`` for a row that sees no key), so a
-            cascade passes ``sinks`` to one of its parts only. CPU; on CUDA not yet, an error.
+            cascade passes ``sinks`` to one of its parts only.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given); with ``return_lse``,

@@ -58,7 +58,8 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
                                        const at::Tensor& seq_lens, const std::optional<at::Tensor>& query_start_loc,
                                        double scale, const std::optional<at::Tensor>& alibi_slopes,
                                        double logits_soft_cap, const std::optional<at::Tensor>& k_scale,
-                                       const std::optional<at::Tensor>& v_scale) {
+                                       const std::optional<at::Tensor>& v_scale, const at::Tensor& sinks_f32,
+                                       const std::optional<at::Tensor>& lse) {
   AttentionParams<T, C> params{};
   params.out = static_cast<T*>(out.data_ptr());
   params.query = static_cast<const T*>(query.data_ptr());
@@ -69,6 +70,8 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
   params.seq_lens = seq_lens.data_ptr<int32_t>();
   params.query_start_loc = query_start_loc.has_value() ? query_start_loc->data_ptr<int32_t>() : nullptr;
   params.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  params.sinks = sinks_f32.defined() ? sinks_f32.data_ptr<float>() : nullptr;
+  params.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;  // contiguous (checked)
   params.num_seqs = static_cast<int>(block_tables.size(0)), params.num_tokens = static_cast<int>(query.size(0));
   params.num_heads = static_cast<int>(query.size(1));
   params.max_blocks_per_seq = block_tables.size(1);
@@ -132,8 +135,6 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                              sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
                              sinks);
-  TORCH_CHECK(!lse.has_value(), "paged_attention: lse (return_lse=True) is not implemented on CUDA yet");
-  TORCH_CHECK(!sinks.has_value(), "paged_attention: sinks are not implemented on CUDA yet");
   const bool fp8 = is_fp8(key_cache.scalar_type());
   TORCH_CHECK(query.is_cuda(), "paged_attention: expected CUDA tensors, got ", query.device());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -165,6 +166,7 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
       check_query_start_loc_range(query_start_loc->cpu(), seq_lens_cpu, num_tokens, max_query_len);
     }
     check_kv_scale_values(k_scale, v_scale);
+    check_sink_values(sinks);
   }
   if (num_tokens == 0 || num_seqs == 0) return;
 
@@ -173,12 +175,13 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
       alibi_slopes.has_value() ? std::optional<at::Tensor>(alibi_slopes->contiguous()) : std::nullopt;
   const std::optional<at::Tensor> starts_c =
       query_start_loc.has_value() ? std::optional<at::Tensor>(query_start_loc->contiguous()) : std::nullopt;
+  const at::Tensor sinks_f32 = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();  // exact
   const auto run = [&](auto dtype_tag, auto cache_tag) {
     using T = decltype(dtype_tag);
     using C = decltype(cache_tag);
     const AttentionParams<T, C> params =
         attention_params<T, C>(out, query, key_cache, value_cache, block_tables_c, seq_lens_c, starts_c, scale,
-                               alibi_c, logits_soft_cap, k_scale, v_scale);
+                               alibi_c, logits_soft_cap, k_scale, v_scale, sinks_f32, lse);
     if (!query_start_loc.has_value()) {
       return launch_decode(params, QueryRows::kLastOfEachSeq, num_seqs, sliding_window, query, block_size,
                            num_kv_heads);

@@ -12,6 +12,9 @@
 // without a window), as in csrc/cpu/attention.cpp:
 //   x_t = scale * (q . k_t);  x_t = cap * tanh(x_t / cap) if logits_soft_cap = cap > 0;
 //   x_t += slope[h] * (t - P) with ALiBi;  out = sum_t softmax(x)_t * v_t, accumulated in float32.
+// With sinks (gpt-oss), head h's softmax also counts sinks[h] as a logit without a value (not scaled, capped,
+// biased or windowed), once per row when its state is final (row_sum, row_lse: single pass, or split-KV's reduce,
+// never a partition); with lse, the row's log-sum-exp is written too (it counts the sink).
 // A row attends to the first P + 1 tokens: its "length" (seq_len below) is P + 1.
 //
 // Which query rows a launch serves (params.rows, a QueryRows), and so what grid.x counts ("items"):
@@ -97,6 +100,8 @@ struct AttentionParams {
   const int32_t* seq_lens;          // [num_seqs]; the kernels clamp them to [0, max_context]
   const int32_t* query_start_loc;   // [num_seqs + 1], or nullptr (kLastOfEachSeq); clamped to [0, num_tokens]
   const float* alibi_slopes;        // [num_heads], or nullptr
+  const float* sinks;               // [num_heads], or nullptr: each head's sink logit (row_sum)
+  float* lse;                       // [num_tokens, num_heads], contiguous, or nullptr: each row's log-sum-exp
   QueryRows rows;                   // which query rows the decode kernels serve
   int num_seqs, num_tokens;
   int num_heads;
@@ -500,9 +505,34 @@ __device__ __forceinline__ void tile_values(HeadSlices<C, HEAD_DIM, GROUP>& acc,
   });
 }
 
+// The end of a row: its state is final, max M (-inf while it saw no logit) and sum l of exp(x - M) (of exp(x - 0)
+// while M = -inf: 0), and the unnormalized output O (in units of exp(x - M)). Head h's sink S = sinks[h] counts
+// here as one more logit, and only here, so no split counts it twice or drops it:
+//   out = O / row_sum,  row_sum = l + exp(S - M);  lse = m + log(exp(M - m) l + exp(S - m)),  m = max(M, S).
+// S = -inf (no sink, or none given) adds nothing: exactly O / l and M + log(l), the same bits as no sinks. S = +inf,
+// or S - M past float's range (exp(S - M) = inf), or a row that saw no key (M = -inf) with a sink give out 0 (the
+// limit); the lse, on base m, never overflows: +inf for S = +inf, S for a row that saw no key. A NaN sum (a NaN
+// logit) stays NaN, and l = 0 (every logit -inf, no sink) gives 0 / 0 = NaN, as the reference. As csrc/cpu's
+// finish_row (attention_common.h). O / row_sum keeps the division the kernels had before sinks, per element (a
+// scale computed once per row, through shared memory, cost the main loops registers and spills by
+// scripts/sass_report.py); the fast intrinsics, as the softmax's __expf.
+__device__ __forceinline__ float sink_of(const float* sinks, int head) {
+  return sinks != nullptr ? sinks[head] : -INFINITY;
+}
+__device__ __forceinline__ float row_sum(float max, float sum, float sink) {
+  return sink == -INFINITY ? sum : sum + __expf(sink - max);
+}
+__device__ __forceinline__ float row_lse(float max, float sum, float sink) {
+  const float m = fmaxf(max, sink);
+  const float base = m == -INFINITY ? 0.0f : m;
+  const float w = max == base ? 1.0f : __expf(max - base), e = sink == base ? 1.0f : __expf(sink - base);
+  return base + __logf(fmaf(w, sum, e));
+}
+
 // 4. The row groups' accumulators are summed in row-group order (a fixed order: the same bits on every run) and
-// written: out = acc / sum in single pass, the partition's (acc, max, sum) in split-KV. An fp8 cache's v_scale
-// multiplies acc here (so the reduce needs no scale).
+// written: out = acc / sum in single pass (row_sum: with the sink; and row_lse), the partition's (acc, max, sum)
+// in split-KV (no sink: the reduce counts it). An fp8 cache's v_scale multiplies acc here (so the reduce needs no
+// scale).
 template <typename T, typename C, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void combine_and_write(
     float (&partial_s)[DecodeSplit<C, HEAD_DIM, GROUP>::ROW_GROUPS][GROUP][HEAD_DIM],
@@ -530,10 +560,11 @@ __device__ __forceinline__ void combine_and_write(
     for (int r = 0; r < R::ROW_GROUPS; ++r) o += partial_s[r][g][d];
     if (p.v_scale != nullptr) o *= v_scale;
     if (p.num_partitions == 1) {
-      const float sum = sum_s[g];
       const int64_t out_row = row * p.num_heads + task.first_head + g;
-      // the task has tokens, so sum >= 1, or NaN (a NaN logit: NaN out, never 0), or 0 (every logit -inf: 0 / 0)
-      from_float(p.out[out_row * HEAD_DIM + d], o / sum);
+      // the task has tokens, so sum >= 1, or NaN (a NaN logit: NaN out, never 0), or 0 (every logit -inf: NaN)
+      const float sink = sink_of(p.sinks, task.first_head + g);
+      from_float(p.out[out_row * HEAD_DIM + d], o / row_sum(max_s[g], sum_s[g], sink));
+      if (d == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(max_s[g], sum_s[g], sink);
     } else {
       const int64_t slot = (static_cast<int64_t>(blockIdx.x) * p.num_heads + task.first_head + g) * p.num_partitions +
                            task.partition;
@@ -543,13 +574,16 @@ __device__ __forceinline__ void combine_and_write(
   }
 }
 
-// A single-pass task without tokens (seq_len 0): a zero output row. (In split-KV an empty partition writes nothing:
-// the reduce reads only the partitions that hold tokens.)
+// A single-pass task without tokens (seq_len 0): a zero output row, lse -inf (or the sink). (In split-KV an empty
+// partition writes nothing: the reduce reads only the partitions that hold tokens.)
 template <typename T, typename C, int HEAD_DIM>
 __device__ __forceinline__ void write_empty(const AttentionParams<T, C>& p, const AttentionTask& task) {
   const int64_t first_row = query_row(p) * p.num_heads + task.first_head;
   for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
     from_float(p.out[first_row * HEAD_DIM + k], 0.0f);
+  }
+  if (p.lse != nullptr && static_cast<int>(threadIdx.x) < task.num_heads) {
+    p.lse[first_row + threadIdx.x] = row_lse(-INFINITY, 0.0f, sink_of(p.sinks, task.first_head + threadIdx.x));
   }
 }
 
@@ -721,12 +755,19 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
     }
   if (rs.row_lane == 0) total_s[rs.row_group] = total;
   __syncthreads();
-  for (int d = tid; d < HEAD_DIM; d += kAttentionThreads) {
-    float sum_o = 0.0f, sum_total = 0.0f;
+  float sum_total = 0.0f;
 #pragma unroll
-    for (int r = 0; r < R::ROW_GROUPS; ++r) sum_o += out_s[r][d], sum_total += total_s[r];
-    // no partition (seq_len 0): 0; else the total >= 1, NaN, or 0 when every logit is -inf (0 / 0 = NaN)
-    from_float(p.out[(item.row * p.num_heads + head) * HEAD_DIM + d], first < last ? sum_o / sum_total : 0.0f);
+  for (int r = 0; r < R::ROW_GROUPS; ++r) sum_total += total_s[r];
+  // the row's sink, once (row_sum). No partition (seq_len 0): out 0, lse -inf or the sink (max_all = -inf,
+  // total 0); else the total >= 1, NaN, or 0 when every logit is -inf (NaN, as the reference's 0 / 0)
+  const float sink = sink_of(p.sinks, head), row_total = row_sum(max_all, sum_total, sink);
+  const int64_t out_row = item.row * p.num_heads + head;
+  if (tid == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(max_all, sum_total, sink);
+  for (int d = tid; d < HEAD_DIM; d += kAttentionThreads) {
+    float sum_o = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R::ROW_GROUPS; ++r) sum_o += out_s[r][d];
+    from_float(p.out[out_row * HEAD_DIM + d], first < last ? sum_o / row_total : 0.0f);
   }
 }
 

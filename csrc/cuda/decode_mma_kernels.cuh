@@ -25,7 +25,8 @@
 //      from the same stage, P^T from the logits' registers by movmatrix (the accumulator layout of S^T, transposed,
 //      is the B layout), rounded to the query dtype as FlashAttention-2 rounds P.
 // At the end of a partition the four warps' (max, sum, output) are merged in shared memory in warp order (the same
-// bits on every run) and written: out = O / sum in single pass, the partition's record in split-KV.
+// bits on every run) and written: out = O / sum in single pass (row_sum: with the sink; row_lse), the
+// partition's record in split-KV.
 #pragma once
 
 #include "attention_kernels.cuh"
@@ -315,6 +316,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
       }
     }
     __syncthreads();
+    const int64_t row = p.num_partitions == 1 ? query_row(p) : 0;
     if (static_cast<int>(threadIdx.x) < task.num_heads) {
       const int slot = threadIdx.x;
       float max_all = -INFINITY;
@@ -332,15 +334,17 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
       total_s[slot] = total, max_all_s[slot] = max_all;
     }
     __syncthreads();
-    const int64_t row = p.num_partitions == 1 ? query_row(p) : 0;
     for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
       const int slot = k / HEAD_DIM, d = k % HEAD_DIM;
       float o = 0.0f;
 #pragma unroll
       for (int w = 0; w < kDecodeWarps; ++w) o += weight_s[w][slot] * out_s[(w * kDecodeSlots + slot) * HEAD_DIM + d];
       if (p.num_partitions == 1) {
-        // the task has tokens, so total >= 1, or NaN, or 0 (every logit -inf: 0 / 0)
-        from_float(p.out[(row * p.num_heads + task.first_head + slot) * HEAD_DIM + d], o / total_s[slot]);
+        // the task has tokens, so total >= 1, or NaN, or 0 (every logit -inf: NaN)
+        const float sink = sink_of(p.sinks, task.first_head + slot);
+        const int64_t out_row = row * p.num_heads + task.first_head + slot;
+        from_float(p.out[out_row * HEAD_DIM + d], o / row_sum(max_all_s[slot], total_s[slot], sink));
+        if (d == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(max_all_s[slot], total_s[slot], sink);
       } else {
         const int64_t record =
             (static_cast<int64_t>(blockIdx.x) * p.num_heads + task.first_head + slot) * p.num_partitions +

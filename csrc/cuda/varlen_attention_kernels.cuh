@@ -42,7 +42,8 @@
 //               per 16 columns of O.
 // Masked logits are replaced by -inf (a select: a NaN or inf key's logit must not survive the mask), so a key's
 // NaN or inf reaches exactly the rows that see it, as in the reference.
-// Then O / l is staged through shared memory (over Q, K and V) and written as the input type.
+// Then O / l is staged through shared memory (over Q, K and V) and written as the input type (row_sum of
+// attention_kernels.cuh: with the row's sink; and row_lse).
 //
 // fp8 caches (AttentionParams<T, Fp8>): K and V hold the stored values in shared memory; k_scale multiplies the
 // logits with the softmax scale (q . (k_scale k) = k_scale (q . k)) and v_scale the output with 1 / l.
@@ -377,9 +378,11 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
     const float v_scale = p.v_scale != nullptr ? *p.v_scale : 1.0f;
     // pos < 0: a row that sees no key (an invalid query_start_loc): 0. Else running_sum >= 1, or NaN (a NaN logit),
     // or 0 when every logit it sees is -inf (0 / 0 = NaN, as the reference).
-    const float inv_sum = pos >= 0 ? v_scale / running_sum : 0.0f;
-    const int64_t out_row = static_cast<int64_t>(tile.first_row + row / p.heads_per_block) * p.num_heads +
-                            tile.first_head + row % p.heads_per_block;
+    const int head = tile.first_head + row % p.heads_per_block;
+    const float sink = sink_of(p.sinks, head);
+    const float inv_sum = pos >= 0 ? v_scale / row_sum(running_max, running_sum, sink) : 0.0f;
+    const int64_t out_row = static_cast<int64_t>(tile.first_row + row / p.heads_per_block) * p.num_heads + head;
+    if (half == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(running_max, running_sum, sink);
     T* const out = p.out + out_row * HEAD_DIM;
     const float* const o_row = o_w + (lane / 2) * O_LD;
     for (int d = half * (HEAD_DIM / 2); d < (half + 1) * (HEAD_DIM / 2); ++d) from_float(out[d], o_row[d] * inv_sum);

@@ -12,7 +12,8 @@
 //   scalar NAME VALUE
 //   output ID PATH                                    written back after the kernels ran
 // fp8 caches (attention, reshape_and_cache): the scalar fp8_format (1: e4m3, 2: e5m2; absent or 0: the caches have
-// the dtype), and optional one-element float32 tensors k_scale, v_scale.
+// the dtype), and optional one-element float32 tensors k_scale, v_scale. attention: optional tensors alibi_slopes,
+// sinks (float32 [num_heads]) and lse (float32 [num_tokens, num_heads], an output).
 // Exit status: 0 done; 2 bad case file or a plan that refuses the launch (message on stderr); 3 an emulator error
 // (divergent barrier, collective mismatch, ...). Sanitizer reports abort the program on their own.
 #include "simt.h"  // first: the kernel headers then take its PA_SHARED / PA_EXTERN_SHARED
@@ -257,6 +258,8 @@ void run_attention(const Case& c, const simt::Options& options) {
   p.seq_lens = seq_lens.as<const int32_t>();
   p.query_start_loc = varlen ? c.tensor("query_start_loc").as<const int32_t>() : nullptr;
   p.alibi_slopes = c.has("alibi_slopes") ? c.tensor("alibi_slopes").as<const float>() : nullptr;
+  p.sinks = c.has("sinks") ? c.tensor("sinks").as<const float>() : nullptr;
+  p.lse = c.has("lse") ? c.tensor("lse").as<float>() : nullptr;
   p.num_seqs = static_cast<int>(num_seqs), p.num_tokens = static_cast<int>(num_tokens);
   p.num_heads = static_cast<int>(num_heads), p.max_blocks_per_seq = block_tables.size(1);
   p.scale = static_cast<float>(c.scalar("scale"));

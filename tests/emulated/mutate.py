@@ -29,6 +29,7 @@ DECODE_MMA = "csrc/cuda/decode_mma_kernels.cuh"
 DECODE_MMA_TESTS = "tensor_cores_chunks or single_pass_every_head_dim"  # the tensor-core decode kernel's cases
 VARLEN_TESTS = "varlen"  # pytest -k: the tensor-core kernel's mutants run only the variable-length tests
 NONFINITE_TESTS = "nonfinite"  # and the NaN / inf mutants only the tests that plant them
+SINK_TESTS = "sinks or lse"  # the attention sinks' and the lse's mutants, their tests
 
 # name -> (file, text, replacement[, pytest -k expression])
 MUTANTS = {
@@ -97,8 +98,9 @@ MUTANTS = {
         "x += c < n && sees(t) ? 0.0f : -INFINITY;", NONFINITE_TESTS),
     "decode kernel: a NaN sum (a visible NaN key) written as 0": (
         ATTENTION,
-        "from_float(p.out[out_row * HEAD_DIM + d], o / sum);",
-        "from_float(p.out[out_row * HEAD_DIM + d], sum > 0.0f ? o / sum : 0.0f);", NONFINITE_TESTS),
+        "from_float(p.out[out_row * HEAD_DIM + d], o / row_sum(max_s[g], sum_s[g], sink));",
+        "from_float(p.out[out_row * HEAD_DIM + d], sum_s[g] > 0.0f ? o / row_sum(max_s[g], sum_s[g], sink) : 0.0f);",
+        NONFINITE_TESTS),
     "the reduce skips partitions of weight 0 (a NaN partition whose max is -inf)": (
         ATTENTION,
         "      total += w * s[u];",
@@ -143,6 +145,39 @@ MUTANTS = {
         ATTENTION,
         "if (partition < first) partition += (first - partition + gridDim.z - 1) / gridDim.z * gridDim.z;",
         "if (partition < first) partition = first;", "partition or wide"),
+    # attention sinks (gpt-oss) and the lse: counted once per row, where its state is final
+    "split-KV: the sink counted in every partition's record (and again by the reduce)": (
+        ATTENTION,
+        "if (d == 0) p.partial_max[slot] = max_s[g], p.partial_sum[slot] = sum_s[g];",
+        "if (d == 0) p.partial_max[slot] = max_s[g],\n"
+        "        p.partial_sum[slot] = row_sum(max_s[g], sum_s[g], sink_of(p.sinks, task.first_head + g));",
+        SINK_TESTS),
+    "the reduce drops the sink": (
+        ATTENTION,
+        "const float sink = sink_of(p.sinks, head), row_total",
+        "const float sink = -INFINITY, row_total", SINK_TESTS),
+    "decode kernel: the sink soft-capped like a logit": (
+        ATTENTION,
+        "      const float sink = sink_of(p.sinks, task.first_head + g);",
+        "      const float sink = p.logits_soft_cap > 0.0f\n"
+        "          ? p.logits_soft_cap * tanhf(sink_of(p.sinks, task.first_head + g) / p.logits_soft_cap)\n"
+        "          : sink_of(p.sinks, task.first_head + g);", SINK_TESTS),
+    "tensor-core decode: the sink dropped": (
+        DECODE_MMA,
+        "const float sink = sink_of(p.sinks, task.first_head + slot);",
+        "const float sink = -INFINITY;", SINK_TESTS),
+    "tensor-core kernel: the sink dropped": (
+        VARLEN,
+        "const float sink = sink_of(p.sinks, head);",
+        "const float sink = -INFINITY;", SINK_TESTS),
+    "the lse without the row's max (log of the sum only)": (
+        ATTENTION,
+        "  return base + __logf(fmaf(w, sum, e));",
+        "  return __logf(fmaf(w, sum, e));", SINK_TESTS),
+    "an empty decode row's lse left unwritten": (
+        ATTENTION,
+        "  if (p.lse != nullptr && static_cast<int>(threadIdx.x) < task.num_heads) {",
+        "  if (false) {", SINK_TESTS),
 }
 
 # What caught it, from the first failure's report.
@@ -152,6 +187,7 @@ CHECKS = [
     ("UndefinedBehaviorSanitizer", re.compile(r"runtime error:")),
     ("ThreadSanitizer: data race", re.compile(r"ThreadSanitizer")),
     ("outputs differ between thread orders", re.compile(r"vs asan/forward")),
+    ("an output left unwritten (NaN-filled)", re.compile(r"was not written")),
     ("float64 reference", re.compile(r"Tensor-likes are not (close|equal)|Mismatched elements")),
     ("bytes differ from the reference", re.compile(r"AssertionError: (key_cache|value_cache|key_caches|value_caches)")),
 ]

@@ -922,3 +922,138 @@ def test_fp8_varlen_nonfinite_outside_each_rows_view(driver, tmp_path, fp8, dtyp
     case = varlen_case(NONFINITE_SPECS, 8, 2, 64, 16, torch.float32, sliding_window=window)
     case = fp8_attention(case, fp8, dtype)
     check_nonfinite(driver, plant_nonfinite(case, visible=[(1, "key_cache", NAN)], fp8=fp8), tmp_path, fp8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss) and the log-sum-exp (return_lse): both are applied where a row's state is final
+# (finish_row, attention_kernels.cuh): the single-pass ends of both decode kernels, split-KV's reduce (never a
+# partition's record) and the tensor-core kernel's end; each is run here, against the float64 reference's out and
+# lse, with the lse buffer NaN-filled (every row must be written).
+
+def with_sinks_and_lse(case: Case, sinks, lse=True) -> Case:
+    """The case with float32 sinks [num_heads] (or none) and, if lse, an lse output [num_tokens, num_heads]."""
+    t = case.tensors
+    if sinks is not None:
+        t["sinks"] = sinks
+    if lse:
+        t["lse"] = torch.full(t["query"].shape[:2], NAN)
+        case.outputs = (*case.outputs, "lse")
+    return case
+
+
+def random_sinks(num_heads, seed):
+    """Sinks of the logits' size (about N(0, 1) here): each matters, none takes all; head 1 has none (-inf)."""
+    sinks = torch.empty(num_heads).uniform_(-1.0, 4.0, generator=torch.Generator().manual_seed(seed))
+    sinks[1] = -math.inf
+    return sinks
+
+
+def check_sinks_and_lse(driver, case: Case, tmp_path):
+    """out (and lse, when the case has it) against the reference; returns the kernels' outputs."""
+    from test_return_lse import lse_tolerance
+
+    t, scalars = case.tensors, case.scalars
+    names = ["out", "lse"] if "lse" in t else ["out"]
+    results = run_everywhere(driver, case, tmp_path, names)
+    keys, values = t["key_cache"], t["value_cache"]
+    if "fp8_format" in scalars:
+        keys = reference.dequantize_fp8(keys, t["k_scale"], torch.float64)
+        values = reference.dequantize_fp8(values, t["v_scale"], torch.float64)
+    kwargs = dict(scale=scalars["scale"], alibi_slopes=t.get("alibi_slopes"),
+                  sliding_window=scalars["sliding_window"] or None, logits_soft_cap=scalars["soft_cap"] or None,
+                  query_start_loc=t.get("query_start_loc"), sinks=t.get("sinks"))
+    expected, expected_lse = reference.paged_attention(t["query"], keys, values, t["block_tables"], t["seq_lens"],
+                                                       compute_dtype=torch.float64, return_lse=True, **kwargs)
+    assert not results["out"].isnan().any(), "a row was not written, or a NaN-poisoned slot leaked in"
+    torch.testing.assert_close(results["out"].double(), expected.double(), **tolerance(case.dtype))
+    if "lse" in t:
+        assert not results["lse"].isnan().any(), "a row's lse was not written"
+        torch.testing.assert_close(results["lse"].double(), expected_lse, **lse_tolerance(case.dtype))
+    if HAS_CUDA_OPS:  # where a GPU is present, the same kernels for real, on the same inputs
+        cuda = {name: tensor.cuda() for name, tensor in t.items()}
+        on_gpu, on_gpu_lse = paged_attn.paged_attention(
+            cuda["query"], cuda["key_cache"], cuda["value_cache"], cuda["block_tables"], cuda["seq_lens"],
+            k_scale=cuda.get("k_scale"), v_scale=cuda.get("v_scale"), return_lse=True,
+            **dict(kwargs, alibi_slopes=cuda.get("alibi_slopes"), query_start_loc=cuda.get("query_start_loc"),
+                   sinks=cuda.get("sinks")))
+        torch.testing.assert_close(on_gpu.cpu().double(), results["out"].double(), **tolerance(case.dtype))
+        if "lse" in t:
+            torch.testing.assert_close(on_gpu_lse.cpu(), results["lse"], rtol=1e-5, atol=1e-5)
+    return results
+
+
+DECODE_KERNELS = {  # name -> (dtype, num_heads, num_kv_heads, head_dim, tensor_cores)
+    "cuda_core-float": (torch.float32, 8, 2, 64, True),
+    "tensor_cores-bf16": (torch.bfloat16, 8, 2, 128, True),
+    "cuda_core-half-group16": (torch.float16, 16, 1, 64, False),  # two head chunks
+}
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single_pass", "split_kv"])
+@pytest.mark.parametrize("kernel", list(DECODE_KERNELS))
+def test_decode_sinks_and_lse(driver, tmp_path, kernel, split):
+    """Both decode kernels, single pass and split-KV (partitions of 32: the sink counted once, by the reduce), an
+    empty sequence (out 0, lse = the sink), ALiBi, a window of 50 (whole partitions empty before it) and soft cap
+    (the sink is not capped), a head without a sink."""
+    dtype, num_heads, num_kv_heads, head_dim, tensor_cores = DECODE_KERNELS[kernel]
+    case = attention_case([0, 5, 33, 97, 130], num_heads, num_kv_heads, head_dim, 16, dtype, split=split,
+                          alibi=True, sliding_window=50, soft_cap=5.0, tensor_cores=tensor_cores)
+    check_sinks_and_lse(driver, with_sinks_and_lse(case, random_sinks(num_heads, 1)), tmp_path)
+
+
+@pytest.mark.parametrize("dtype, every_row", [(torch.bfloat16, False), (torch.float32, True)],
+                         ids=["bf16-tensor_cores", "float-every_row-split_kv"])
+def test_varlen_sinks_and_lse(driver, tmp_path, dtype, every_row):
+    """query_start_loc: the tensor-core kernel's rows and the decode kernels' one-row sequences (bf16), or the
+    decode kernels for every row with split-KV (float32); prompts, chunks, decodes, empty sequences, ALiBi, a window
+    and soft cap."""
+    specs = EVERY_ROW_MIXED if every_row else MIXED
+    case = varlen_case(specs, 8, 2, 64, 16, dtype, layout="packed", alibi=True, sliding_window=20, soft_cap=30.0,
+                       every_row=every_row, split=every_row)
+    check_sinks_and_lse(driver, with_sinks_and_lse(case, random_sinks(8, 2)), tmp_path)
+
+
+@pytest.mark.parametrize("query_start_loc", [False, True], ids=["decode", "varlen"])
+def test_fp8_sinks_and_lse(driver, tmp_path, query_start_loc):
+    """fp8 caches (v_scale applied with the sink's normalization): decode split-KV, and the tensor-core kernel."""
+    if query_start_loc:
+        case = varlen_case(FP8_MIXED, 8, 2, 64, 16, torch.float32, sliding_window=30)
+    else:
+        case = attention_case([1, 31, 33, 70], 8, 2, 64, 16, torch.float32, split=True)
+    case = fp8_attention(case, torch.float8_e4m3fn, torch.bfloat16)
+    check_sinks_and_lse(driver, with_sinks_and_lse(case, random_sinks(8, 3)), tmp_path)
+
+
+@pytest.mark.parametrize("kernel", ["cuda_core-float-split_kv", "tensor_cores-bf16", "varlen-bf16"])
+def test_extreme_sinks_give_zeros_never_nan(driver, tmp_path, kernel):
+    """+inf takes the whole softmax (out exactly 0, lse +inf); 1e30 and 88.8 (whose exp overflows float32) nearly
+    all of it; -1e30 nothing; a row that sees no key gives out 0 and lse = the sink."""
+    sinks = torch.tensor([math.inf, 1e30, 88.8, -1e30, -math.inf, 0.5, 3.0, math.inf])
+    if kernel == "varlen-bf16":
+        case = varlen_case([(40, 40), (9, 1), (0, 0), (70, 13)], 8, 2, 64, 16, torch.bfloat16)
+    else:
+        dtype = torch.float32 if kernel.startswith("cuda_core") else torch.bfloat16
+        case = attention_case([0, 40, 70], 8, 2, 64, 16, dtype, split=kernel.endswith("split_kv"))
+    results = check_sinks_and_lse(driver, with_sinks_and_lse(case, sinks), tmp_path)
+    out, lse = results["out"], results["lse"]
+    assert torch.equal(out[:, [0, 7]], torch.zeros_like(out[:, [0, 7]]))
+    assert torch.equal(lse[:, [0, 7]], torch.full_like(lse[:, [0, 7]], math.inf))
+    if kernel != "varlen-bf16":  # the decode row of the empty sequence
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(lse[0], sinks)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single_pass", "split_kv"])
+def test_minus_inf_sinks_are_no_sinks_and_lse_alone(driver, tmp_path, split):
+    """Sinks of -inf give the bits of no sinks, the lse included; the lse without sinks; sinks without the lse."""
+    case = attention_case([0, 5, 33, 97], 8, 2, 128, 16, torch.bfloat16, split=split, sliding_window=50)
+    for name in ("plain", "minus_inf", "no_lse"):
+        (tmp_path / name).mkdir()
+    plain = check_sinks_and_lse(driver, with_sinks_and_lse(case, None), tmp_path / "plain")
+    runs = {}
+    for name, sinks, lse in [("minus_inf", torch.full((8,), -math.inf), True), ("no_lse", random_sinks(8, 4), False)]:
+        case.tensors.pop("lse", None), case.tensors.pop("sinks", None)
+        case.outputs = ("out",)
+        case.tensors["out"] = torch.full_like(case.tensors["out"], NAN)
+        runs[name] = check_sinks_and_lse(driver, with_sinks_and_lse(case, sinks, lse), tmp_path / name)
+    for name in ("out", "lse"):
+        assert_same_bits(runs["minus_inf"][name], plain[name], f"{name}: sinks of -inf vs none")
