@@ -114,8 +114,8 @@ class PagedAttnBackend(AttentionBackend):
 
     @classmethod
     def supports_sink(cls) -> bool:
-        # Attention sinks (gpt-oss): the op takes them on the CPU; its CUDA kernels do not yet.
-        return not _on_cuda()
+        # Attention sinks (gpt-oss): the op takes them on the CPU and on CUDA.
+        return True
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -226,8 +226,6 @@ class PagedAttnImpl(AttentionImpl[PagedAttnMetadata]):
                  sinks: Optional[torch.Tensor] = None) -> None:
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"paged_attn's vLLM backend supports decoder attention only, got {attn_type}")
-        if sinks is not None and _on_cuda():
-            raise NotImplementedError("paged_attn's vLLM backend does not support attention sinks on CUDA yet")
         if sinks is not None and tuple(sinks.shape) != (num_heads,):
             raise ValueError(f"sinks must have shape [num_heads] = [{num_heads}] (this rank's heads), got "
                              f"{list(sinks.shape)}")

@@ -243,12 +243,12 @@ def test_unsupported_features_raise(kwargs, match):
         make_impl(4, 32, 2, **kwargs)
 
 
-def test_sinks_on_cuda_and_sinks_of_another_shape_raise(monkeypatch):
+def test_sinks_of_another_shape_raise_and_cuda_takes_sinks(monkeypatch):
     with pytest.raises(ValueError, match=r"sinks must have shape \[num_heads\] = \[4\].*got \[2\]"):
         make_impl(4, 32, 2, sinks=torch.zeros(2))
     monkeypatch.setattr(pa_backend, "_on_cuda", lambda: True)
-    with pytest.raises(NotImplementedError, match="attention sinks on CUDA"):
-        make_impl(4, 32, 2, sinks=torch.zeros(4))
+    assert make_impl(4, 32, 2, sinks=torch.zeros(4)).sinks is not None
+    assert pa_backend.PagedAttnBackend.supports_sink()
 
 
 def vllm_cpu_attention(query, keys, values, block_tables, seq_lens, query_start_loc, scale, sinks, block_size,
@@ -337,11 +337,12 @@ def test_backend_class_contract(monkeypatch):
                   has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
                   device_capability=DeviceCapability(9, 0), attn_type="decoder", has_sliding_window=True)
     assert backend.validate_configuration(**config) == []
-    reasons = backend.validate_configuration(**{**config, "head_size": 48, "block_size": 20, "has_sink": True,
+    assert backend.validate_configuration(**{**config, "has_sink": True}) == []
+    reasons = backend.validate_configuration(**{**config, "head_size": 48, "block_size": 20,
                                                 "kv_cache_dtype": "int8_per_token_head", "attn_type": "encoder_only"})
-    assert set(reasons) == {"head_size not supported", "block_size not supported", "attention sinks not supported",
+    assert set(reasons) == {"head_size not supported", "block_size not supported",
                             "kv_cache_dtype not supported", "attention type encoder_only not supported"}
-    # On the CPU: any block size and head size, and attention sinks.
+    # On the CPU: any block size and head size.
     monkeypatch.setattr(pa_backend, "_on_cuda", lambda: False)
     assert backend.validate_configuration(**{**config, "head_size": 48, "block_size": 20, "has_sink": True}) == []
 
