@@ -9,6 +9,9 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
               served from its cached blocks (prefix caching on; ``num_cached_tokens`` recorded)
   chunked     tiny Llama, the same prompts under ``max_num_batched_tokens=16`` (chunked prefill mixed with decodes)
   window      tiny Mistral whose sliding window (16) is shorter than most prompts
+  gptoss      tiny gpt-oss (attention sinks, a sliding-window layer (16) and a full one, 4 experts, top-2), the
+              plain prompts; then the same with every sink set to -inf (attention without sinks), and the sinks
+              vLLM loaded
   tp2         tiny Llama, the plain prompts with ``tensor_parallel_size=2`` (multiprocessing executor)
   smollm2     SmolLM2-135M (a Hugging Face folder given with --smollm2), a few text prompts, greedy tokens only
   smollm2_fp8 the same with an fp8 (e4m3) KV cache, scales 1.0
@@ -48,25 +51,51 @@ def prefix_prompts() -> list[list[int]]:
     return [longest[:PREFIX_LEN] + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (1, 7, 40)]
 
 
-def make_tiny_models(folder: str) -> dict[str, str]:
-    """A random 2-layer Llama and Mistral (4 query heads, 2 KV heads, head_dim 32, vocabulary 1024), saved once.
-    ``initializer_range`` 0.2 makes the logits spread widely, so that greedy picks have no near-ties."""
+def gptoss_sinks() -> list[list[float]]:
+    """The tiny gpt-oss model's attention sinks, per layer and head: N(0, 1), large enough to change most greedy
+    completions (test_end_to_end checks that they do); transformers' init would draw them N(0, 0.2) here."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    return torch.randn(2, 4, generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def make_tiny_models(folder: str) -> dict[str, str]:
+    """A random 2-layer Llama, Mistral and gpt-oss (4 query heads, 2 KV heads, head_dim 32, vocabulary 1024),
+    saved once. ``initializer_range`` 0.2 makes the logits spread widely, so that greedy picks have no near-ties.
+
+    gpt-oss as vLLM's loader takes an unquantized checkpoint (``vllm/model_executor/models/gpt_oss.py``,
+    ``_load_weights_other``): transformers' own names and layout (fused ``gate_up_proj`` ``[experts, hidden,
+    2 * intermediate]``, ``self_attn.sinks``). vLLM puts the sliding window on the even layers whatever
+    ``layer_types`` says, so layer 0 slides and layer 1 sees everything, as ``layer_types`` says too. Its rope is
+    always YaRN, read from ``rope_parameters``: a small one, consistent with ``max_position_embeddings``. Hidden and
+    intermediate sizes are multiples of 32, as vLLM's CPU MoE kernel needs."""
+    import torch
+    from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM)
 
     shape = dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                  initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    gptoss = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
+                  layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
     paths = {}
     for name, config_cls, model_cls, extra in [("llama", LlamaConfig, LlamaForCausalLM, {}),
                                                ("mistral", MistralConfig, MistralForCausalLM,
-                                                {"sliding_window": SLIDING_WINDOW})]:
+                                                {"sliding_window": SLIDING_WINDOW}),
+                                               ("gptoss", GptOssConfig, GptOssForCausalLM, gptoss)]:
         path = os.path.join(folder, f"tiny-{name}")
         paths[name] = path
         if os.path.exists(os.path.join(path, "config.json")):
             continue
         torch.manual_seed(0)
-        model_cls(config_cls(**shape, **extra)).to(torch.float32).save_pretrained(path + ".partial")
+        model = model_cls(config_cls(**{**shape, **extra})).to(torch.float32)
+        if name == "gptoss":
+            with torch.no_grad():
+                for layer, sinks in zip(model.model.layers, gptoss_sinks()):
+                    layer.self_attn.sinks.copy_(torch.tensor(sinks))
+        model.save_pretrained(path + ".partial")
         os.rename(path + ".partial", path)
     return paths
 
@@ -77,6 +106,20 @@ def forward_calls_in_worker(worker) -> tuple[int, int]:
     if "paged_attn.vllm.backend" in sys.modules:
         calls = sys.modules["paged_attn.vllm.backend"].forward_calls
     return os.getpid(), calls
+
+
+def sinks_in_worker(worker) -> list[list[float]]:
+    """Run in each vLLM worker by ``collective_rpc``: the attention sinks of the model as loaded, per layer."""
+    model = worker.model_runner.model
+    return [p.tolist() for name, p in model.named_parameters() if name.endswith(".sinks")]
+
+
+def set_sinks_in_worker(worker, value: float) -> None:
+    """Run in each vLLM worker by ``collective_rpc``: every attention sink set to ``value``, in place (both backends
+    hold the layer's parameter itself)."""
+    for name, p in worker.model_runner.model.named_parameters():
+        if name.endswith(".sinks"):
+            p.data.fill_(value)
 
 
 def generate(llm, prompts, logprobs: int | None = 5) -> list[dict]:
@@ -107,6 +150,7 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict
 
     kwargs = dict(dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, seed=0, max_model_len=256,
                   max_num_seqs=8, skip_tokenizer_init=True, enable_prefix_caching=False)
+    extra = {}  # what a scenario records besides requests and workers
     if name == "plain":
         llm = LLM(model=models["llama"], **{**kwargs, "enable_prefix_caching": True})
         requests = generate(llm, plain_prompts()) + generate(llm, prefix_prompts())
@@ -116,6 +160,12 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict
     elif name == "window":
         llm = LLM(model=models["mistral"], **kwargs)
         requests = generate(llm, plain_prompts())
+    elif name == "gptoss":
+        llm = LLM(model=models["gptoss"], **kwargs)
+        requests = generate(llm, plain_prompts())
+        sinks = llm.collective_rpc(sinks_in_worker)
+        llm.collective_rpc(set_sinks_in_worker, args=(float("-inf"),))  # exp(-inf) = 0: no sink
+        extra = {"sinks": sinks, "without_sinks": generate(llm, plain_prompts())}
     elif name == "tp2":
         llm = LLM(model=models["llama"], tensor_parallel_size=2, distributed_executor_backend="mp", **kwargs)
         requests = generate(llm, plain_prompts())
@@ -138,7 +188,7 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict
     workers = llm.collective_rpc(forward_calls_in_worker)
     del llm
     gc.collect()
-    return {"requests": requests, "workers": [list(w) for w in workers]}
+    return {"requests": requests, "workers": [list(w) for w in workers], **extra}
 
 
 def main() -> None:
