@@ -37,12 +37,16 @@
 //     on gridDim.z; paged_attention_reduce_kernel merges them exactly. Only the partitions that hold tokens of the
 //     window are run (none past seq_len, so a block table wider than the sequences costs no work) and read.
 //
-// The attention kernel walks its tokens in tiles of kTile, in three steps per tile:
+// The attention kernel walks its tokens in tiles of kTile, in four steps per tile:
+//   0. rows    (tile_rows):    the whole thread block computes, once per token, the offsets of its K and V rows
+//              (one block-table load and one division per token) into shared memory, for steps 1 and 3 to read
+//              (FlashInfer's kv_offset_smem), instead of every lane of a row redoing them per row.
 //   1. logits  (tile_logits):  every K row of the tile is read once (16-byte loads) and dotted with all the
-//              block's queries (held in registers); the lanes of a row reduce with warp shuffles. Soft cap and
-//              ALiBi are applied; logits go to shared memory.
-//   2. softmax (tile_softmax): one warp per query head updates the running max and sum (online softmax) and
-//              turns the tile's logits into probabilities relative to the new max.
+//              block's queries (held in registers); the lanes of a row reduce with warp shuffles; the raw logits
+//              go to shared memory.
+//   2. softmax (tile_softmax): one warp per query head applies soft cap and ALiBi to its logits (once per logit,
+//              not on every lane of a row), updates the running max and sum (online softmax) and turns the tile's
+//              logits into probabilities relative to the new max.
 //   3. values  (tile_values):  every V row of the tile is read once and accumulated, weighted, into float32
 //              registers, after the accumulators are rescaled to the new max.
 // Then the row groups' accumulators are added in a fixed order (combine_and_write), so results are the same
@@ -374,18 +378,18 @@ __device__ __forceinline__ void load_query(HeadSlices<C, HEAD_DIM, GROUP>& q, co
 }
 
 // Loads this lane's vectors of UNROLL rows of the tile, rows first_row + u * ROW_GROUPS (u < UNROLL), of one
-// cache. A row at or past n is not read (it may be a NaN-poisoned slot past the sequence's end): the tile's last
-// row (n - 1) is loaded in its place, which the callers never use (fewer predicates than zero-filling: ptxas
-// spilled them). Lanes past the row's end get zeros. All loads are issued before any is used.
+// cache, row j at data + rows_s[j] (step 0's table). A row at or past n is not read (it may be a NaN-poisoned slot
+// past the sequence's end, and rows_s holds no entry for it): the tile's last row (n - 1) is loaded in its place,
+// which the callers never use (fewer predicates than zero-filling: ptxas spilled them). Lanes past the row's end
+// get zeros. All loads are issued before any is used.
 template <typename R, typename C>
-__device__ __forceinline__ void load_rows(typename R::Vector (&rows)[R::UNROLL][R::VPL],
-                                          const PagedCache<const C>& cache, const int32_t* block_table, int kv_head,
-                                          int tile_begin, int first_row, int n, const R& rs) {
+__device__ __forceinline__ void load_rows(typename R::Vector (&rows)[R::UNROLL][R::VPL], const C* data,
+                                          const int64_t (&rows_s)[kTile], int first_row, int n, const R& rs) {
   using Vector = typename R::Vector;
 #pragma unroll
   for (int u = 0; u < R::UNROLL; ++u) {
     const int j = min(first_row + u * R::ROW_GROUPS, n - 1);
-    const C* row = cache.row(block_table, tile_begin + j, kv_head);
+    const C* row = data + rows_s[j];
 #pragma unroll
     for (int i = 0; i < R::VPL; ++i) {
       const int v = rs.row_lane + i * R::LANES;
@@ -399,12 +403,11 @@ __device__ __forceinline__ void load_rows(typename R::Vector (&rows)[R::UNROLL][
 // j >= n, row n - 1 again: f must not use it). The loop steps over warp-uniform bases, so every lane of a warp makes
 // the same calls, also past the tile's end (step 1's lane shuffles need the whole warp).
 template <typename R, typename T, typename C, typename F>
-__device__ __forceinline__ void for_each_row(const PagedCache<const C>& cache, const AttentionParams<T, C>& p,
-                                             const AttentionTask& task, const R& rs, int tile_begin, int n, F&& f) {
-  const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
+__device__ __forceinline__ void for_each_row(const PagedCache<const C>& cache, const int64_t (&rows_s)[kTile],
+                                             const AttentionParams<T, C>& p, const R& rs, int n, F&& f) {
   for (int j0 = rs.warp_first_row; j0 < n; j0 += R::ROW_GROUPS * R::UNROLL) {
     typename R::Vector rows[R::UNROLL][R::VPL];
-    load_rows<R>(rows, cache, block_table, task.kv_head, tile_begin, j0 + rs.row_in_warp, n, rs);
+    load_rows<R>(rows, cache.data, rows_s, j0 + rs.row_in_warp, n, rs);
 #pragma unroll
     for (int u = 0; u < R::UNROLL; ++u) {
       float row[R::VPL][R::VEC];
@@ -415,15 +418,28 @@ __device__ __forceinline__ void for_each_row(const PagedCache<const C>& cache, c
   }
 }
 
-// 1. logits_s[g][j] for the tile's n tokens tile_begin + j. inv_soft_cap = 1 / logits_soft_cap.
-// NOTE: a division in this loop would call the slow path of IEEE division and make ptxas spill registers.
+// 0. key_rows_s[j], value_rows_s[j]: where the K and V rows (kv head task.kv_head) of the tile's token
+// tile_begin + j lie, as offsets from the caches' data, for j < n (nothing is written past n: steps 1 and 3 never
+// read those entries).
+template <typename T, typename C>
+__device__ __forceinline__ void tile_rows(int64_t (&key_rows_s)[kTile], int64_t (&value_rows_s)[kTile],
+                                          const AttentionParams<T, C>& p, const AttentionTask& task, int tile_begin,
+                                          int n) {
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
+  for (int j = threadIdx.x; j < n; j += kAttentionThreads) {
+    key_rows_s[j] = p.key_cache.row_offset(block_table, tile_begin + j, task.kv_head);
+    value_rows_s[j] = p.value_cache.row_offset(block_table, tile_begin + j, task.kv_head);
+  }
+}
+
+// 1. logits_s[g][j] = q_g . k for the tile's n tokens tile_begin + j (soft cap and ALiBi: step 2).
 template <typename T, typename C, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], const HeadSlices<C, HEAD_DIM, GROUP>& q,
                                             const AttentionParams<T, C>& p, const AttentionTask& task,
-                                            const DecodeSplit<C, HEAD_DIM, GROUP>& rs, float inv_soft_cap,
-                                            int tile_begin, int n) {
+                                            const DecodeSplit<C, HEAD_DIM, GROUP>& rs,
+                                            const int64_t (&key_rows_s)[kTile], int n) {
   using R = DecodeSplit<C, HEAD_DIM, GROUP>;
-  for_each_row(p.key_cache, p, task, rs, tile_begin, n, [&](int j, const float (&kf)[R::VPL][R::VEC]) {
+  for_each_row(p.key_cache, key_rows_s, p, rs, n, [&](int j, const float (&kf)[R::VPL][R::VEC]) {
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
       if (!task.has_head(g)) break;  // uniform across the thread block
@@ -434,29 +450,39 @@ __device__ __forceinline__ void tile_logits(float (&logits_s)[GROUP][kTile], con
         for (int e = 0; e < R::VEC; ++e) dot = fmaf(q[g][i][e], kf[i][e], dot);
       dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end
       if (rs.row_lane == 0 && j < n) {
-        if (p.logits_soft_cap > 0.0f) dot = p.logits_soft_cap * tanhf(dot * inv_soft_cap);
-        if (p.alibi_slopes != nullptr) {
-          dot += p.alibi_slopes[task.first_head + g] * static_cast<float>(tile_begin + j - (task.seq_len - 1));
-        }
         logits_s[g][j] = dot;
       }
     }
   });
 }
 
-// 2. Online softmax, one warp per query head: raise the running max to the tile's, turn the tile's logits into
-// p = exp(x - max), rescale the running sum and add the tile's. rescale_s[g] tells step 3 how to rescale.
+// 2. Online softmax, one warp per query head: first the logits' soft cap (inv_soft_cap = 1 / logits_soft_cap) and
+// ALiBi, each lane on its own logits j = lane, lane + 32, ... (the same lanes then read them again); raise the
+// running max to the tile's, turn the tile's logits into p = exp(x - max), rescale the running sum and add the
+// tile's. rescale_s[g] tells step 3 how to rescale.
+// NOTE: a division here would call the slow path of IEEE division and make ptxas spill registers.
 // Non-finite logits (NaN or inf keys, all visible: a task reads only its row's tokens): a NaN logit leaves the max
 // alone (fmaxf) and makes its p, the sum and the output NaN; while every logit so far is -inf, p is exp(-inf - 0)
 // = 0, never exp(-inf - -inf) = NaN, as the reference's softmax gives 0 there (and 0 / 0 = NaN when all are).
-template <int GROUP>
+template <typename T, typename C, int GROUP>
 __device__ __forceinline__ void tile_softmax(float (&logits_s)[GROUP][kTile], float (&max_s)[GROUP],
-                                             float (&sum_s)[GROUP], float (&rescale_s)[GROUP], int num_heads,
-                                             int n) {
+                                             float (&sum_s)[GROUP], float (&rescale_s)[GROUP],
+                                             const AttentionParams<T, C>& p, const AttentionTask& task,
+                                             float inv_soft_cap, int tile_begin, int n) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int g = warp; g < num_heads; g += kAttentionWarps) {
+  const bool soft_cap = p.logits_soft_cap > 0.0f, alibi = p.alibi_slopes != nullptr;
+  for (int g = warp; g < task.num_heads; g += kAttentionWarps) {
+    const float slope = alibi ? p.alibi_slopes[task.first_head + g] : 0.0f;
     float tile_max = -INFINITY;
-    for (int j = lane; j < n; j += 32) tile_max = fmaxf(tile_max, logits_s[g][j]);
+    for (int j = lane; j < n; j += 32) {
+      float x = logits_s[g][j];
+      if (soft_cap || alibi) {  // uniform across the thread block
+        if (soft_cap) x = p.logits_soft_cap * tanhf(x * inv_soft_cap);
+        if (alibi) x += slope * static_cast<float>(tile_begin + j - (task.seq_len - 1));
+        logits_s[g][j] = x;
+      }
+      tile_max = fmaxf(tile_max, x);
+    }
     const float new_max = fmaxf(max_s[g], warp_max(tile_max));
     const float base = new_max == -INFINITY ? 0.0f : new_max;  // the same as new_max for any finite logit
     float tile_sum = 0.0f;
@@ -481,7 +507,7 @@ template <typename T, typename C, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void tile_values(HeadSlices<C, HEAD_DIM, GROUP>& acc, const float (&logits_s)[GROUP][kTile],
                                             const float (&rescale_s)[GROUP], const AttentionParams<T, C>& p,
                                             const AttentionTask& task, const DecodeSplit<C, HEAD_DIM, GROUP>& rs,
-                                            int tile_begin, int n) {
+                                            const int64_t (&value_rows_s)[kTile], int n) {
   using R = DecodeSplit<C, HEAD_DIM, GROUP>;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
@@ -491,7 +517,7 @@ __device__ __forceinline__ void tile_values(HeadSlices<C, HEAD_DIM, GROUP>& acc,
 #pragma unroll
       for (int e = 0; e < R::VEC; ++e) acc[g][i][e] *= rescale;
   }
-  for_each_row(p.value_cache, p, task, rs, tile_begin, n, [&](int j, const float (&vf)[R::VPL][R::VEC]) {
+  for_each_row(p.value_cache, value_rows_s, p, rs, n, [&](int j, const float (&vf)[R::VPL][R::VEC]) {
     if (j >= n) return;  // past the tile: row n - 1 again, and logits_s holds no probability for it
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -623,6 +649,8 @@ __global__ void __launch_bounds__(kAttentionThreads, (decode_min_blocks<C, HEAD_
   PA_SHARED(float, sum_s, [GROUP]);            // running sum of exp(logit - max)
   PA_SHARED(float, rescale_s, [GROUP]);        // exp(old max - new max) of the last tile
   PA_SHARED(float, partial_s, [R::ROW_GROUPS][GROUP][HEAD_DIM]);  // each row group's accumulator, at the end
+  PA_SHARED(int64_t, key_rows_s, [kTile]);    // the tile's K rows (step 0): offsets from key_cache.data
+  PA_SHARED(int64_t, value_rows_s, [kTile]);  // and its V rows, from value_cache.data
 
   AttentionTask task = attention_task(p);
   if (!task.active) return;  // uniform across the thread block
@@ -656,12 +684,14 @@ __global__ void __launch_bounds__(kAttentionThreads, (decode_min_blocks<C, HEAD_
 
     for (int tile_begin = task.begin; tile_begin < task.end; tile_begin += kTile) {
       const int n = min(kTile, task.end - tile_begin);
-      tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);
+      tile_rows(key_rows_s, value_rows_s, p, task, tile_begin, n);
       __syncthreads();
-      tile_softmax<GROUP>(logits_s, max_s, sum_s, rescale_s, task.num_heads, n);
+      tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, key_rows_s, n);
       __syncthreads();
-      tile_values<T, C, HEAD_DIM, GROUP>(acc, logits_s, rescale_s, p, task, rs, tile_begin, n);
-      __syncthreads();  // logits_s is rewritten by the next tile
+      tile_softmax(logits_s, max_s, sum_s, rescale_s, p, task, inv_soft_cap, tile_begin, n);
+      __syncthreads();
+      tile_values<T, C, HEAD_DIM, GROUP>(acc, logits_s, rescale_s, p, task, rs, value_rows_s, n);
+      __syncthreads();  // logits_s and the row tables are rewritten by the next tile
     }
     combine_and_write<T, C, HEAD_DIM, GROUP>(partial_s, acc, max_s, sum_s, p, task, rs);
     __syncthreads();  // combine_and_write is done with max_s and sum_s before the next partition resets them

@@ -34,6 +34,10 @@ struct PagedCache {
   __host__ __device__ __forceinline__ T* row(const int32_t* block_table, int t, int kv_head) const {
     return token(block_table[t / block_size], t % block_size) + kv_head * head_stride;
   }
+  // The same row as an offset from `data`, in units of T (a kernel computes it once and keeps it in shared memory).
+  __host__ __device__ __forceinline__ int64_t row_offset(const int32_t* block_table, int t, int kv_head) const {
+    return row(block_table, t, kv_head) - data;
+  }
 
   // The (token, kv head) row `r` of a block, rows numbered token-major (r = offset * num_kv_heads + kv_head).
   __host__ __device__ __forceinline__ T* block_row(int64_t block_id, int r) const {

@@ -35,9 +35,21 @@ SINK_TESTS = "sinks or lse"  # the attention sinks' and the lse's mutants, their
 MUTANTS = {
     "missing __syncthreads between steps 1 and 2": (
         ATTENTION,
-        "tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);\n"
-        "    __syncthreads();",
-        "tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, inv_soft_cap, tile_begin, n);"),
+        "tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, key_rows_s, n);\n"
+        "      __syncthreads();",
+        "tile_logits<T, C, HEAD_DIM, GROUP>(logits_s, q, p, task, rs, key_rows_s, n);"),
+    "missing __syncthreads between steps 0 and 1 (the row tables read while being written)": (
+        ATTENTION,
+        "tile_rows(key_rows_s, value_rows_s, p, task, tile_begin, n);\n      __syncthreads();",
+        "tile_rows(key_rows_s, value_rows_s, p, task, tile_begin, n);"),
+    "stale row tables: step 0 only for a partition's first tile": (
+        ATTENTION,
+        "      tile_rows(key_rows_s, value_rows_s, p, task, tile_begin, n);",
+        "      if (tile_begin == task.begin) tile_rows(key_rows_s, value_rows_s, p, task, tile_begin, n);"),
+    "soft cap and ALiBi skipped when only one of them is on": (
+        ATTENTION,
+        "if (soft_cap || alibi) {  // uniform across the thread block",
+        "if (soft_cap && alibi) {  // uniform across the thread block"),
     "shuffle inside a divergent branch": (
         ATTENTION,
         "      dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end\n"
