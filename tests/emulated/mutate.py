@@ -1,7 +1,7 @@
 """Proves that the emulated kernel tests bite: plants realistic bugs in copies of the CUDA kernels, runs the emulated
 suite (tests/emulated/test_emulated_kernels.py) on each, and reports which check caught it.
 
-    .venv/bin/python tests/emulated/mutate.py [--only NAME ...] [--jobs N]
+    .venv/bin/python tests/emulated/mutate.py [--only NAME ...]
 
 Each mutant is one textual change to a copy of the repository's csrc/cuda and tests/ in a scratch folder (the
 change must apply exactly once, so a mutant that no longer matches the source is reported, not silently skipped);
@@ -29,6 +29,7 @@ DECODE_MMA = "csrc/cuda/decode_mma_kernels.cuh"
 DECODE_MMA_TESTS = "tensor_cores_chunks or single_pass_every_head_dim"  # the tensor-core decode kernel's cases
 VARLEN_TESTS = "varlen"  # pytest -k: the tensor-core kernel's mutants run only the variable-length tests
 NONFINITE_TESTS = "nonfinite"  # and the NaN / inf mutants only the tests that plant them
+SEVERAL_TILES_TESTS = "several_tiles"  # the CUDA-core decode over several tiles per partition
 SINK_TESTS = "sinks or lse"  # the attention sinks' and the lse's mutants, their tests
 
 # name -> (file, text, replacement[, pytest -k expression])
@@ -45,11 +46,12 @@ MUTANTS = {
     "stale row tables: step 0 only for a partition's first tile": (
         ATTENTION,
         "      tile_rows(key_rows_s, value_rows_s, p, task, tile_begin, n);",
-        "      if (tile_begin == task.begin) tile_rows(key_rows_s, value_rows_s, p, task, tile_begin, n);"),
+        "      if (tile_begin == task.begin) tile_rows(key_rows_s, value_rows_s, p, task, tile_begin, n);",
+        SEVERAL_TILES_TESTS),
     "soft cap and ALiBi skipped when only one of them is on": (
         ATTENTION,
         "if (soft_cap || alibi) {  // uniform across the thread block",
-        "if (soft_cap && alibi) {  // uniform across the thread block"),
+        "if (soft_cap && alibi) {  // uniform across the thread block", SEVERAL_TILES_TESTS),
     "shuffle inside a divergent branch": (
         ATTENTION,
         "      dot = sum_over_lanes<R::LANES>(dot);  // every lane takes part, also past the tile's end\n"

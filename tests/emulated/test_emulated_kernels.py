@@ -322,6 +322,17 @@ def test_attention_many_partitions_and_wide_block_tables(driver, tmp_path):
     check_attention(driver, case, tmp_path)
 
 
+@pytest.mark.parametrize("feature", ["plain", "alibi", "soft_cap", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float", "bf16"])
+def test_attention_cuda_core_several_tiles_per_partition(driver, tmp_path, dtype, feature):
+    """The CUDA-core decode kernel over sequences of several 256-token tiles in one partition (single pass): each
+    tile's row tables (step 0) and its ALiBi positions (step 2) are its own, not the first tile's; lengths at and
+    just past a tile's end. ALiBi and soft cap each alone, and together."""
+    case = attention_case([700, 257, 256, 513], 4, 2, 64, 16, dtype, alibi=feature in ("alibi", "both"),
+                          soft_cap=5.0 if feature in ("soft_cap", "both") else None, tensor_cores=False)
+    check_attention(driver, case, tmp_path)
+
+
 @pytest.mark.parametrize("window", [None, 50], ids=["no_window", "window50"])
 def test_attention_partitions_looped_inside_a_thread_block(driver, tmp_path, window):
     """Few SMs: the plan's slots (grid.z = 4) are fewer than the partitions a sequence needs (the table's 336 tokens:
