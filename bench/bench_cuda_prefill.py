@@ -3,7 +3,7 @@ matmul throughput torch.matmul reaches on the same GPU in the same run, and agai
 same keys/values laid out contiguously.
 
 Cases (32 query heads, 8 kv heads, head dim 128, bf16, block 16 unless told otherwise):
-  prefill   one 4096-token prompt (the target: >= 30% of the matmul throughput)
+  prefill   one 4096-token prompt (the target: >= 50% of the matmul throughput; issue 23)
   chunk     a 1024-token chunk after a cached 3072-token prefix
   mixed     the 4096-token prompt and 64 decodes of 2048 tokens in one call (max_query_len given: no sync)
 FLOPs count the causal work only: 4 * num_heads * head_dim * (keys each query row attends to), summed.

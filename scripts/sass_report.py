@@ -3,6 +3,7 @@
     python scripts/sass_report.py paged_attn/_C*.so            # the report (scripts/setup.sh: build/sass_report.txt)
     python scripts/sass_report.py --json FILE                  # the same, as JSON
     python scripts/sass_report.py --check-decode FILE          # exit 1 unless the decode targets below are met
+    python scripts/sass_report.py --check-prefill FILE         # the same for the prefill targets
     python scripts/sass_report.py --kernels 'decode_mma_kernel<bf16' FILE   # only these kernels (faster)
     python scripts/sass_report.py --baseline bench/sass_baseline.json FILE      # before -> after; exit 1 if worse
     (FILE may also be a report saved with --json or --json-out: nothing is disassembled then)
@@ -67,6 +68,13 @@ SM90 = dict(sms=132, clock_hz=1.98e9, hbm_bytes_per_s=4.8e12, issue_per_clock=4,
 # the same machine code.
 DECODE_TARGETS = dict(ceiling=1.5, in_flight_bytes=32 * 1024, local_bytes=0)
 DECODE_KERNEL = re.compile(r"^decode_mma_kernel<(bf16|half), 128>$")
+
+# The prefill targets (issue 23): the tensor-core kernel of query_start_loc, bfloat16 and float16 over caches of the
+# same dtype, head dims 64, 128 and 256. Its main loop is the streaming loop with the largest HMMA share (the
+# unmasked key steps without soft cap or ALiBi); "issued per key step" is its instruction count, every instruction
+# of the loop body counted once.
+PREFILL_TARGETS = dict(hmma_share=0.15, blocks_per_sm=2, local_bytes=0, generic=0)
+PREFILL_KERNEL = re.compile(r"^varlen_attention_kernel<(bf16|half), (bf16|half), (64|128|256)>$")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -265,6 +273,10 @@ class Loop:
     def per_16_bytes(self):
         return self.instructions * 16 / self.bytes_per_lane if self.bytes_per_lane else math.inf
 
+    @property
+    def hmma_share(self):
+        return self.hmma / self.instructions if self.instructions else 0.0
+
 
 def analyse_loop(body):
     loads, generic, shared, hmma, shuffles, nbytes = {}, 0, 0, 0, 0, 0
@@ -394,6 +406,31 @@ def decode_targets(kernels):
     return rows
 
 
+def main_loop(kernel):
+    """The streaming loop with the largest HMMA share (None: none has HMMA)."""
+    loops = [loop for loop in kernel.loops if loop.hmma]
+    return max(loops, key=lambda loop: loop.hmma_share) if loops else None
+
+
+def prefill_targets(kernels):
+    """[(kernel, main loop, [failed target, ...])] for the prefill kernels the targets apply to."""
+    rows = []
+    for k in kernels:
+        if PREFILL_KERNEL.match(k.name):
+            loop = main_loop(k)
+            failed = []
+            if loop is None or loop.hmma_share < PREFILL_TARGETS["hmma_share"]:
+                failed.append("HMMA share")
+            if loop is None or loop.generic > PREFILL_TARGETS["generic"]:
+                failed.append("generic loads/stores")
+            if k.blocks_per_sm is None or k.blocks_per_sm < PREFILL_TARGETS["blocks_per_sm"]:
+                failed.append("blocks per SM")
+            if k.local_bytes > PREFILL_TARGETS["local_bytes"]:
+                failed.append("local memory")
+            rows.append((k, loop, failed))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Printing.
 
@@ -420,7 +457,8 @@ def print_report(kernels, out=sys.stdout):
         for loop in k.loops:
             loads = " ".join(f"{key}x{n}" for key, n in sorted(loop.loads.items()))
             print(f"  {k.name} [{loop.first:#06x}-{loop.last:#06x}]: {loop.instructions} instructions, "
-                  f"{loop.bytes_per_lane} B ({loads}), {loop.per_16_bytes:.1f} per 16 B, HMMA {loop.hmma}, "
+                  f"{loop.bytes_per_lane} B ({loads}), {loop.per_16_bytes:.1f} per 16 B, HMMA {loop.hmma} "
+                  f"({loop.hmma_share:.1%}), "
                   f"SHFL {loop.shuffles}, LDS/STS {loop.shared}, generic LD/ST {loop.generic}, "
                   f"in flight {loop.in_flight_per_lane} B", file=out)
     rows = decode_targets(kernels)
@@ -434,6 +472,18 @@ def print_report(kernels, out=sys.stdout):
             print(f"  {k.name}: {fmt(k.ceiling and round(100 * k.ceiling))}%, "
                   f"{fmt(k.in_flight_per_sm and k.in_flight_per_sm / 1024, '.1f')} KB, local {k.local_bytes} B: "
                   f"{verdict}", file=out)
+    rows = prefill_targets(kernels)
+    if rows:
+        print(file=out)
+        print(f"Prefill targets (tensor-core kernel, bf16/fp16, head dims 64/128/256; its main loop = the streaming "
+              f"loop with the largest HMMA share): HMMA >= {PREFILL_TARGETS['hmma_share']:.0%} of its instructions, "
+              f"no generic loads/stores in it, >= {PREFILL_TARGETS['blocks_per_sm']} blocks per SM, no local memory",
+              file=out)
+        for k, loop, failed in rows:
+            verdict = "met" if not failed else "NOT met: " + ", ".join(failed)
+            share = f"{loop.hmma} HMMA of {loop.instructions} = {loop.hmma_share:.1%}" if loop else "no HMMA loop"
+            print(f"  {k.name}: {share}, {fmt(k.blocks_per_sm)} blocks/SM, local {k.local_bytes} B: {verdict}",
+                  file=out)
 
 
 def to_json(kernels):
@@ -485,6 +535,7 @@ def main():
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--json-out", metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument("--check-decode", action="store_true", help="exit 1 unless the decode targets are met")
+    parser.add_argument("--check-prefill", action="store_true", help="exit 1 unless the prefill targets are met")
     parser.add_argument("--kernels", metavar="REGEX", help="only the kernels whose short names match")
     parser.add_argument("--baseline", metavar="JSON", help="compare with an earlier --json report; exit 1 if a "
                         "kernel got worse")
@@ -494,7 +545,8 @@ def main():
         sys.exit("sass_report: no binary given and no paged_attn/_C*.so")
     if path.endswith(".json"):
         with open(path) as f:
-            kernels = [Kernel(**{**k, "loops": []}) for k in json.load(f)]
+            kernels = [Kernel(**{**k, "loops": [Loop(**{f: v for f, v in loop.items() if f != "per_16_bytes"})
+                                                for loop in k["loops"]]}) for k in json.load(f)]
         kernels = [k for k in kernels if not args.kernels or re.search(args.kernels, k.name)]
     else:
         kernels = report(path, args.kernels)
@@ -517,6 +569,10 @@ def main():
         rows = decode_targets(kernels)
         if not rows or any(failed for _, failed in rows):
             sys.exit("sass_report: decode targets not met" if rows else "sass_report: no decode kernels found")
+    if args.check_prefill:
+        rows = prefill_targets(kernels)
+        if not rows or any(failed for _, _, failed in rows):
+            sys.exit("sass_report: prefill targets not met" if rows else "sass_report: no prefill kernels found")
 
 
 if __name__ == "__main__":

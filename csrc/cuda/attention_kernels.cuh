@@ -143,6 +143,24 @@ __device__ __forceinline__ void from_float(float& out, float x) { out = x; }
 __device__ __forceinline__ void from_float(__half& out, float x) { out = __float2half_rn(x); }
 __device__ __forceinline__ void from_float(__nv_bfloat16& out, float x) { out = __float2bfloat16_rn(x); }
 
+// tanh(x) = 1 - 2 / (exp(2x) + 1), from one exp and one approximate division (tanhf costs ~30 instructions in a
+// loop; the tensor-core kernels' soft cap): absolute error ~1e-7 (logits_soft_cap * 1e-7 on a logit), +-1 for |x|
+// large (exp gives inf or 0).
+__device__ __forceinline__ float fast_tanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
+
+// 2^x in one instruction (ex2.approx.ftz: relative error 2^-22, results below 2^-126 flushed to 0; __expf is the
+// same instruction after multiplying by log2(e), but for subnormal handling that costs it three more). The
+// tensor-core prefill keeps its softmax in base 2, with log2(e) folded into the scale. (Emulated: exp2f.)
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef PAGED_ATTN_EMULATED
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 __device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[4], float) {
   const float4 x = *reinterpret_cast<const float4*>(&v);
   f[0] = x.x, f[1] = x.y, f[2] = x.z, f[3] = x.w;

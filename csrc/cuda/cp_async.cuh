@@ -2,6 +2,7 @@
 //   cp_async_16(dst, src, in_bounds)  starts a copy of 16 bytes from global `src` to shared `dst` (both 16-byte
 //                                     aligned); in_bounds false: `src` is not read and `dst` is filled with zeros
 //                                     (src-size 0). The bytes land in `dst` at some time before the wait below.
+//   cp_async_16(dst, src)             the same, always in bounds.
 //   cp_async_commit()                 closes the copies this thread started since its last commit into a group.
 //   cp_async_wait<N>()                waits until at most N of this thread's groups are pending (the oldest
 //                                     complete first); copies not yet committed are in no group
@@ -23,6 +24,9 @@ namespace paged_attn {
 inline void cp_async_16(void* dst, const void* src, bool in_bounds, simt::Site site = simt::Site::here()) {
   simt::cp_async_16(dst, src, in_bounds, site);
 }
+inline void cp_async_16(void* dst, const void* src, simt::Site site = simt::Site::here()) {
+  simt::cp_async_16(dst, src, true, site);
+}
 inline void cp_async_commit(simt::Site site = simt::Site::here()) { simt::cp_async_commit(site); }
 template <int N>
 inline void cp_async_wait(simt::Site site = simt::Site::here()) {
@@ -37,6 +41,16 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool in_
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                    static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
                "l"(src), "r"(in_bounds ? 16 : 0)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src)
                : "memory");
 #else
   __trap();

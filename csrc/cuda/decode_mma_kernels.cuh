@@ -152,10 +152,6 @@ __device__ __forceinline__ void load_query_fragments(uint32_t (&q)[HEAD_DIM / 16
   }
 }
 
-// tanh(x) = 1 - 2 / (exp(2x) + 1), from one exp and one approximate division (tanhf costs ~30 instructions in the
-// loop): absolute error ~1e-7 (logits_soft_cap * 1e-7 on a logit), +-1 for |x| large (exp gives inf or 0).
-__device__ __forceinline__ float fast_tanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
-
 // The kernel. Shared memory: decode_mma_shared_bytes(HEAD_DIM) bytes, dynamic (the plan's shared_bytes): the warps'
 // stages, then (after each partition) the warps' records for the merge.
 template <typename T, int HEAD_DIM>

@@ -237,54 +237,36 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
 
 constexpr int kVarlenThreads = 128;        // 4 warps
 constexpr int kVarlenRows = 64;            // query rows of a thread block: 16 per warp, (token, query head) pairs
-constexpr int kVarlenAlignment = 128;      // bytes: the dynamic shared memory's regions start at multiples of it
 
-// The head dims with a tensor-core instantiation (multiples of 16, the wmma tile; 120 is not).
+// The head dims with a tensor-core instantiation (multiples of 16, the k of mma.m16n8k16; 120 is not).
 using VarlenHeadDims = IntList<64, 80, 96, 128, 256>;
 
-// Keys per tile: their K and V rows are gathered into shared memory together.
-constexpr int varlen_key_tile(int head_dim) { return head_dim <= 128 ? 64 : 32; }
+// Keys per step: their K and V rows are copied into shared memory together (head dim 256: 16, so that two stages
+// of K and V and Q fit the 99 KiB of shared memory of every GPU the build targets).
+constexpr int varlen_key_tile(int head_dim) { return head_dim <= 128 ? 64 : 16; }
 
-constexpr int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
-
-// The dynamic shared memory of the tensor-core kernel, in bytes from a kVarlenAlignment-aligned base (the kernel
-// aligns the base itself; shared_bytes adds the slack). Leading dimensions (in elements) are padded to spread rows
-// over the banks, keeping wmma's 256-bit alignment of every 16-row / 16-column fragment.
+// The dynamic shared memory of the tensor-core kernel, in bytes from its (16-byte aligned) base. Rows of Q, K and V
+// hold head_dim + 8 elements: 16 bytes of padding put the 8 rows of an ldmatrix in 8 different groups of 4 banks.
 struct VarlenSmem {
-  int64_t qkv_ld, s_ld, p_ld, o_ld;  // leading dims: Q/K/V (elements), S (floats), P (elements), O (floats)
-  int64_t q, k, v;                   // Q [kVarlenRows][qkv_ld], K and V [key_tile][qkv_ld] (the input type)
-  int64_t o;                         // O [kVarlenRows][o_ld] floats, at the end: over Q, K and V
-  int64_t s, pr;                     // S [kVarlenRows][s_ld] floats; P [kVarlenRows][p_ld] (the input type)
-  int64_t rescale;                   // [kVarlenRows][16] floats: each row's rescale of the last tile, 16 times
-  int64_t row_pos, row_slope;        // [kVarlenRows] int32 / floats: each row's position and ALiBi slope
-  int64_t bytes;                     // the total
+  int64_t row;                 // elements per row of Q, K and V (head_dim + 8)
+  int64_t q;                   // Q [kVarlenRows][row] (the input type)
+  int64_t tiles;               // 4 x [key_tile][row] (the input type): K stages 0, 1 and V stages 0, 1; fp8 caches:
+                               // K, V, then two stages of the stored bytes ([key_tile][head_dim] K, then V)
+  int64_t offsets;             // [2][key_tile] RowOffsets: each key's K and V row offsets, for two steps
+  int64_t row_pos, row_slope;  // [kVarlenRows] int32 / floats: each row's position and ALiBi slope
+  int64_t bytes;               // the total
 };
 
 constexpr VarlenSmem varlen_smem(int64_t head_dim, int64_t element_bytes) {
   const int64_t key_tile = varlen_key_tile(static_cast<int>(head_dim));
   VarlenSmem m{};
-  m.qkv_ld = head_dim + 16 / element_bytes;
-  m.s_ld = key_tile + 4;
-  m.p_ld = key_tile + 16 / element_bytes;
-  m.o_ld = head_dim + 4;
-  const auto region = [](int64_t& at, int64_t bytes) {
-    const int64_t start = at;
-    at = round_up(at + bytes, kVarlenAlignment);
-    return start;
-  };
-  int64_t at = 0;
-  m.q = region(at, kVarlenRows * m.qkv_ld * element_bytes);
-  m.k = region(at, key_tile * m.qkv_ld * element_bytes);
-  m.v = region(at, key_tile * m.qkv_ld * element_bytes);
-  m.o = 0;
-  at = at > round_up(kVarlenRows * m.o_ld * 4, kVarlenAlignment) ? at : round_up(kVarlenRows * m.o_ld * 4,
-                                                                                  kVarlenAlignment);
-  m.s = region(at, kVarlenRows * m.s_ld * 4);
-  m.pr = region(at, kVarlenRows * m.p_ld * element_bytes);
-  m.rescale = region(at, kVarlenRows * 16 * 4);
-  m.row_pos = region(at, kVarlenRows * 4);
-  m.row_slope = region(at, kVarlenRows * 4);
-  m.bytes = at;
+  m.row = head_dim + 8;
+  m.q = 0;
+  m.tiles = m.q + kVarlenRows * m.row * element_bytes;
+  m.offsets = m.tiles + 4 * key_tile * m.row * element_bytes;
+  m.row_pos = m.offsets + 2 * key_tile * 16;
+  m.row_slope = m.row_pos + kVarlenRows * 4;
+  m.bytes = m.row_slope + kVarlenRows * 4;
   return m;
 }
 
@@ -302,7 +284,7 @@ struct VarlenPlan {
   int sliding_window = 0;   // as in AttentionPlan
   Grid grid;                // (num_tokens / tokens_per_tile + num_seqs, num_kv_heads * head_chunks, 1)
   int threads = kVarlenThreads;
-  int shared_bytes = 0;     // dynamic shared memory (varlen_smem + alignment slack)
+  int shared_bytes = 0;     // dynamic shared memory (varlen_smem)
   std::string error;        // "" or why the call cannot be launched
 };
 
@@ -349,7 +331,7 @@ inline VarlenPlan plan_varlen_attention(int64_t num_seqs, int64_t num_tokens, in
   plan.sliding_window = sliding_window >= plan.max_context ? 0 : static_cast<int>(sliding_window);
   plan.grid = {num_tokens / plan.tokens_per_tile + num_seqs, num_kv_heads * head_chunks, 1};
   plan.error = grid_error(plan.grid, "num_tokens / tokens_per_tile + num_seqs", "num_kv_heads * head_chunks", "1");
-  plan.shared_bytes = static_cast<int>(varlen_smem(head_dim, element_bytes).bytes + kVarlenAlignment);
+  plan.shared_bytes = static_cast<int>(varlen_smem(head_dim, element_bytes).bytes);
   if (plan.error.empty() && plan.shared_bytes > kMaxOptInSharedBytes) {
     plan.error = "needs " + std::to_string(plan.shared_bytes) + " bytes of shared memory (at most " +
                  std::to_string(kMaxOptInSharedBytes) + ")";

@@ -1,5 +1,6 @@
 // Paged attention for sequences with several query rows (prefills, prefill chunks after a cached prefix), on tensor
-// cores through nvcuda::wmma: FlashAttention-2's algorithm over the paged cache. The parameters are the decode
+// cores: FlashAttention-2's algorithm over the paged cache, on mma.sync m16n8k16 and ldmatrix (mma.cuh, whose
+// opening comment gives the fragment layouts) with cp.async copies (cp_async.cuh). The parameters are the decode
 // kernels' (AttentionParams, attention_kernels.cuh); the launch comes from plan_varlen_attention (launch_plan.h).
 //
 // Math, as in attention_kernels.cuh: the i-th of the q_s query rows of sequence s (length L) sits at position
@@ -20,38 +21,42 @@
 // at most one more: launch_plan.h); a block finds its sequence by binary search over query_start_loc. The range is
 // walked backwards, so that the tiles with the most keys (the last rows of long sequences) start first.
 //
-// Per tile, with N = key_tile keys per step (64; 32 above head dim 128), over the keys [key_begin, key_end) that
-// some row of the tile sees (causal: up to the tile's last position; window: from its first position's start):
-//   1. gather   all threads copy the N keys' K and V rows (16-byte loads through the block table) into shared
-//               memory, as the input type (an fp8 cache's values converted: exact, every fp8 value is a half and a
-//               bfloat16); rows past key_end are zeros (their slots may be NaN-poisoned or unowned). A key step
-//               whose values hold an inf or NaN is marked (__syncthreads_or): see 4a and 4b.
-//   2. logits   each warp owns 16 rows: S = Q K^T (16 x N) with wmma m16n16k16 (Q and K from shared memory), in
-//               float32, stored to shared memory.
-//   3. softmax  lanes 2r and 2r + 1 own row r of the warp: scale, soft cap, ALiBi and the causal/window mask per
-//               element, then the online softmax (running max m and sum l, float32, in those two lanes'
-//               registers); P = exp(x - m) is written in the input type, and l sums P as written. Each row's
-//               rescale exp(m_old - m_new) goes to shared memory.
-//   4. values   O (16 x head_dim, float32 accumulator fragments in registers) is rescaled row by row, then
-//               O += P V with wmma. A fragment's element layout is unspecified, so the rescale reaches the elements
-//               as a fragment loaded from a 16 x 16 matrix whose row r holds row r's rescale (written in step 3).
-//   4a, 4b      only in a key step whose values hold an inf or NaN (none in a sane cache: no cost otherwise):
-//               P V takes 0 in their place, since a masked p = 0 times NaN or inf is NaN (and would reach rows
-//               that cannot see the key); then each row adds p v for those values among the keys it sees (the
-//               values as they were, moved to k_s, free after step 2), as a fragment loaded from a 16 x 16 matrix
-//               per 16 columns of O.
+// Q (64 rows, zeros where there is no row) is copied into shared memory once; warp w owns rows 16w .. 16w + 15.
+// The keys some row of the tile sees, [key_begin, key_end), are walked in steps of N = varlen_key_tile keys (64;
+// 16 at head dim 256). Per step, with two stages of K and V in shared memory:
+//   0. offsets  threads 0 .. N - 1 compute the next step's K and V row offsets (one block-table load per key, no
+//               division per row) into shared memory (FlashInfer's kv_offset_smem); the copies read them there.
+//   1. K        wait for this step's K; barrier; the next step's K rows start copying into the other stage
+//               (cp.async, 16 bytes a copy, zero-filled past key_end), in flight during all of this step.
+//   2. logits   S = Q K^T (16 x N per warp) on tensor cores: Q by ldmatrix, K by ldmatrix (its rows are the B
+//               operand's columns); S stays in registers: lane (g, t) = (lane / 4, lane % 4) holds rows g and
+//               g + 8, columns 8j + 2t and 8j + 2t + 1 of each 8-key tile j.
+//   3. softmax  scale, soft cap, ALiBi (and in masked steps, below, the causal/window mask) per element; each row's
+//               max over its quad (2 shuffles), the running max and sum (FlashAttention-2's online softmax) in the
+//               quad's registers; O rescaled; P = exp(x - max) rounded to the input type as FlashAttention-2 does.
+//   4. V        wait for this step's V; barrier; the next step's V rows start copying into the other stage (so V
+//               of this step and K and V of the next are in flight while P V and the next logits run).
+//   5. values   O += P V (16 x head_dim per warp, float32 accumulators in registers): P's A fragments are S's
+//               accumulator registers, packed in pairs (the layouts line up), V by ldmatrix.trans.
+// A step is "masked" when some row of the tile does not see some of its keys (the causal diagonal, the window's
+// start, keys past key_end); the others, where every row sees every key, skip the mask. Masked steps run first,
+// in their own loop, then the unmasked ones: the loop that does most of the work has no masking code.
 // Masked logits are replaced by -inf (a select: a NaN or inf key's logit must not survive the mask), so a key's
-// NaN or inf reaches exactly the rows that see it, as in the reference.
-// Then O / l is staged through shared memory (over Q, K and V) and written as the input type (row_sum of
-// attention_kernels.cuh: with the row's sink; and row_lse).
+// NaN or inf reaches exactly the rows that see it, as in the reference. A NaN or inf value is harder: a masked
+// p = 0 times it is NaN in P V. So masked steps look for them in V (each thread in the rows it copied); only where
+// there is one (never in a sane cache: no cost otherwise, and none in unmasked steps, where every row sees every
+// value), the values as they are move to the free K stage, P V takes 0 in their place, and each lane adds p v for
+// those values among the keys its rows see (P from shared memory, exactly as the product used it).
+// Then out = O / l (row_sum of attention_kernels.cuh: with the row's sink; and row_lse) is written from the
+// accumulators: lane (g, t) writes rows g and g + 8, elements 8j + 2t, + 1.
 //
-// fp8 caches (AttentionParams<T, Fp8>): K and V hold the stored values in shared memory; k_scale multiplies the
-// logits with the softmax scale (q . (k_scale k) = k_scale (q . k)) and v_scale the output with 1 / l.
+// fp8 caches (AttentionParams<T, Fp8>): the stored bytes are copied (cp.async) into two stages of their own, and
+// each thread converts the rows it copied (exactly: every fp8 value is a half and a bfloat16) into one K and one V
+// tile of T, after its wait and before the barrier; k_scale multiplies the logits with the softmax scale
+// (q . (k_scale k) = k_scale (q . k)) and v_scale the output with 1 / l.
 //
-// Shared memory (varlen_smem in launch_plan.h; about 81 KiB at head dim 128 and 84 KiB at 256, bf16):
-// Q [64][D + 8], K and V [N][D + 8], S [64][N + 4] float, P [64][N + 8], the rescale [64][16] float, and each
-// row's position and slope.
-// Rows are padded to spread them over the banks; every wmma pointer stays 256-bit aligned.
+// Shared memory (varlen_smem in launch_plan.h; 87.5 KiB at head dim 128, 67 KiB at 256, 47.5 KiB at 64): Q, four
+// K/V tiles, the key rows of two steps, each row's position and slope: two thread blocks or more per SM.
 #pragma once
 
 #include <cmath>
@@ -59,13 +64,11 @@
 #include <type_traits>
 
 #include "attention_kernels.cuh"
+#include "cp_async.cuh"
 #include "device.cuh"
 #include "launch_plan.h"
+#include "mma.cuh"
 #include "paged_cache.cuh"
-
-#ifndef PAGED_ATTN_EMULATED
-#include <mma.h>
-#endif
 
 namespace paged_attn {
 
@@ -165,37 +168,76 @@ __device__ __forceinline__ bool store_cache_vec(T* dst, const uint4& v, __nv_fp8
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel.
 
+// The kernel's compile-time shape.
+template <typename T, typename C, int HEAD_DIM>
+struct VarlenShape {
+  static constexpr int N = varlen_key_tile(HEAD_DIM);     // keys per step
+  static constexpr VarlenSmem kSmem = varlen_smem(HEAD_DIM, sizeof(T));
+  static constexpr int ROW = static_cast<int>(kSmem.row);  // elements per row of Q, K and V in shared memory
+  static constexpr int TILE = N * ROW;                     // elements of one K or V tile
+  static constexpr bool kFp8 = !std::is_same_v<C, T>;
+  static constexpr int KSTEPS = HEAD_DIM / 16;             // k steps of S = Q K^T (16 dims each)
+  static constexpr int NTILES = N / 8;                     // 8-key tiles of S
+  static constexpr int DTILES = HEAD_DIM / 8;              // 8-dim tiles of O
+  static constexpr int VEC = 16 / static_cast<int>(sizeof(C));  // cache elements per copy (16 bytes)
+  static constexpr int ROW_VECS = HEAD_DIM / VEC;          // copies per row
+  static constexpr int COPIES = N * ROW_VECS;              // copies per cache and step
+  static constexpr int PER_THREAD = (COPIES + kVarlenThreads - 1) / kVarlenThreads;
+  // Which copies a thread makes. Paired (where the sizes allow): the row's first ROW_VECS / 2 threads each copy
+  // vector k and k + ROW_VECS / 2 of it, so a warp's copy instruction reads whole 32-byte sectors and a thread
+  // loads one row address per two copies; else copy c is vector tid + kVarlenThreads c of the N rows.
+  static constexpr int HALF = ROW_VECS / 2, PASS_ROWS = HALF > 0 ? kVarlenThreads / HALF : 0;
+  static constexpr bool kPaired = ROW_VECS % 2 == 0 && kVarlenThreads % HALF == 0 && N % PASS_ROWS == 0 &&
+                                  COPIES % kVarlenThreads == 0;
+  struct Copy {
+    int row, element;  // row j of the N, elements [element, element + VEC)
+    bool exists;
+  };
+  static __device__ __forceinline__ Copy copy(int tid, int c) {
+    if constexpr (kPaired) {
+      return {tid / HALF + (c / 2) * PASS_ROWS, VEC * (tid % HALF + (c % 2) * HALF), true};
+    } else {
+      const int i = tid + kVarlenThreads * c;
+      return {i / ROW_VECS, VEC * (i % ROW_VECS), COPIES % kVarlenThreads == 0 || i < COPIES};
+    }
+  }
+  static_assert(HEAD_DIM % 16 == 0 && N % 16 == 0 && kVarlenRows == 16 * (kVarlenThreads / 32), "the mma tiles");
+  static_assert(HEAD_DIM % VEC == 0 && ROW >= kVarlenRows, "whole copies; P (64 x N) fits a tile");
+  static_assert(!kFp8 || 4 * N * HEAD_DIM <= 2 * TILE * static_cast<int>(sizeof(T)), "the stored bytes' stages");
+};
+
+// A key's K and V rows (of the tile's kv head) in the caches; nullptr past key_end.
+template <typename C>
+struct alignas(16) KeyRows {
+  const C* key;
+  const C* value;
+};
+
 template <typename T, typename C, int HEAD_DIM>  // C: the cache's element type (T, or Fp8)
-__global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const AttentionParams<T, C> p) {
+__global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(const AttentionParams<T, C> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  __trap();  // bfloat16 wmma needs sm_80; the launcher takes the decode kernel's path on older GPUs
+  __trap();  // mma.sync on bfloat16 and cp.async need sm_80; the launcher takes the decode kernel's path before
 #else
-  namespace wmma = nvcuda::wmma;
-  constexpr VarlenSmem kSmem = varlen_smem(HEAD_DIM, sizeof(T));
-  constexpr int N = varlen_key_tile(HEAD_DIM);
-  constexpr int QKV_LD = kSmem.qkv_ld, S_LD = kSmem.s_ld, P_LD = kSmem.p_ld, O_LD = kSmem.o_ld;
-  constexpr int VEC = 16 / static_cast<int>(sizeof(C));  // cache elements per 16-byte vector
-  constexpr int ROW_VECS = HEAD_DIM / VEC;
-  constexpr int D_FRAGS = HEAD_DIM / 16, N_FRAGS = N / 16;
-  using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-  static_assert(HEAD_DIM % 16 == 0 && N % 16 == 0 && kVarlenRows == 16 * (kVarlenThreads / 32), "the wmma tiles");
+  using S = VarlenShape<T, C, HEAD_DIM>;
+  constexpr int N = S::N, ROW = S::ROW;
+  constexpr VarlenSmem kSmem = S::kSmem;
 
   const VarlenTile tile = varlen_tile(p);
   if (!tile.active) return;  // uniform across the thread block
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 
-  PA_EXTERN_SHARED(uint4, smem_raw);
-  char* const smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + kVarlenAlignment - 1) /
-                                             kVarlenAlignment * kVarlenAlignment);
-  T* const q_s = reinterpret_cast<T*>(smem + kSmem.q);               // [kVarlenRows][QKV_LD]
-  T* const k_s = reinterpret_cast<T*>(smem + kSmem.k);               // [N][QKV_LD]
-  T* const v_s = reinterpret_cast<T*>(smem + kSmem.v);               // [N][QKV_LD]
-  float* const o_s = reinterpret_cast<float*>(smem + kSmem.o);       // [kVarlenRows][O_LD], at the end
-  float* const s_s = reinterpret_cast<float*>(smem + kSmem.s);       // [kVarlenRows][S_LD]
-  T* const p_s = reinterpret_cast<T*>(smem + kSmem.pr);              // [kVarlenRows][P_LD]
-  float* const rescale_s = reinterpret_cast<float*>(smem + kSmem.rescale);  // [kVarlenRows][16]
-  int* const row_pos_s = reinterpret_cast<int*>(smem + kSmem.row_pos);      // [kVarlenRows]; -1: no row
-  float* const row_slope_s = reinterpret_cast<float*>(smem + kSmem.row_slope);  // [kVarlenRows]
+  PA_EXTERN_SHARED(uint4, smem_u4);
+  char* const smem = reinterpret_cast<char*>(smem_u4);
+  T* const q_s = reinterpret_cast<T*>(smem + kSmem.q);          // [kVarlenRows][ROW]
+  T* const tiles = reinterpret_cast<T*>(smem + kSmem.tiles);    // 4 x [N][ROW]
+  KeyRows<C>* const rows_s = reinterpret_cast<KeyRows<C>*>(smem + kSmem.offsets);  // [2][N]
+  int* const row_pos_s = reinterpret_cast<int*>(smem + kSmem.row_pos);                // [kVarlenRows]; -1: no row
+  float* const row_slope_s = reinterpret_cast<float*>(smem + kSmem.row_slope);        // [kVarlenRows]
+  // Stage s's K and V tiles (T = C: K stages 0, 1, V stages 0, 1; fp8: one K and one V tile of T), and for fp8 the
+  // stored bytes' stages (K [N][HEAD_DIM], then V).
+  const auto k_tile = [&](int stage) { return tiles + (S::kFp8 ? 0 : stage) * S::TILE; };
+  const auto v_tile = [&](int stage) { return tiles + (S::kFp8 ? 1 : 2 + stage) * S::TILE; };
+  const auto stored = [&](int stage) { return reinterpret_cast<C*>(tiles + 2 * S::TILE) + stage * 2 * N * HEAD_DIM; };
 
   // The tile's rows (token-major (token, head) pairs): positions, slopes, queries (zeros where there is no row).
   const auto has_row = [&](int r) { return r / p.heads_per_block < tile.tokens && r % p.heads_per_block < tile.heads; };
@@ -212,180 +254,332 @@ __global__ void __launch_bounds__(kVarlenThreads) varlen_attention_kernel(const 
       const int64_t row = tile.first_row + r / p.heads_per_block;
       x = p.query[row * p.query_row_stride + (tile.first_head + r % p.heads_per_block) * p.query_head_stride + d];
     }
-    q_s[r * QKV_LD + d] = x;
+    q_s[r * ROW + d] = x;
   }
-  __syncthreads();
 
-  // This warp's output rows, as accumulator fragments.
-  Accumulator o[D_FRAGS];
+  // The steps: i = 0 .. steps - 1 covers keys [key_begin + N i, + N). Unmasked: [lo, hi), where every row of the
+  // tile sees every key (key + N - 1 <= first_pos, and with a window key > last_pos - window); masked: the others.
+  const int W = p.sliding_window;
+  const int steps = (tile.key_end - tile.key_begin + N - 1) / N;
+  const int last_pos = tile.first_pos + tile.tokens - 1;
+  const int window_room = last_pos - W - tile.key_begin;  // (W > 0) steps i with N i > window_room
+  const int causal_room = tile.first_pos - tile.key_begin - N + 1;  // steps i with N i <= causal_room
+  const int lo = min(W == 0 || window_room < 0 ? 0 : window_room / N + 1, steps);
+  const int hi = max(min(causal_room < 0 ? 0 : causal_room / N + 1, steps), lo);
+
+  // Step 0 (the keys' rows) and the copies (steps 1 and 4).
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(tile.seq) * p.max_blocks_per_seq;
+  const int block_size = p.key_cache.block_size;  // 8, 16 or 32 (plan_varlen_attention)
+  const int block_shift = block_size == 8 ? 3 : block_size == 16 ? 4 : 5;
+  // (the tile's kv head's rows of token 0 of block 0, and the strides as unsigned: block entries are >= 0)
+  const C* const key_head = p.key_cache.data + tile.kv_head * p.key_cache.head_stride;
+  const C* const value_head = p.value_cache.data + tile.kv_head * p.value_cache.head_stride;
+  const uint64_t key_block_stride = p.key_cache.block_stride, key_token_stride = p.key_cache.token_stride;
+  const uint64_t value_block_stride = p.value_cache.block_stride, value_token_stride = p.value_cache.token_stride;
+  const auto fill_rows = [&](int slot, int step) {
+    if (tid < N) {
+      const int key = tile.key_begin + step * N + tid;
+      KeyRows<C> rows{nullptr, nullptr};
+      if (key < tile.key_end) {
+        const uint32_t block = static_cast<uint32_t>(block_table[key >> block_shift]);
+        const uint32_t offset = static_cast<uint32_t>(key & (block_size - 1));
+        rows.key = key_head + block * key_block_stride + offset * key_token_stride;
+        rows.value = value_head + block * value_block_stride + offset * value_token_stride;
+      }
+      rows_s[slot * N + tid] = rows;
+    }
+  };
+  // FULL: every key of the step is before key_end (the unmasked steps'), so no copy needs the zero fill. The rows'
+  // addresses are loaded first, then the copies start back to back (ptxas pads each run of LDGSTS that follows
+  // another shared-memory access with three no-ops).
+  const auto copy_rows = [&](auto full_tag, bool keys, int slot) {
+    const KeyRows<C>* const rows = rows_s + slot * N;
+    char* const tile_base = S::kFp8 ? reinterpret_cast<char*>(stored(slot) + (keys ? 0 : N * HEAD_DIM))
+                                    : reinterpret_cast<char*>(keys ? k_tile(slot) : v_tile(slot));
+    const C* src[S::PER_THREAD];
+    int dst[S::PER_THREAD];  // bytes from tile_base
 #pragma unroll
-  for (int f = 0; f < D_FRAGS; ++f) wmma::fill_fragment(o[f], 0.0f);
-  // The softmax row of this lane (lanes 2r and 2r + 1 share row r), its running max and sum.
-  const int row = warp * 16 + lane / 2, half = lane % 2;
-  const int pos = row_pos_s[row];
-  const float slope = row_slope_s[row];
+    for (int c = 0; c < S::PER_THREAD; ++c) {
+      const typename S::Copy copy = S::copy(tid, c);
+      const C* const row = copy.exists ? (keys ? rows[copy.row].key : rows[copy.row].value) : nullptr;
+      if constexpr (decltype(full_tag)::value) {
+        src[c] = row + copy.element;  // (not null)
+      } else {
+        src[c] = row != nullptr ? row + copy.element : nullptr;
+      }
+      dst[c] = S::kFp8 ? copy.row * HEAD_DIM + copy.element
+                      : (copy.row * ROW + copy.element) * static_cast<int>(sizeof(T));
+    }
+#pragma unroll
+    for (int c = 0; c < S::PER_THREAD; ++c) {
+      if (S::copy(tid, c).exists) {
+        if constexpr (decltype(full_tag)::value) {
+          cp_async_16(tile_base + dst[c], src[c]);
+        } else {
+          cp_async_16(tile_base + dst[c], src[c] != nullptr ? src[c] : p.key_cache.data, src[c] != nullptr);
+        }
+      }
+    }
+  };
+  // fp8: this thread's copies of stage `slot` converted into the K or V tile; whether one is an inf or NaN.
+  // T = C: whether one of this thread's copies in the V tile is an inf or NaN.
+  const auto own_rows = [&](bool keys, int slot) {
+    bool nonfinite = false;
+#pragma unroll
+    for (int c = 0; c < S::PER_THREAD; ++c) {
+      const typename S::Copy copy = S::copy(tid, c);
+      if (copy.exists) {
+        T* const row = (keys ? k_tile(slot) : v_tile(slot)) + copy.row * ROW + copy.element;
+        if constexpr (S::kFp8) {
+          const C* const src = stored(slot) + (keys ? 0 : N * HEAD_DIM) + copy.row * HEAD_DIM + copy.element;
+          nonfinite |= store_cache_vec<T, C>(row, *reinterpret_cast<const uint4*>(src), p.fp8_format);
+        } else {
+          (void)zero_nonfinite<T>(*reinterpret_cast<const uint4*>(row), nonfinite);
+        }
+      }
+    }
+    return nonfinite;
+  };
+
+  // This lane's rows (g and g + 8 of the warp's 16): positions, slopes, running max and sum; O. The softmax runs
+  // in base 2: run_max is the max of logit * log2(e), p = 2^(logit * log2(e) - run_max) = exp(logit - max).
+  int pos[2];
+  float slope[2], run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
+  float o[S::DTILES][4];  // O: tile jd, (row g, dims 8 jd + 2t, + 1), (row g + 8, the same dims)
+#pragma unroll
+  for (int jd = 0; jd < S::DTILES; ++jd) o[jd][0] = o[jd][1] = o[jd][2] = o[jd][3] = 0.0f;
+  constexpr float kLog2e = 1.4426950408889634f;
   const float inv_soft_cap = p.logits_soft_cap > 0.0f ? 1.0f / p.logits_soft_cap : 0.0f;
   const float logit_scale = p.k_scale != nullptr ? p.scale * *p.k_scale : p.scale;
-  float running_max = -INFINITY, running_sum = 0.0f;
-  const auto sees = [&](int t) { return t <= pos && (p.sliding_window == 0 || t > pos - p.sliding_window); };
+  const float logit_scale2 = logit_scale * kLog2e;
+  // Without soft cap and ALiBi, and with a positive scale, the max of the logits is the scaled max of q . k: the
+  // unmasked steps then take one FFMA and one ex2 per logit.
+  const bool plain = p.logits_soft_cap == 0.0f && p.alibi_slopes == nullptr && logit_scale2 > 0.0f;
+  const auto sees = [&](int row_pos, int key) { return key <= row_pos && (W == 0 || key > row_pos - W); };
+  // ldmatrix row addresses (lane l passes row l % 8 of matrix l / 8; mma.cuh):
+  //   Q (A, 16 x 16 at rows 16 w, dims 16 kk):  matrix m = (rows 8 (m & 1) .., dims 8 (m >> 1) ..);
+  //   K (B of two 8-key tiles, 16 dims):         matrix m = (keys 8 (m >> 1) .., dims 8 (m & 1) ..);
+  //   V (B of two 8-dim tiles, 16 keys, .trans): matrix m = (keys 8 (m & 1) .., dims 8 (m >> 1) ..).
+  const int q_lds = (warp * 16 + lane % 8 + 8 * ((lane / 8) & 1)) * ROW + 8 * (lane / 16);
+  const int k_lds = (lane % 8 + 8 * (lane / 16)) * ROW + 8 * ((lane / 8) & 1);
+  const int v_lds = (lane % 8 + 8 * ((lane / 8) & 1)) * ROW + 8 * (lane / 16);
 
-  const int32_t* block_table = p.block_tables + static_cast<int64_t>(tile.seq) * p.max_blocks_per_seq;
-  float* const s_w = s_s + warp * 16 * S_LD;  // this warp's 16 rows of S
-  T* const p_w = p_s + warp * 16 * P_LD;      // and of P
-  float* const rescale_w = rescale_s + warp * 16 * 16;  // and the rescale of each, repeated over 16 columns
-  for (int key0 = tile.key_begin; key0 < tile.key_end; key0 += N) {
-    const int n = min(N, tile.key_end - key0);
+  // One step: keys [key_begin + N i, + N) from stage `slot`; `next` (-1: none) is copied into stage slot ^ 1.
+  // MASKED: the causal/window mask and the inf/NaN values (and `next` may need the zero fill); FEATURES: soft cap,
+  // ALiBi, any scale (else `plain`).
+  const auto step = [&](auto masked_tag, auto features_tag, int i, int next, int slot) {
+    constexpr bool MASKED = decltype(masked_tag)::value, FEATURES = decltype(features_tag)::value;
+    const std::integral_constant<bool, !MASKED> full;  // every key of `next` is before key_end
+    const int key0 = tile.key_begin + i * N;
+    // 0. the next step's rows (read by its copies, after the barrier below)
+    if (next >= 0) fill_rows(slot ^ 1, next);
+    // 1. this step's K is here (its V may not be); the next step's K starts copying
+    cp_async_wait<1>();
+    if constexpr (S::kFp8) (void)own_rows(true, slot);
+    __syncthreads();  // K and the rows visible; every warp is done with the previous step
+    if (next >= 0) copy_rows(full, true, slot ^ 1);
+    cp_async_commit();
 
-    // 1. gather
-    bool nonfinite = false;  // this thread stored an inf or NaN value
-    for (int i = tid; i < N * ROW_VECS; i += kVarlenThreads) {
-      const int j = i / ROW_VECS, v = i % ROW_VECS;
-      uint4 key = {0, 0, 0, 0}, value = {0, 0, 0, 0};
-      if (j < n) {
-        key = *reinterpret_cast<const uint4*>(p.key_cache.row(block_table, key0 + j, tile.kv_head) + v * VEC);
-        value = *reinterpret_cast<const uint4*>(p.value_cache.row(block_table, key0 + j, tile.kv_head) + v * VEC);
+    // 2. S = Q K^T
+    const T* const k_s = k_tile(slot);
+    float x[S::NTILES][4];
+#pragma unroll
+    for (int j = 0; j < S::NTILES; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < S::KSTEPS; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, q_s + q_lds + 16 * kk);
+#pragma unroll
+      for (int j = 0; j < S::NTILES; j += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, k_s + j * 8 * ROW + k_lds + 16 * kk);
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_m16n8k16<T>(x[j], a, b0, x[j]);
+        mma_m16n8k16<T>(x[j + 1], a, b1, x[j + 1]);
       }
-      (void)store_cache_vec<T, C>(k_s + j * QKV_LD + v * VEC, key, p.fp8_format);
-      nonfinite |= store_cache_vec<T, C>(v_s + j * QKV_LD + v * VEC, value, p.fp8_format);
     }
-    const bool fix_values = __syncthreads_or(nonfinite);  // uniform across the thread block
 
-    // 2. logits: S = Q K^T (K^T is K read column-major)
-    {
-      Accumulator s[N_FRAGS];
+    // 3. softmax: element (j, e) is row g + 8 (e >> 1), key key0 + 8j + 2t + (e & 1); x becomes logit * log2(e)
+    // (FEATURES or MASKED), or stays q . k (plain: the max is taken on it, then scaled)
+    float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int j = 0; j < N_FRAGS; ++j) wmma::fill_fragment(s[j], 0.0f);
+    for (int j = 0; j < S::NTILES; ++j) {
 #pragma unroll
-      for (int kk = 0; kk < D_FRAGS; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> q;
-        wmma::load_matrix_sync(q, q_s + warp * 16 * QKV_LD + kk * 16, QKV_LD);
-#pragma unroll
-        for (int j = 0; j < N_FRAGS; ++j) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> k;
-          wmma::load_matrix_sync(k, k_s + j * 16 * QKV_LD + kk * 16, QKV_LD);
-          wmma::mma_sync(s[j], q, k, s[j]);
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, key = key0 + 8 * j + 2 * t + (e & 1);
+        if constexpr (MASKED || FEATURES) {
+          float logit = x[j][e] * logit_scale;
+          if (p.logits_soft_cap > 0.0f) logit = p.logits_soft_cap * fast_tanh(logit * inv_soft_cap);
+          if (p.alibi_slopes != nullptr) logit += slope[r] * static_cast<float>(key - pos[r]);
+          logit *= kLog2e;
+          if constexpr (MASKED) logit = sees(pos[r], key) ? logit : -INFINITY;  // a select, not a branch
+          x[j][e] = logit;
         }
-      }
-#pragma unroll
-      for (int j = 0; j < N_FRAGS; ++j) wmma::store_matrix_sync(s_w + j * 16, s[j], S_LD, wmma::mem_row_major);
-    }
-    __syncwarp();
-
-    // 3. softmax: this lane's columns of its row are half, half + 2, ...
-    float* const s_row = s_w + (lane / 2) * S_LD;
-    T* const p_row = p_w + (lane / 2) * P_LD;
-    float tile_max = -INFINITY;
-    for (int c = half; c < N; c += 2) {
-      const int t = key0 + c;
-      float x = s_row[c] * logit_scale;
-      if (p.logits_soft_cap > 0.0f) x = p.logits_soft_cap * tanhf(x * inv_soft_cap);
-      x += slope * static_cast<float>(t - pos);
-      x = c < n && sees(t) ? x : -INFINITY;  // a select: a NaN logit must not survive the mask
-      s_row[c] = x;
-      tile_max = fmaxf(tile_max, x);
-    }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    const float new_max = fmaxf(running_max, tile_max);
-    const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row that has seen no key yet: all p = 0
-    const float rescale = __expf(running_max - base);           // 0 on the row's first keys
-    float tile_sum = 0.0f;
-    for (int c = half; c < N; c += 2) {
-      T prob;
-      from_float(prob, __expf(s_row[c] - base));
-      p_row[c] = prob;
-      tile_sum += to_float(prob);
-    }
-    tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 1);  // the same sum in both lanes (+ commutes)
-    running_sum = running_sum * rescale + tile_sum;
-    running_max = new_max;
-#pragma unroll
-    for (int c = half; c < 16; c += 2) rescale_w[(lane / 2) * 16 + c] = rescale;
-    __syncwarp();
-
-    // 4a. (only in a key step whose values hold an inf or NaN) the values as they are move to k_s, free once
-    // every warp is done with step 2, and v_s keeps them with each inf or NaN replaced by 0, for P V: a masked p
-    // of 0 times NaN or inf would be NaN. 4b adds them back, for the rows that see them.
-    if (fix_values) {  // uniform across the thread block
-      __syncthreads();
-      for (int i = tid; i < N * (HEAD_DIM / 8); i += kVarlenThreads) {
-        const int j = i / (HEAD_DIM / 8), v = i % (HEAD_DIM / 8);
-        uint4* const value = reinterpret_cast<uint4*>(v_s + j * QKV_LD + v * 8);
-        const uint4 x = *value;
-        *reinterpret_cast<uint4*>(k_s + j * QKV_LD + v * 8) = x;
-        bool unused = false;
-        *value = zero_nonfinite<T>(x, unused);
-      }
-      __syncthreads();
-    }
-
-    // 4. values: O = O * rescale (per row) + P V
-    {
-      Accumulator row_rescale;  // every element: its row's rescale (whatever the fragment's layout)
-      wmma::load_matrix_sync(row_rescale, rescale_w, 16, wmma::mem_row_major);
-#pragma unroll
-      for (int f = 0; f < D_FRAGS; ++f)
-#pragma unroll
-        for (int e = 0; e < Accumulator::num_elements; ++e) o[f].x[e] *= row_rescale.x[e];
-    }
-#pragma unroll
-    for (int kk = 0; kk < N_FRAGS; ++kk) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> prob;
-      wmma::load_matrix_sync(prob, p_w + kk * 16, P_LD);
-#pragma unroll
-      for (int f = 0; f < D_FRAGS; ++f) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> value;
-        wmma::load_matrix_sync(value, v_s + kk * 16 * QKV_LD + f * 16, QKV_LD);
-        wmma::mma_sync(o[f], prob, value, o[f]);
+        tile_max[r] = fmaxf(tile_max[r], x[j][e]);
       }
     }
-
-    // 4b. O += p v for the inf and NaN values this row sees (the values as they are in k_s): lanes 2r and 2r + 1
-    // take row r's columns [8 half, 8 half + 8) of each 16 columns of O, one at a time (few registers: they are
-    // spent on O), p in float from the row's logits.
-    if (fix_values) {  // uniform across the thread block
-      const float* const x_row = s_w + (lane / 2) * S_LD;
-      const float row_base = running_max == -INFINITY ? 0.0f : running_max;  // step 3's base
+    float rescale[2];
 #pragma unroll
-      for (int f = 0; f < D_FRAGS; ++f) {  // unrolled: o[f] stays in registers
-        __syncwarp();  // every lane has loaded rescale_w (above), or the previous columns' matrix
-#pragma unroll 1
-        for (int e = 0; e < 8; ++e) {
-          const int d = f * 16 + half * 8 + e;
-          float extra = 0.0f;
-#pragma unroll 1
-          for (int c = 0; c < n; ++c) {
-            const float v = to_float(k_s[c * QKV_LD + d]);
-            if (sees(key0 + c) && !(fabsf(v) < INFINITY)) extra += __expf(x_row[c] - row_base) * v;
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      if constexpr (!MASKED && !FEATURES) tile_max[r] *= logit_scale2;
+      const float new_max = fmaxf(run_max[r], tile_max[r]);
+      const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row that has seen no key yet: all p = 0
+      rescale[r] = fast_exp2(run_max[r] - base);                 // 0 on the row's first keys
+      run_max[r] = new_max;
+      run_sum[r] *= rescale[r];
+#pragma unroll
+      for (int j = 0; j < S::NTILES; ++j) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          if constexpr (MASKED || FEATURES) {
+            x[j][e] = fast_exp2(x[j][e] - base);
+          } else {
+            x[j][e] = fast_exp2(fmaf(x[j][e], logit_scale2, -base));
           }
-          rescale_w[(lane / 2) * 16 + half * 8 + e] = extra;
         }
-        __syncwarp();
-        Accumulator fix;
-        wmma::load_matrix_sync(fix, rescale_w, 16, wmma::mem_row_major);
-#pragma unroll
-        for (int e = 0; e < Accumulator::num_elements; ++e) o[f].x[e] += fix.x[e];
+        run_sum[r] += x[j][2 * r] + x[j][2 * r + 1];  // this lane's part (the quad's added at the end)
       }
     }
-    __syncthreads();  // k_s, v_s (and then q_s: O is staged over them) are rewritten next
-  }
-
-  // out = O / l, staged through shared memory (the fragments' layout is unspecified).
-  float* const o_w = o_s + warp * 16 * O_LD;
 #pragma unroll
-  for (int f = 0; f < D_FRAGS; ++f) wmma::store_matrix_sync(o_w + f * 16, o[f], O_LD, wmma::mem_row_major);
-  __syncwarp();
-  if (has_row(row)) {
+    for (int jd = 0; jd < S::DTILES; ++jd) {
+      o[jd][0] *= rescale[0], o[jd][1] *= rescale[0], o[jd][2] *= rescale[1], o[jd][3] *= rescale[1];
+    }
+    uint32_t prob[S::NTILES][2];  // P, rounded to T: the A fragments of P V, two 8-key tiles each
+#pragma unroll
+    for (int j = 0; j < S::NTILES; ++j) {
+      prob[j][0] = pack2<T>(x[j][0], x[j][1]), prob[j][1] = pack2<T>(x[j][2], x[j][3]);
+    }
+
+    // 4. this step's V is here; the next step's V starts copying (masked steps: after 5)
+    cp_async_wait<1>();
+    bool fix_values = false;
+    if constexpr (S::kFp8) {
+      const bool nonfinite = own_rows(false, slot);
+      if constexpr (MASKED) fix_values = __syncthreads_or(nonfinite);
+    } else if constexpr (MASKED) {
+      fix_values = __syncthreads_or(own_rows(false, slot));
+    }
+    if constexpr (!MASKED) {
+      __syncthreads();  // V visible; every warp is done with this step's K
+      if (next >= 0) copy_rows(full, false, slot ^ 1);
+      cp_async_commit();
+    }
+    T* const v_s = v_tile(slot);
+    // 5a. (masked steps whose V holds an inf or NaN) the values as they are go to this step's K tile (free: every
+    // warp is done with it), V keeps them with each inf or NaN replaced by 0, and P goes to shared memory (T = C:
+    // the next V stage, not yet copied into; fp8: this step's stored bytes, converted) for 5b.
+    T* const p_s = (S::kFp8 ? reinterpret_cast<T*>(stored(slot)) : v_tile(slot ^ 1)) + warp * 16 * N;  // [16][N]
+    T* const values_s = const_cast<T*>(k_s);
+    if (MASKED && fix_values) {  // uniform across the thread block
+      for (int i = tid; i < N * (HEAD_DIM / 8); i += kVarlenThreads) {
+        const int j = i / (HEAD_DIM / 8), e = 8 * (i % (HEAD_DIM / 8));
+        uint4* const value = reinterpret_cast<uint4*>(v_s + j * ROW + e);
+        const uint4 stored_value = *value;
+        *reinterpret_cast<uint4*>(values_s + j * ROW + e) = stored_value;
+        bool unused = false;
+        *value = zero_nonfinite<T>(stored_value, unused);
+      }
+#pragma unroll
+      for (int j = 0; j < S::NTILES; ++j) {
+        *reinterpret_cast<uint32_t*>(p_s + g * N + 8 * j + 2 * t) = prob[j][0];
+        *reinterpret_cast<uint32_t*>(p_s + (g + 8) * N + 8 * j + 2 * t) = prob[j][1];
+      }
+      __syncthreads();
+    }
+
+    // 5. O += P V: the A fragment of keys 16 kk .. 16 kk + 15 is P's tiles 2 kk and 2 kk + 1
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+      const uint32_t a[4] = {prob[2 * kk][0], prob[2 * kk][1], prob[2 * kk + 1][0], prob[2 * kk + 1][1]};
+#pragma unroll
+      for (int jd = 0; jd < S::DTILES; jd += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_s + kk * 16 * ROW + v_lds + 8 * jd);
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_m16n8k16<T>(o[jd], a, b0, o[jd]);
+        mma_m16n8k16<T>(o[jd + 1], a, b1, o[jd + 1]);
+      }
+    }
+
+    if constexpr (MASKED) {
+      // 5b. O += p v for the inf and NaN values each row sees (p as P V used it)
+      if (fix_values) {  // uniform across the thread block
+#pragma unroll 1
+        for (int c = 0; c < N; ++c) {
+          const int key = key0 + c;
+          const bool see0 = sees(pos[0], key), see1 = sees(pos[1], key);
+          const float p0 = to_float(p_s[g * N + c]), p1 = to_float(p_s[(g + 8) * N + c]);
+#pragma unroll
+          for (int jd = 0; jd < S::DTILES; ++jd) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float v = to_float(values_s[c * ROW + 8 * jd + 2 * t + e]);
+              if (!(fabsf(v) < INFINITY)) {
+                if (see0) o[jd][e] += p0 * v;
+                if (see1) o[jd][2 + e] += p1 * v;
+              }
+            }
+          }
+        }
+        __syncthreads();  // every warp is done with P and the values before the next copies overwrite them
+      }
+      if (next >= 0) copy_rows(full, false, slot ^ 1);
+      cp_async_commit();
+    }
+  };
+
+  // The prologue: the first step's rows and copies. Then the masked steps ([0, lo), then [hi, steps)), then the
+  // unmasked ones; each step copies the one after it.
+  const int first_masked = lo > 0 ? 0 : hi;
+  const int first = first_masked < steps ? first_masked : lo < hi ? lo : -1;
+  if (first >= 0) fill_rows(0, first);
+  __syncthreads();  // the rows, Q, the rows' positions and slopes
+#pragma unroll
+  for (int r = 0; r < 2; ++r) pos[r] = row_pos_s[warp * 16 + g + 8 * r], slope[r] = row_slope_s[warp * 16 + g + 8 * r];
+  if (first >= 0) copy_rows(std::false_type{}, true, 0);
+  cp_async_commit();
+  if (first >= 0) copy_rows(std::false_type{}, false, 0);
+  cp_async_commit();
+  int slot = 0;
+  for (int i = first_masked; i < steps; slot ^= 1) {
+    const int following = i + 1 == lo ? hi : i + 1;  // the next masked step (steps: none)
+    step(std::true_type{}, std::true_type{}, i, following < steps ? following : lo < hi ? lo : -1, slot);
+    i = following;
+  }
+  if (plain) {  // uniform across the thread block
+    for (int i = lo; i < hi; ++i, slot ^= 1) {
+      step(std::false_type{}, std::false_type{}, i, i + 1 < hi ? i + 1 : -1, slot);
+    }
+  } else {
+    for (int i = lo; i < hi; ++i, slot ^= 1) {
+      step(std::false_type{}, std::true_type{}, i, i + 1 < hi ? i + 1 : -1, slot);
+    }
+  }
+  cp_async_wait_all();  // (only empty groups are left)
+
+  // out = O / l, from the accumulators: rows g and g + 8 of this warp.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    run_sum[r] += __shfl_xor_sync(0xffffffffu, run_sum[r], 1);
+    run_sum[r] += __shfl_xor_sync(0xffffffffu, run_sum[r], 2);
+    const int row = warp * 16 + g + 8 * r;
+    if (!has_row(row)) continue;
+    const float max = run_max[r] * (1.0f / kLog2e);  // back to the natural log's units
     const float v_scale = p.v_scale != nullptr ? *p.v_scale : 1.0f;
-    // pos < 0: a row that sees no key (an invalid query_start_loc): 0. Else running_sum >= 1, or NaN (a NaN logit),
-    // or 0 when every logit it sees is -inf (0 / 0 = NaN, as the reference).
+    // pos < 0: a row that sees no key (an invalid query_start_loc): 0. Else run_sum >= 1, or NaN (a NaN logit), or
+    // 0 when every logit it sees is -inf (0 / 0 = NaN, as the reference).
     const int head = tile.first_head + row % p.heads_per_block;
     const float sink = sink_of(p.sinks, head);
-    const float inv_sum = pos >= 0 ? v_scale / row_sum(running_max, running_sum, sink) : 0.0f;
+    const float inv_sum = pos[r] >= 0 ? v_scale / row_sum(max, run_sum[r], sink) : 0.0f;
     const int64_t out_row = static_cast<int64_t>(tile.first_row + row / p.heads_per_block) * p.num_heads + head;
-    if (half == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(running_max, running_sum, sink);
+    if (t == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(max, run_sum[r], sink);
     T* const out = p.out + out_row * HEAD_DIM;
-    const float* const o_row = o_w + (lane / 2) * O_LD;
-    for (int d = half * (HEAD_DIM / 2); d < (half + 1) * (HEAD_DIM / 2); ++d) from_float(out[d], o_row[d] * inv_sum);
+#pragma unroll
+    for (int jd = 0; jd < S::DTILES; ++jd) {
+      *reinterpret_cast<uint32_t*>(out + 8 * jd + 2 * t) = pack2<T>(o[jd][2 * r] * inv_sum, o[jd][2 * r + 1] * inv_sum);
+    }
   }
 #endif
 }

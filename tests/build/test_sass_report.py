@@ -163,6 +163,32 @@ def test_issue_ceiling_matches_the_review_of_the_decode_kernel():
     assert sass_report.issue_ceiling(1.0) == pytest.approx(4 * 512 * 132 * 1.98e9 / 4.8e12)
 
 
+def test_prefill_targets_take_the_main_loop_of_the_listed_variants():
+    def loop(instructions, hmma, generic=0):
+        return sass_report.Loop(0, 16 * instructions, instructions, {"LDGSTS.128": 8}, generic, 40, hmma, 4, 128, 128)
+
+    def kernel(name, loops, blocks=2, local=0):
+        k = sass_report.Kernel(name, 128, local, 0, 0, 128, loops)
+        k.blocks_per_sm = blocks
+        return k
+
+    rows = sass_report.prefill_targets([
+        kernel("varlen_attention_kernel<bf16, bf16, 64>", [loop(900, 64), loop(420, 64)]),  # main: 15.2%
+        kernel("varlen_attention_kernel<half, half, 128>", [loop(600, 128, generic=2)], blocks=1, local=8),
+        kernel("varlen_attention_kernel<bf16, bf16, 256>", [loop(430, 64)]),                # 14.9%
+        kernel("varlen_attention_kernel<half, half, 256>", [loop(300, 0)]),                 # no HMMA loop
+        kernel("varlen_attention_kernel<bf16, bf16, 80>", [loop(900, 8)]),                  # not targeted
+        kernel("varlen_attention_kernel<bf16, unsigned char, 128>", [loop(900, 8)]),        # fp8: not targeted
+    ])
+    assert [(k.name, main and main.instructions, failed) for k, main, failed in rows] == [
+        ("varlen_attention_kernel<bf16, bf16, 64>", 420, []),
+        ("varlen_attention_kernel<half, half, 128>", 600,
+         ["generic loads/stores", "blocks per SM", "local memory"]),
+        ("varlen_attention_kernel<bf16, bf16, 256>", 430, ["HMMA share"]),
+        ("varlen_attention_kernel<half, half, 256>", None, ["HMMA share", "generic loads/stores"]),
+    ]
+
+
 def test_decode_targets_are_checked_for_the_listed_variants():
     def kernel(name, ceiling, in_flight, local=0):
         k = sass_report.Kernel(name, 64, local, 0, 0, 128, [])

@@ -83,33 +83,58 @@ MUTANTS = {
         "  if (true) {", "copy_blocks"),
     "tensor-core kernel: a causal bound off by one (a row sees the next token)": (
         VARLEN,
-        "const auto sees = [&](int t) { return t <= pos &&",
-        "const auto sees = [&](int t) { return t <= pos + 1 &&", VARLEN_TESTS),
+        "const auto sees = [&](int row_pos, int key) { return key <= row_pos &&",
+        "const auto sees = [&](int row_pos, int key) { return key <= row_pos + 1 &&", VARLEN_TESTS),
     "tensor-core kernel: the last key step is skipped (key_end one short)": (
         VARLEN,
         "tile.key_end = max(tile.first_pos + tile.tokens, 0);",
         "tile.key_end = max(tile.first_pos + tile.tokens - 1, 0);", VARLEN_TESTS),
     "tensor-core kernel: O is not rescaled when a row's max grows": (
         VARLEN,
-        "for (int e = 0; e < Accumulator::num_elements; ++e) o[f].x[e] *= row_rescale.x[e];",
-        "for (int e = 0; e < Accumulator::num_elements; ++e) (void)row_rescale.x[e];", VARLEN_TESTS),
-    "tensor-core kernel: no __syncwarp between the softmax's writes and the P V product": (
+        "o[jd][0] *= rescale[0], o[jd][1] *= rescale[0], o[jd][2] *= rescale[1], o[jd][3] *= rescale[1];",
+        "(void)rescale;", VARLEN_TESTS),
+    "tensor-core kernel: V read with ldmatrix without .trans (V's rows taken as the B operand's columns)": (
         VARLEN,
-        "    for (int c = half; c < 16; c += 2) rescale_w[(lane / 2) * 16 + c] = rescale;\n    __syncwarp();",
-        "    for (int c = half; c < 16; c += 2) rescale_w[(lane / 2) * 16 + c] = rescale;", VARLEN_TESTS),
+        "ldmatrix_x4_trans(b, v_s + kk * 16 * ROW + v_lds + 8 * jd);",
+        "ldmatrix_x4(b, v_s + kk * 16 * ROW + v_lds + 8 * jd);", VARLEN_TESTS),
+    "tensor-core kernel: P's A fragment with its halves swapped (rows g + 8 for keys 8-15)": (
+        VARLEN,
+        "const uint32_t a[4] = {prob[2 * kk][0], prob[2 * kk][1], prob[2 * kk + 1][0], prob[2 * kk + 1][1]};",
+        "const uint32_t a[4] = {prob[2 * kk][0], prob[2 * kk + 1][0], prob[2 * kk][1], prob[2 * kk + 1][1]};",
+        VARLEN_TESTS),
+    "tensor-core kernel: the row max shuffled over the wrong lanes (xor 4: another row's quad)": (
+        VARLEN,
+        "tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));",
+        "tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 4));", VARLEN_TESTS),
+    "tensor-core kernel: the step's K read without waiting for its copies (cp.async wait missing)": (
+        VARLEN,
+        "    cp_async_wait<1>();\n    if constexpr (S::kFp8) (void)own_rows(true, slot);",
+        "    if constexpr (S::kFp8) (void)own_rows(true, slot);", VARLEN_TESTS),
+    "tensor-core kernel: no barrier between V's wait and P V (other threads' copies unseen)": (
+        VARLEN,
+        "      __syncthreads();  // V visible; every warp is done with this step's K\n",
+        "", VARLEN_TESTS),
+    "tensor-core kernel: stale key rows (the next step's rows not computed)": (
+        VARLEN,
+        "    if (next >= 0) fill_rows(slot ^ 1, next);",
+        "", VARLEN_TESTS),
+    "tensor-core kernel: one masked step taken as unmasked (the causal bound of the unmasked steps one too far)": (
+        VARLEN,
+        "min(causal_room < 0 ? 0 : causal_room / N + 1, steps)",
+        "min(causal_room < 0 ? 0 : causal_room / N + 2, steps)", VARLEN_TESTS),
     # NaN and inf outside a row's view (test_*nonfinite*: only those tests run)
     "tensor-core kernel: inf and NaN values not zeroed for the P V product (0 * NaN reaches masked rows)": (
         VARLEN,
-        "*value = zero_nonfinite<T>(x, unused);",
-        "*value = x;", NONFINITE_TESTS),
+        "*value = zero_nonfinite<T>(stored_value, unused);",
+        "*value = stored_value;", NONFINITE_TESTS),
     "tensor-core kernel: the non-finite values' correction ignores the mask": (
         VARLEN,
-        "if (sees(key0 + c) && !(fabsf(v) < INFINITY))",
-        "if (!(fabsf(v) < INFINITY))", NONFINITE_TESTS),
+        "const bool see0 = sees(pos[0], key), see1 = sees(pos[1], key);",
+        "const bool see0 = true, see1 = true;", NONFINITE_TESTS),
     "tensor-core kernel: the mask added to the logits, not selected (a NaN logit survives it)": (
         VARLEN,
-        "x = c < n && sees(t) ? x : -INFINITY;",
-        "x += c < n && sees(t) ? 0.0f : -INFINITY;", NONFINITE_TESTS),
+        "if constexpr (MASKED) logit = sees(pos[r], key) ? logit : -INFINITY;",
+        "if constexpr (MASKED) logit += sees(pos[r], key) ? 0.0f : -INFINITY;", NONFINITE_TESTS),
     "decode kernel: a NaN sum (a visible NaN key) written as 0": (
         ATTENTION,
         "from_float(p.out[out_row * HEAD_DIM + d], o / row_sum(max_s[g], sum_s[g], sink));",

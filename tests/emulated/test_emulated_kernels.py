@@ -476,6 +476,22 @@ def test_varlen_alibi_window_soft_cap(driver, tmp_path, feature, dtype):
     check_varlen(driver, case, tmp_path)
 
 
+@pytest.mark.parametrize("dtype, head_dim, window, features", [
+    (torch.bfloat16, 64, 150, False),   # 64-key steps: masked, unmasked (the plain loop), masked again
+    (torch.float16, 128, 150, True),    # the same through the loop with soft cap and ALiBi
+    (torch.bfloat16, 256, 40, False),   # 16-key steps
+], ids=["bf16-64-window150", "half-128-window150-alibi-soft_cap", "bf16-256-window40"])
+def test_varlen_masked_and_unmasked_key_steps(driver, tmp_path, dtype, head_dim, window, features):
+    """The tensor-core kernel runs a tile's masked key steps (the window's start, the causal diagonal) in one loop
+    and the steps every row sees in others: with a window longer than a tile's rows plus a key step, a tile has
+    masked steps before and after its unmasked ones (the first masked loop jumps over them), and the long prompt's
+    first tiles have unmasked steps only before the diagonal."""
+    specs = [(300, 120), (200, 200), (90, 3)]
+    case = varlen_case(specs, 8, 2, head_dim, 16, dtype, layout="packed", alibi=features, sliding_window=window,
+                       soft_cap=30.0 if features else None)
+    check_varlen(driver, case, tmp_path)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=list(DTYPE_NAMES.values()))
 def test_varlen_every_row_split_kv(driver, tmp_path, dtype):
     """The decode kernels for every query row (each row's sequence by binary search), split-KV and the reduce."""
@@ -910,7 +926,7 @@ NONFINITE_EVERY_ROW_SPECS = [(37, 12), (50, 1), (70, 5), (40, 2), (33, 1)]
 @pytest.mark.parametrize("dtype, head_dim, window, every_row, split", [
     (torch.bfloat16, 128, None, False, False),  # the tensor-core kernel, keys after each row
     (torch.float16, 64, 7, False, False),      # the tensor-core kernel, a window of 7 (several per tile)
-    (torch.bfloat16, 256, 20, False, False),   # the tensor-core kernel's 32-key steps
+    (torch.bfloat16, 256, 20, False, False),   # the tensor-core kernel's 16-key steps
     (torch.float32, 64, 7, True, False),       # the decode kernels for every row
     (torch.bfloat16, 64, None, True, True),    # every row, split-KV and the reduce
 ], ids=["bf16-128", "half-64-window7", "bf16-256-window20", "float-64-every_row-window7", "bf16-every_row-split"])
