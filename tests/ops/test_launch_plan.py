@@ -317,10 +317,13 @@ def test_varlen_grid_serves_every_row_once_without_reading_query_start_loc(token
 
 def test_varlen_shared_memory():
     sizes = {head_dim: varlen_plan(head_dim=head_dim)["shared_bytes"] for head_dim in VARLEN_HEAD_DIMS}
-    # launch_plan.h's varlen_smem plus 128 bytes of alignment slack: Q, K, V, S, P and the per-row records
-    assert sizes[128] == 83456 + 128 and sizes[256] == 86528 + 128
+    # launch_plan.h's varlen_smem: Q [64][D + 8], two stages of K and V [N][D + 8] (bf16), the key rows of two
+    # steps (16 bytes per key), each row's position and slope
+    for head_dim, keys in ((128, 64), (256, 16)):
+        assert varlen_plan(head_dim=head_dim)["key_tile"] == keys
+        assert sizes[head_dim] == (64 + 4 * keys) * (head_dim + 8) * 2 + 2 * keys * 16 + 2 * 64 * 4
+    assert sizes[128] == 89600 and sizes[256] == 68608
     assert all(size <= 99 * 1024 for size in sizes.values())  # what sm_86 and sm_89 allow a block to opt in to
-    assert varlen_plan(head_dim=128)["key_tile"] == 64 and varlen_plan(head_dim=256)["key_tile"] == 32
 
 
 @pytest.mark.parametrize(
