@@ -48,7 +48,7 @@ int device_attribute(int device) {
 
 int multiprocessor_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 
-// Whether the GPU runs the tensor-core kernel (its bfloat16 wmma needs compute capability 8.0).
+// Whether the GPU runs the tensor-core kernels (mma.sync on bfloat16 and cp.async need compute capability 8.0).
 bool has_tensor_cores(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 8; }
 
 // The arguments every launch shares (the plans set the rest).
