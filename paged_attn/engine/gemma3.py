@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import ops
 from .model import SERIAL_ELEMENTWISE_TOKENS, Batch, LlamaModel, _normalized, _rotate, _Serial
 
 __all__ = ["Gemma3Model"]
@@ -51,8 +50,6 @@ class Gemma3Model(LlamaModel):
             raise ValueError("torch_compile (compiled elementwise kernels) is supported for Llama models only")
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
-        query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
-        max_query_len = batch.max_query_len if batch.max_query_len > 1 else None
         positions = batch.positions
         # (cos, signed sin) [num_tokens, 1, head_dim] of the global layers (False) and the windowed ones (True)
         ropes = {False: (self.rope_cos[positions].unsqueeze(1), self.rope_signed_sin[positions].unsqueeze(1)),
@@ -61,22 +58,16 @@ class Gemma3Model(LlamaModel):
         eps, heads, windows = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cfg.sliding_windows
         serial = _Serial(self.device.type == "cpu" and num_tokens < SERIAL_ELEMENTWISE_TOKENS)
         hidden = F.embedding(batch.input_ids, self.embed_tokens) * self.embed_scale
-        for i, (layer, (key_cache, value_cache), window) in enumerate(zip(self.layers, kv_caches, windows)):
+        for i, (layer, window) in enumerate(zip(self.layers, windows)):
             with serial:
                 x = _rms_norm(hidden, layer["input_layernorm"], eps)
             qkv = self._linear(x, layer["qkv_proj"])
             with serial:
                 q, k, v = _qk_norm_rope(qkv, layer["self_attn.q_norm"], layer["self_attn.k_norm"],
                                         *ropes[window is not None], *heads, eps)
-            k_scale, v_scale = kv_scales[i] if kv_scales is not None else (None, None)
-            if kv_amax is not None:
-                kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
-            ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale,
-                                  v_scale=v_scale)
-            attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                                       query_start_loc=query_start_loc, max_query_len=max_query_len,
-                                       scale=self.scale, sliding_window=window, k_scale=k_scale, v_scale=v_scale)
-            o = self._linear(attn.view(num_tokens, cfg.num_heads * cfg.head_dim), layer["o_proj"])
+            attn = self._attend(batch, q, k, v, kv_caches[i], kv_scales[i] if kv_scales is not None else None,
+                                kv_amax, scale=self.scale, sliding_window=window)
+            o = self._linear(attn, layer["o_proj"])
             with serial:
                 hidden = hidden + _rms_norm(o, layer["post_attention_layernorm"], eps)
                 x = _rms_norm(hidden, layer["pre_feedforward_layernorm"], eps)

@@ -182,10 +182,6 @@ class LlamaModel:
         ``compile_elementwise``), used for steps of at least their ``min_tokens``; the model itself stays eager."""
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
-        q_size = cfg.num_heads * cfg.head_dim
-        # decode form when every sequence feeds one token (the same attention, without query_start_loc)
-        query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
-        max_query_len = batch.max_query_len if batch.max_query_len > 1 else None
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         signed_sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
         if elementwise is not None and num_tokens >= elementwise.min_tokens:
@@ -195,21 +191,15 @@ class LlamaModel:
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         serial = _Serial(self.device.type == "cpu" and num_tokens < SERIAL_ELEMENTWISE_TOKENS)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
-        for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+        for i, layer in enumerate(self.layers):
             with serial:
                 x = rms_norm(hidden, layer["input_layernorm"], eps)
             qkv = self._linear(x, layer["qkv_proj"])
             with serial:
                 q, k, v = rope_qkv(qkv, cos, signed_sin, *heads)
-            k_scale, v_scale = kv_scales[i] if kv_scales is not None else (None, None)
-            if kv_amax is not None:
-                kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
-            ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale,
-                                  v_scale=v_scale)
-            attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                                       query_start_loc=query_start_loc, max_query_len=max_query_len,
-                                       k_scale=k_scale, v_scale=v_scale)
-            o = self._linear(attn.view(num_tokens, q_size), layer["o_proj"])
+            attn = self._attend(batch, q, k, v, kv_caches[i], kv_scales[i] if kv_scales is not None else None,
+                                kv_amax)
+            o = self._linear(attn, layer["o_proj"])
             with serial:
                 hidden = hidden + o
                 x = rms_norm(hidden, layer["post_attention_layernorm"], eps)
@@ -222,6 +212,27 @@ class LlamaModel:
         with serial:
             hidden = _rms_norm(hidden[batch.logits_indices], self.norm, eps)
         return self._linear(hidden, self.lm_head).float()
+
+
+    @staticmethod
+    def _attend(batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], kv_scale: Optional[tuple[torch.Tensor, torch.Tensor]],
+                kv_amax: Optional[list], **options) -> torch.Tensor:
+        """One layer's attention: write the step's keys and values into the layer's cache, then attend each query
+        over its sequence (``options``: ``paged_attention``'s scale, sliding_window). ``[num_tokens, num_heads *
+        head_dim]``."""
+        key_cache, value_cache = kv_cache
+        k_scale, v_scale = kv_scale if kv_scale is not None else (None, None)
+        if kv_amax is not None:
+            kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
+        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        # decode form when every sequence feeds one token (the same attention, without query_start_loc)
+        chunks = batch.max_query_len > 1
+        attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                                   query_start_loc=batch.query_start_loc if chunks else None,
+                                   max_query_len=batch.max_query_len if chunks else None,
+                                   k_scale=k_scale, v_scale=v_scale, **options)
+        return attn.flatten(1)
 
 
 # NOTE: a CPU step of fewer tokens than this runs its elementwise work (norms, RoPE, SiLU, residual adds) on the
