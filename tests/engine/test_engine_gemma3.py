@@ -5,7 +5,8 @@ with eager attention, and its ``generate``; each prompt on its own, once per mod
 of 512 tokens in 15 of its 18 layers (every 6th is global): the prompts are short (6 to 25 tokens) or longer than
 1.5 windows (820 and 821 tokens, sharing their first 808), where the window changes the answer. Our engine batches
 them, preempts (swap and recompute), shares prefixes, computes prompts in chunks, forks beams, on blocks of 8 and
-16 tokens: the tokens must still be transformers' own. Every LLM a test makes must end with all its blocks free.
+16 tokens: the tokens must still be transformers' own. Every LLM a test makes must end with all its blocks free
+(``make_llm``, tests/conftest.py).
 """
 
 import copy
@@ -96,23 +97,6 @@ def hf_beams(hf_model, prompts):
             for i in (SHORT[1], SHORT[3], LONG[0])}
 
 
-@pytest.fixture
-def make_llm(model):
-    """Builds LLMs on the shared weights; after the test, every block of each must be free again."""
-    made = []
-
-    def make(**kwargs):
-        made.append(LLM(model, **kwargs))
-        return made[-1]
-
-    yield make
-    for llm in made:
-        block_manager = llm.scheduler.block_manager
-        assert not llm.scheduler.has_unfinished() and not block_manager.seqs
-        assert block_manager.num_free_blocks == block_manager.num_gpu_blocks
-        assert block_manager.num_free_cpu_blocks == block_manager.num_cpu_blocks
-
-
 def greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
     return [output.outputs[0].token_ids for output in outputs]
@@ -127,8 +111,8 @@ def prefill_logits(model, prompt, block_size=16):
     caches = [(torch.empty(shape), torch.empty(shape)) for _ in range(cfg.num_layers)]
     batch = Batch(input_ids=torch.tensor(prompt), positions=torch.arange(n), slot_mapping=torch.arange(n),
                   block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-                  seq_lens=torch.tensor([n], dtype=torch.int32), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                  max_query_len=n, logits_indices=torch.tensor([n - 1]))
+                  seq_lens=torch.tensor([n], dtype=torch.int32), max_query_len=n, logits_indices=torch.tensor([n - 1]),
+                  query_start_loc=torch.tensor([0, n], dtype=torch.int32))
     return model.forward(batch, caches)[0]
 
 
