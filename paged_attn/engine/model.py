@@ -19,6 +19,7 @@ from .. import ops
 from .loader import ModelConfig, Tokenizer, config_from_transformers, default_model_path, load_gguf
 
 __all__ = ["Batch", "CompiledElementwise", "LlamaModel", "SERIAL_ELEMENTWISE_TOKENS", "compile_elementwise",
+           "load_model", "model_class",
            # loaded by loader.py, named here too for LlamaModel's users
            "ModelConfig", "Tokenizer", "config_from_transformers", "default_model_path", "load_gguf"]
 
@@ -45,6 +46,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # where the d
 class LlamaModel:
     """Llama weights on one device and dtype, and the forward pass over the paged KV cache."""
 
+    ARCHITECTURE, MODEL_TYPE = "llama", "llama"  # GGUF general.architecture, transformers model_type
+    NORMS = ("input_layernorm", "post_attention_layernorm")  # each layer's norm weights (transformers' names)
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Optional[Tokenizer] = None,
                  device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None, use_onednn: bool = True):
         self.config, self.tokenizer = config, tokenizer
@@ -63,24 +67,15 @@ class LlamaModel:
         self.layers = []
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
-            self.layers.append({
-                "input_layernorm": get(prefix + "input_layernorm.weight"),
+            layer = {name: get(prefix + name + ".weight") for name in self.NORMS}
+            layer.update({
                 "qkv_proj": torch.cat([get(prefix + f"self_attn.{p}_proj.weight") for p in "qkv"]),
                 "o_proj": get(prefix + "self_attn.o_proj.weight"),
-                "post_attention_layernorm": get(prefix + "post_attention_layernorm.weight"),
                 "gate_up_proj": torch.cat([get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")]),
                 "down_proj": get(prefix + "mlp.down_proj.weight"),
             })
-        # RoPE tables, computed as transformers does (float32), then cast
-        head_dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(config.max_model_len).float(), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.rope_cos = emb.cos().to(device=self.device, dtype=self.dtype)  # [max_model_len, head_dim]
-        # sin with its first half negated: rotate_half(x) * sin == x.roll(head_dim / 2) * signed_sin, exactly
-        sin = emb.sin()
-        self.rope_signed_sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1).to(
-            device=self.device, dtype=self.dtype)
+            self.layers.append(layer)
+        self.rope_cos, self.rope_signed_sin = self._rope_tables(config.rope_theta)
         # NOTE: on the CPU, oneDNN's matmul on weights packed once in its blocked layout runs these small-batch
         # projections several times faster than the default F.linear (MKL sgemm): figures in bench/RESULTS.md,
         # "Serving engine". The embedding stays dense for lookups.
@@ -89,6 +84,19 @@ class LlamaModel:
             for layer in self.layers:
                 for name in _PROJECTIONS:
                     layer[name] = torch.ops.mkldnn._reorder_linear_weight(layer[name], None)
+
+    def _rope_tables(self, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and signed sin tables ``[max_model_len, head_dim]`` for base ``theta``, computed as
+        transformers does (float32), then cast to the model's dtype."""
+        head_dim = self.config.head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(self.config.max_model_len).float(), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # sin with its first half negated: rotate_half(x) * sin == x.roll(head_dim / 2) * signed_sin, exactly
+        sin = emb.sin()
+        signed_sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1)
+        return (emb.cos().to(device=self.device, dtype=self.dtype),
+                signed_sin.to(device=self.device, dtype=self.dtype))
 
     @staticmethod
     def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -121,13 +129,18 @@ class LlamaModel:
 
     @classmethod
     def from_gguf(cls, path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> "LlamaModel":
-        config, weights, tokenizer = load_gguf(path or default_model_path())
+        """This class's model from a GGUF (``load_model`` picks the class from the file)."""
+        path = path or default_model_path()
+        config, weights, tokenizer = load_gguf(path)
+        if config.architecture != cls.ARCHITECTURE:
+            raise ValueError(f"{path}: a {config.architecture!r} GGUF, not {cls.ARCHITECTURE!r} (load_model picks the "
+                             f"model class from the file)")
         return cls(config, weights, tokenizer, device, dtype, use_onednn)
 
     @classmethod
     def from_transformers(cls, hf_model, tokenizer=None, device="cpu", dtype=None, use_onednn=True) -> "LlamaModel":
-        if getattr(hf_model.config, "model_type", None) != "llama":
-            raise ValueError(f"expected a transformers Llama model, got model_type "
+        if getattr(hf_model.config, "model_type", None) != cls.MODEL_TYPE:
+            raise ValueError(f"expected a transformers model of model_type {cls.MODEL_TYPE!r}, got "
                              f"{getattr(hf_model.config, 'model_type', None)!r}")
         weights = dict(hf_model.state_dict())
         if getattr(hf_model.config, "tie_word_embeddings", False):
@@ -148,11 +161,10 @@ class LlamaModel:
             prefix = f"model.layers.{i}."
             q, k, v = dense(layer["qkv_proj"]).split([q_size, kv_size, kv_size])
             gate, up = dense(layer["gate_up_proj"]).chunk(2)
+            weights.update({prefix + name + ".weight": layer[name] for name in self.NORMS})
             weights.update({
-                prefix + "input_layernorm.weight": layer["input_layernorm"],
                 prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
                 prefix + "self_attn.v_proj.weight": v, prefix + "self_attn.o_proj.weight": dense(layer["o_proj"]),
-                prefix + "post_attention_layernorm.weight": layer["post_attention_layernorm"],
                 prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
                 prefix + "mlp.down_proj.weight": dense(layer["down_proj"]),
             })
@@ -170,10 +182,6 @@ class LlamaModel:
         ``compile_elementwise``), used for steps of at least their ``min_tokens``; the model itself stays eager."""
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
-        q_size = cfg.num_heads * cfg.head_dim
-        # decode form when every sequence feeds one token (the same attention, without query_start_loc)
-        query_start_loc = batch.query_start_loc if batch.max_query_len > 1 else None
-        max_query_len = batch.max_query_len if batch.max_query_len > 1 else None
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         signed_sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
         if elementwise is not None and num_tokens >= elementwise.min_tokens:
@@ -183,21 +191,15 @@ class LlamaModel:
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         serial = _Serial(self.device.type == "cpu" and num_tokens < SERIAL_ELEMENTWISE_TOKENS)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
-        for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+        for i, layer in enumerate(self.layers):
             with serial:
                 x = rms_norm(hidden, layer["input_layernorm"], eps)
             qkv = self._linear(x, layer["qkv_proj"])
             with serial:
                 q, k, v = rope_qkv(qkv, cos, signed_sin, *heads)
-            k_scale, v_scale = kv_scales[i] if kv_scales is not None else (None, None)
-            if kv_amax is not None:
-                kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
-            ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale,
-                                  v_scale=v_scale)
-            attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                                       query_start_loc=query_start_loc, max_query_len=max_query_len,
-                                       k_scale=k_scale, v_scale=v_scale)
-            o = self._linear(attn.view(num_tokens, q_size), layer["o_proj"])
+            attn = self._attend(batch, q, k, v, kv_caches[i], kv_scales[i] if kv_scales is not None else None,
+                                kv_amax)
+            o = self._linear(attn, layer["o_proj"])
             with serial:
                 hidden = hidden + o
                 x = rms_norm(hidden, layer["post_attention_layernorm"], eps)
@@ -210,6 +212,27 @@ class LlamaModel:
         with serial:
             hidden = _rms_norm(hidden[batch.logits_indices], self.norm, eps)
         return self._linear(hidden, self.lm_head).float()
+
+
+    @staticmethod
+    def _attend(batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], kv_scale: Optional[tuple[torch.Tensor, torch.Tensor]],
+                kv_amax: Optional[list], **options) -> torch.Tensor:
+        """One layer's attention: write the step's keys and values into the layer's cache, then attend each query
+        over its sequence (``options``: ``paged_attention``'s scale, sliding_window). ``[num_tokens, num_heads *
+        head_dim]``."""
+        key_cache, value_cache = kv_cache
+        k_scale, v_scale = kv_scale if kv_scale is not None else (None, None)
+        if kv_amax is not None:
+            kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
+        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        # decode form when every sequence feeds one token (the same attention, without query_start_loc)
+        chunks = batch.max_query_len > 1
+        attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                                   query_start_loc=batch.query_start_loc if chunks else None,
+                                   max_query_len=batch.max_query_len if chunks else None,
+                                   k_scale=k_scale, v_scale=v_scale, **options)
+        return attn.flatten(1)
 
 
 # NOTE: a CPU step of fewer tokens than this runs its elementwise work (norms, RoPE, SiLU, residual adds) on the
@@ -261,9 +284,13 @@ def compile_elementwise(min_tokens: int = 128) -> CompiledElementwise:
 # The elementwise work of a layer, as plain functions of tensors (so that torch.compile can take them whole).
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * _normalized(x, eps).to(x.dtype)
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in float32."""
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -272,15 +299,35 @@ def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, nu
     one tensor) and v (a view of qkv). Queries and keys are rotated together: x * cos + rotate_half(x) * sin, with
     rotate_half(x) * sin computed as x.roll(head_dim / 2) * signed_sin (the same products, bit for bit)."""
     num_tokens, qk_heads = qkv.shape[0], num_heads + num_kv_heads
-    qk = qkv[:, : qk_heads * head_dim].view(num_tokens, qk_heads, head_dim)
-    qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin
+    qk = _rotate(qkv[:, : qk_heads * head_dim].view(num_tokens, qk_heads, head_dim), cos, signed_sin)
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     return q, k, qkv[:, qk_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``[num_tokens, heads, head_dim]``: x * cos + rotate_half(x) * sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def model_class(name: str) -> type[LlamaModel]:
+    """The model class of a GGUF architecture or a transformers model_type: LlamaModel or Gemma3Model."""
+    from .gemma3 import Gemma3Model  # (which builds on this module)
+
+    for cls in (LlamaModel, Gemma3Model):
+        if name in (cls.ARCHITECTURE, cls.MODEL_TYPE):
+            return cls
+    raise ValueError(f"expected a Llama or Gemma 3 model, got {name!r}")
+
+
+def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> LlamaModel:
+    """The model of a GGUF (default: SmolLM2-135M-Instruct), of the class its architecture needs."""
+    config, weights, tokenizer = load_gguf(path or default_model_path())
+    return model_class(config.architecture)(config, weights, tokenizer, device, dtype, use_onednn)
 
 
 def _names(dtypes) -> str:

@@ -3,7 +3,7 @@
 The reference is transformers' own ``LlamaForCausalLM``, loaded from the same GGUF by transformers' own loader, and
 its ``generate``; each prompt is generated on its own (no padding), once per session. Our engine batches prompts
 of different lengths, preempts (swap and recompute), shares prefixes, forks samples and beams: the tokens must
-still be identical. Every LLM a test makes must end with all its blocks free.
+still be identical. Every LLM a test makes must end with all its blocks free (``make_llm``, tests/conftest.py).
 """
 
 import importlib.util
@@ -72,25 +72,6 @@ def hf_beams(hf_model, prompts):
     """Best beams for the first two prompts: one finishes early on EOS, one runs to max_tokens."""
     return [hf_generate(hf_model, prompt, num_beams=3, early_stopping=True, length_penalty=1.0)
             for prompt in prompts[:2]]
-
-
-@pytest.fixture
-def make_llm(model):
-    """Builds LLMs on the shared weights; after the test, every block of each must be free again."""
-    made = []
-
-    def make(**kwargs):
-        made.append(LLM(model, **kwargs))
-        return made[-1]
-
-    yield make
-    for llm in made:
-        scheduler = llm.scheduler
-        assert not scheduler.has_unfinished()
-        assert not scheduler.block_manager.seqs
-        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_gpu_blocks
-        assert scheduler.block_manager.num_free_cpu_blocks == scheduler.block_manager.num_cpu_blocks
-        assert llm.stats().gpu_blocks_used == 0
 
 
 def greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS):
