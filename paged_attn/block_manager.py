@@ -29,6 +29,16 @@ Vocabulary:
   prefix has completed computes that prefix again; the engine's scheduler holds such a request back until then.)
 - *swapping*: preemption moves a group of sequences (the beams of one request) to CPU blocks and back; a
   block shared inside the group is moved once and stays shared.
+- *KV-cache groups* (``group_windows``; window-aware memory, design: ``paged_attn/engine/WINDOW_MEMORY.md``): a
+  model whose layers attend over sliding windows splits its layers into groups of equal size, each global (every
+  token) or windowed (its queries at position ``p`` read tokens ``p - window + 1 .. p`` only). All groups draw
+  their blocks (pages of ``block_size`` tokens of the group's layers) from the one pool, and each sequence keeps
+  one block table per group, all of the same length. Once no query still to come can see a windowed group's
+  block (``mark_computed`` says which queries remain), the block is released and its table entry becomes
+  ``PAD_BLOCK_ID``; global groups keep every block. The default is one global group: a block holds every layer.
+  With prefix caching, group 0 must be global: its chain of hashes finds the prefix, and the other groups' blocks
+  are registered under group 0's entry for the same token block; a hit of ``H`` blocks needs, in each group, the
+  blocks its first query (position ``H * block_size``) can still see.
 
 Allocating, freeing and copying-on-write a block is O(1): free ids sit in a deque, evictable ones in an
 ``OrderedDict`` kept in LRU order; no operation scans the pool of blocks.
@@ -81,7 +91,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     # Prefix cache (GPU blocks only); set exactly while the block is registered in the PrefixCache.
-    hash: Optional[int] = None
+    hash: Optional[Hashable] = None  # the PrefixCache key: an int (group 0) or a group key tuple
     token_ids: tuple[int, ...] = ()
     content_id: Optional[int] = None  # never reused, so a child entry can name its exact parent
     parent_content_id: Optional[int] = None
@@ -92,8 +102,12 @@ class SeqState:
     """What the manager knows about one sequence."""
 
     token_ids: list[int]
-    block_table: list[int]  # GPU block ids, or CPU block ids while swapped out
+    block_tables: list[list[int]]  # per group: GPU block ids (CPU ones while swapped out); PAD_BLOCK_ID: released
     swapped_out: bool = False
+    # Windowed groups: no query before this position is still to come (allocate's cached tokens, mark_computed),
+    # and per group the table entries below released_below[g] are released (PAD_BLOCK_ID).
+    window_floor: int = 0
+    released_below: list[int] = dataclasses.field(default_factory=list)
     # End of the prefix-cache chain: hash and content id of the cache entry matching the last published block.
     prefix_hash: Optional[int] = None
     prefix_content_id: Optional[int] = None
@@ -114,6 +128,9 @@ class BlockManagerStats:
     blocks_saved_by_sharing: int  # logical_blocks - gpu_blocks_used: blocks that fork / prefix hits saved
     internal_fragmentation: int  # empty slots in the (distinct) last blocks: the only wasted slots
     utilization: float  # slots holding a token / slots in used blocks (0.0 when nothing is stored)
+    # GPU blocks held by the resident sequences per attention type: "global" and, with windowed groups,
+    # "sliding_window" (a block of either holds block_size tokens of one group's layers)
+    gpu_blocks_by_attention_type: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class BlockManager:
@@ -137,24 +154,40 @@ class BlockManager:
         bm.free(0); bm.free(1)
 
     With prefix caching, the caller also says when a sequence's KV is written (``mark_computed``): only then
-    do its full blocks become hits for later sequences.
+    do its full blocks become hits for later sequences. With several KV-cache groups (``group_windows``: per
+    group None for global or its sliding window), ``append_slots`` and ``block_tables`` give every group's slots
+    and tables, and ``mark_computed`` also releases the windowed groups' blocks that no later query can see.
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, group_windows: Iterable[Optional[int]] = (None,)):
         num_gpu_blocks = _count(num_gpu_blocks, "num_gpu_blocks", minimum=1)
         block_size = _count(block_size, "block_size", minimum=1)
         num_cpu_blocks = _count(num_cpu_blocks, "num_cpu_blocks")
+        if isinstance(group_windows, (str, bytes)) or not isinstance(group_windows, Iterable):
+            raise ValueError(f"group_windows must be a list with None or a window per group, got {group_windows!r}")
+        group_windows = tuple(None if w is None else _count(w, "a group's sliding window", minimum=1)
+                              for w in group_windows)
+        if not group_windows:
+            raise ValueError("group_windows needs at least one group")
+        if enable_prefix_caching and group_windows[0] is not None:
+            raise ValueError(f"with prefix caching, group 0 must be global (its hash chain finds the prefix), got "
+                             f"group_windows={group_windows}")
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = group_windows
         self.gpu_blocks = [Block(i) for i in range(num_gpu_blocks)]
         self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
         self.free_gpu_block_ids: deque[int] = deque(range(num_gpu_blocks))  # free and holding nothing cached
         self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
         self.prefix_cache = PrefixCache(self.gpu_blocks, block_size)  # also holds the evictable free blocks
         self.seqs: dict[Hashable, SeqState] = {}
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
 
     # ---- capacity ----
 
@@ -178,7 +211,7 @@ class BlockManager:
 
     def cached_prefix_length(self, token_ids: Iterable[int]) -> int:
         """How many leading tokens of ``token_ids`` an ``allocate`` now would find cached (what it would return)."""
-        return len(self._prefix_hits(self._prompt(token_ids))) * self.block_size
+        return len(self._prefix_hits(self._prompt(token_ids))[0]) * self.block_size
 
     def allocate(self, seq_id: Hashable, token_ids: Iterable[int]) -> int:
         """Create sequence ``seq_id`` holding ``token_ids``; return how many leading tokens are already cached.
@@ -188,21 +221,27 @@ class BlockManager:
         and the last token's logits are always computed: when a prompt is entirely cached, its last block is
         recomputed into a fresh block rather than written into a shared one (which would break "a block being
         written has one owner" and could race with readers). That costs at most one block of recomputation.
+        A windowed group holds, of the cached blocks, only those the first query computed can see.
         """
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         token_ids = self._prompt(token_ids)
         hits = self._prefix_hits(token_ids)
         self._check_gpu_capacity(self._blocks_needed(token_ids, hits), f"allocating sequence {seq_id!r}")
-        for block in hits:
-            self.prefix_cache.hold(block)
-        num_blocks = -(-len(token_ids) // self.block_size)
-        seq = SeqState(token_ids, [block.block_id for block in hits], num_published_blocks=len(hits))
-        seq.block_table += [self._take_gpu_block() for _ in range(num_blocks - len(hits))]
-        if hits:
-            seq.prefix_hash, seq.prefix_content_id = hits[-1].hash, hits[-1].content_id
+        for group_hits in hits:
+            for block in group_hits:
+                if block is not None:
+                    self.prefix_cache.hold(block)
+        num_hits, num_blocks = len(hits[0]), -(-len(token_ids) // self.block_size)
+        tables = [[PAD_BLOCK_ID if block is None else block.block_id for block in group_hits] +
+                  [self._take_gpu_block() for _ in range(num_blocks - num_hits)] for group_hits in hits]
+        cached = num_hits * self.block_size
+        seq = SeqState(token_ids, tables, num_published_blocks=num_hits, window_floor=cached,
+                       released_below=[self._first_visible_block(g, cached) for g in range(self.num_groups)])
+        if num_hits:
+            seq.prefix_hash, seq.prefix_content_id = hits[0][-1].hash, hits[0][-1].content_id
         self.seqs[seq_id] = seq
-        return len(hits) * self.block_size
+        return cached
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Make ``child_seq_id`` share every block of ``parent_seq_id`` (on whichever device it is)."""
@@ -210,87 +249,125 @@ class BlockManager:
         if child_seq_id in self.seqs:
             raise ValueError(f"cannot fork onto sequence {child_seq_id!r}: it already exists")
         blocks = self.cpu_blocks if parent.swapped_out else self.gpu_blocks
-        for block_id in parent.block_table:
+        for block_id in _held(parent.block_tables):
             blocks[block_id].ref_count += 1
         self.seqs[child_seq_id] = dataclasses.replace(
-            parent, token_ids=list(parent.token_ids), block_table=list(parent.block_table))
+            parent, token_ids=list(parent.token_ids), block_tables=[list(t) for t in parent.block_tables],
+            released_below=list(parent.released_below))
 
     # ---- decoding ----
 
     def can_append_slot(self, seq_id: Hashable) -> bool:
         seq = self._gpu_seq(seq_id)
-        return not self._append_needs_block(seq) or self.num_free_blocks >= 1
+        return self._append_blocks_needed(seq) <= self.num_free_blocks
 
     def append_slot(self, seq_id: Hashable, token_id: int) -> tuple[int, Optional[tuple[int, int]]]:
-        """Reserve the slot of one more token; return ``(slot, cow)``.
+        """Reserve the slot of one more token; return ``(slot, cow)`` (one KV-cache group only: else
+        ``append_slots``).
 
         ``cow`` is None, or ``(src_block, dst_block)`` when the last block was shared: the caller copies
         ``src_block`` into ``dst_block`` (``copy_blocks``) before writing the new token at ``slot``. The block
         holding ``slot`` then has exactly one owner.
         """
+        self._gpu_seq(seq_id)
+        if self.num_groups != 1:
+            raise ValueError(f"append_slot serves one KV-cache group; this manager has {self.num_groups}: use "
+                             f"append_slots")
+        slots, cows = self.append_slots(seq_id, token_id)
+        return slots[0], (cows[0] if cows else None)
+
+    def append_slots(self, seq_id: Hashable, token_id: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Reserve the slots of one more token, one per KV-cache group; return ``(slots, cows)``: the slot in each
+        group's table, and the ``(src_block, dst_block)`` copies to make first (see ``append_slot``)."""
         seq = self._gpu_seq(seq_id)
         token_id = _token_id(token_id)
         position = len(seq.token_ids)
-        cow = None
-        if self._append_needs_block(seq):
-            self._check_gpu_capacity(1, f"appending to sequence {seq_id!r}")
+        self._check_gpu_capacity(self._append_blocks_needed(seq), f"appending to sequence {seq_id!r}")
+        cows = []
+        for table in seq.block_tables:
             if position % self.block_size == 0:
-                seq.block_table.append(self._take_gpu_block())
-            else:
-                src_block_id, dst_block_id = seq.block_table[-1], self._take_gpu_block()
+                table.append(self._take_gpu_block())
+            elif self.gpu_blocks[table[-1]].ref_count > 1:
+                src_block_id, dst_block_id = table[-1], self._take_gpu_block()
                 self.gpu_blocks[src_block_id].ref_count -= 1  # still >= 1: others hold it
-                seq.block_table[-1] = dst_block_id
-                cow = (src_block_id, dst_block_id)
+                table[-1] = dst_block_id
+                cows.append((src_block_id, dst_block_id))
         seq.token_ids.append(token_id)
-        return seq.block_table[-1] * self.block_size + position % self.block_size, cow
+        return [table[-1] * self.block_size + position % self.block_size for table in seq.block_tables], cows
 
     def mark_computed(self, seq_id: Hashable, num_tokens: Optional[int] = None) -> None:
         """Declare the KV of the sequence's first ``num_tokens`` tokens (default: all it holds) written.
 
         Call it once the step that wrote them completed. With prefix caching, the full blocks among them are
         published: later ``allocate`` calls can hit them. Blocks never marked are never hit, so a step that
-        fails (and whose sequences are freed) leaves no cache entry for KV that was not written.
+        fails (and whose sequences are freed) leaves no cache entry for KV that was not written. With windowed
+        groups it also says that no query before position ``num_tokens`` is still to come: their blocks that
+        no later query can see are released.
         """
         seq = self._gpu_seq(seq_id)
         num_tokens = len(seq.token_ids) if num_tokens is None else _count(num_tokens, "num_tokens")
         if num_tokens > len(seq.token_ids):
             raise ValueError(f"sequence {seq_id!r} holds {len(seq.token_ids)} tokens, cannot mark {num_tokens} "
                              f"computed")
-        if not self.enable_prefix_caching:
-            return
-        for index in range(seq.num_published_blocks, num_tokens // self.block_size):
-            self._cache_full_block(seq, index)
+        if self.enable_prefix_caching:
+            for index in range(seq.num_published_blocks, num_tokens // self.block_size):
+                self._cache_full_block(seq, index)
+        seq.window_floor = max(seq.window_floor, num_tokens)
+        for group, table in enumerate(seq.block_tables):
+            end = self._first_visible_block(group, seq.window_floor)
+            for index in range(seq.released_below[group], end):  # oldest first: the LRU evicts them first
+                if table[index] != PAD_BLOCK_ID:
+                    self._release_gpu_block(table[index])
+                    table[index] = PAD_BLOCK_ID
+            seq.released_below[group] = max(seq.released_below[group], end)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence (on the GPU or swapped out) and release its blocks."""
         seq = self._seq(seq_id)
         release = self._release_cpu_block if seq.swapped_out else self._release_gpu_block
-        for block_id in reversed(seq.block_table):  # tail first, so a prefix outlives its suffix in the LRU
-            release(block_id)
+        for table in seq.block_tables:
+            for block_id in reversed(table):  # tail first, so a prefix outlives its suffix in the LRU
+                if block_id != PAD_BLOCK_ID:
+                    release(block_id)
         del self.seqs[seq_id]
 
     # ---- paged metadata for the kernels ----
 
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        """A copy of the block table (CPU block ids while the sequence is swapped out)."""
-        return list(self._seq(seq_id).block_table)
+    def block_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
+        """A copy of a group's block table (CPU block ids while the sequence is swapped out)."""
+        return list(self._seq(seq_id).block_tables[self._group_index(group)])
+
+    def block_tables(self, seq_id: Hashable) -> list[list[int]]:
+        """Copies of every group's block table."""
+        return [list(table) for table in self._seq(seq_id).block_tables]
 
     def is_swapped_out(self, seq_id: Hashable) -> bool:
         return self._seq(seq_id).swapped_out
 
-    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
-        """GPU cache slots of the token positions ``[start, end)`` of a sequence resident on the GPU."""
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> list[int]:
+        """GPU cache slots in a group of the token positions ``[start, end)`` of a sequence resident on the GPU
+        (positions of released blocks have none: ValueError)."""
         seq = self._gpu_seq(seq_id)
+        group = self._group_index(group)
         start, end = _count(start, "start", minimum=None), _count(end, "end", minimum=None)
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"positions [{start}, {end}) are out of range for sequence {seq_id!r} "
                              f"of {len(seq.token_ids)} tokens")
-        return token_slots(seq.block_table, self.block_size, start, end)
+        if start < end and start < seq.released_below[group] * self.block_size:
+            raise ValueError(f"positions before {seq.released_below[group] * self.block_size} of sequence "
+                             f"{seq_id!r} are out of group {group}'s window: their blocks are released")
+        return token_slots(seq.block_tables[group], self.block_size, start, end)
 
-    def block_tables_tensor(self, seq_ids: Iterable[Hashable],
-                            device: Union[torch.device, str] = "cpu") -> torch.Tensor:
-        """int32 ``[len(seq_ids), max_blocks]`` block tables, padded with ``PAD_BLOCK_ID``, for paged_attention."""
-        return block_tables_tensor([self._gpu_seq(seq_id).block_table for seq_id in seq_ids]).to(device)
+    def block_tables_tensor(self, seq_ids: Iterable[Hashable], device: Union[torch.device, str] = "cpu",
+                            group: int = 0) -> torch.Tensor:
+        """int32 ``[len(seq_ids), max_blocks]`` block tables of a group, padded with ``PAD_BLOCK_ID``, for
+        paged_attention."""
+        group = self._group_index(group)
+        return block_tables_tensor([self._gpu_seq(seq_id).block_tables[group] for seq_id in seq_ids]).to(device)
+
+    def num_blocks_held(self, seq_ids: Iterable[Hashable]) -> int:
+        """Distinct blocks (of every group) that these sequences hold, a block shared among them counted once."""
+        return len(self._distinct_block_ids([self._seq(seq_id) for seq_id in seq_ids]))
 
     # ---- swapping ----
 
@@ -301,9 +378,9 @@ class BlockManager:
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a group of GPU sequences to CPU blocks; return the ``(gpu_block, cpu_block)`` copies to make.
 
-        A block shared inside the group is moved once and stays shared. The GPU blocks are released like on
-        ``free``: a cached full block keeps its (still valid) content in the prefix cache as an evictable
-        block, so other sequences can still hit it until its memory is needed.
+        A block shared inside the group is moved once and stays shared; released entries stay released. The GPU
+        blocks are released like on ``free``: a cached full block keeps its (still valid) content in the prefix
+        cache as an evictable block, so other sequences can still hit it until its memory is needed.
         """
         group = self._group(seq_ids, swapped_out=False)
         gpu_block_ids = self._distinct_block_ids(group)
@@ -339,10 +416,16 @@ class BlockManager:
     def stats(self) -> BlockManagerStats:
         gpu_seqs = [seq for seq in self.seqs.values() if not seq.swapped_out]
         block_size = self.block_size
-        last_block_fill = {seq.block_table[-1]: (len(seq.token_ids) - 1) % block_size + 1 for seq in gpu_seqs}
+        last_block_fill = {table[-1]: (len(seq.token_ids) - 1) % block_size + 1 for seq in gpu_seqs
+                           for table in seq.block_tables if table[-1] != PAD_BLOCK_ID}
         fragmentation = sum(block_size - fill for fill in last_block_fill.values())
         used = self.num_gpu_blocks - self.num_free_blocks
-        logical = sum(len(seq.block_table) for seq in gpu_seqs)
+        logical = sum(1 for seq in gpu_seqs for _ in _held(seq.block_tables))
+        by_type: dict[str, set[int]] = {}
+        for group, window in enumerate(self.group_windows):
+            held = by_type.setdefault("global" if window is None else "sliding_window", set())
+            held.update(block_id for seq in gpu_seqs for block_id in seq.block_tables[group]
+                        if block_id != PAD_BLOCK_ID)
         return BlockManagerStats(
             num_gpu_blocks=self.num_gpu_blocks,
             gpu_blocks_used=used,
@@ -354,6 +437,7 @@ class BlockManager:
             blocks_saved_by_sharing=logical - used,
             internal_fragmentation=fragmentation,
             utilization=(used * block_size - fragmentation) / (used * block_size) if used else 0.0,
+            gpu_blocks_by_attention_type={kind: len(held) for kind, held in by_type.items()},
         )
 
     # ---- helpers ----
@@ -369,6 +453,17 @@ class BlockManager:
         if seq.swapped_out:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return seq
+
+    def _group_index(self, group: int) -> int:
+        group = _count(group, "group")
+        if group >= self.num_groups:
+            raise ValueError(f"group must be < {self.num_groups} (the KV-cache groups), got {group}")
+        return group
+
+    def _first_visible_block(self, group: int, position: int) -> int:
+        """The first block of a group that a query at ``position`` (or later) can see."""
+        window = self.group_windows[group]
+        return 0 if window is None else max(0, (position - window + 1) // self.block_size)
 
     def _group(self, seq_ids: Iterable[Hashable], swapped_out: bool) -> list[SeqState]:
         seq_ids = list(seq_ids)
@@ -386,16 +481,19 @@ class BlockManager:
                     swapped_out: bool) -> None:
         """Point a swapped group's block tables at the blocks of the other device (``mapping``: old id -> new id)."""
         for seq in group:
-            for block_id in reversed(seq.block_table):
-                release(block_id)
-            seq.block_table = [mapping[block_id] for block_id in seq.block_table]
-            for block_id in seq.block_table:
+            for table in seq.block_tables:
+                for block_id in reversed(table):
+                    if block_id != PAD_BLOCK_ID:
+                        release(block_id)
+            seq.block_tables = [[PAD_BLOCK_ID if block_id == PAD_BLOCK_ID else mapping[block_id] for block_id in t]
+                                for t in seq.block_tables]
+            for block_id in _held(seq.block_tables):
                 to_blocks[block_id].ref_count += 1
             seq.swapped_out = swapped_out
 
     @staticmethod
     def _distinct_block_ids(group: list[SeqState]) -> list[int]:
-        return list(dict.fromkeys(block_id for seq in group for block_id in seq.block_table))
+        return list(dict.fromkeys(block_id for seq in group for block_id in _held(seq.block_tables)))
 
     @staticmethod
     def _prompt(token_ids: Iterable[int]) -> list[int]:
@@ -411,14 +509,17 @@ class BlockManager:
             raise OutOfBlocksError(f"{action} needs {needed} free GPU blocks, but only {self.num_free_blocks} "
                                    f"are free ({self.prefix_cache.num_evictable} of them evictable cached blocks)")
 
-    def _blocks_needed(self, token_ids: list[int], hits: list[Block]) -> int:
-        """Free blocks an allocation takes: fresh blocks plus the hits that are now evictable."""
+    def _blocks_needed(self, token_ids: list[int], hits: list[list[Optional[Block]]]) -> int:
+        """Free blocks an allocation takes: fresh blocks plus the hits that are now evictable, in every group."""
         num_blocks = -(-len(token_ids) // self.block_size)
-        return num_blocks - len(hits) + sum(block.ref_count == 0 for block in hits)
+        return self.num_groups * (num_blocks - len(hits[0])) + sum(
+            block is not None and block.ref_count == 0 for group_hits in hits for block in group_hits)
 
-    def _append_needs_block(self, seq: SeqState) -> bool:
-        return (len(seq.token_ids) % self.block_size == 0
-                or self.gpu_blocks[seq.block_table[-1]].ref_count > 1)
+    def _append_blocks_needed(self, seq: SeqState) -> int:
+        """Blocks an append_slots takes: in each group a new last block, or a copy of a shared one."""
+        if len(seq.token_ids) % self.block_size == 0:
+            return self.num_groups
+        return sum(self.gpu_blocks[table[-1]].ref_count > 1 for table in seq.block_tables)
 
     def _take_gpu_block(self, ref_count: int = 1) -> int:
         if self.free_gpu_block_ids:
@@ -443,15 +544,47 @@ class BlockManager:
         if block.ref_count == 0:
             self.free_cpu_block_ids.append(block_id)
 
-    def _prefix_hits(self, token_ids: list[int]) -> list[Block]:
-        return self.prefix_cache.longest_prefix(token_ids) if self.enable_prefix_caching else []
+    def _prefix_hits(self, token_ids: list[int]) -> list[list[Optional[Block]]]:
+        """Per group, the cached blocks of the longest prefix every group can serve (None: a windowed group's
+        block that the first query after the prefix cannot see). Group 0's chain gives the candidates; the
+        longest prefix of H blocks for which each other group holds cached blocks from its first visible block
+        to H wins."""
+        if not self.enable_prefix_caching:
+            return [[] for _ in self.group_windows]
+        chain = self.prefix_cache.longest_prefix(token_ids)
+        groups = [chain] + [[self.prefix_cache.group_block(group, block.content_id) for block in chain]
+                            for group in range(1, self.num_groups)]
+        # last_missing[g][h]: the last index < h whose group-g block is not cached (-1: none)
+        last_missing = []
+        for blocks in groups:
+            marks, last = [-1], -1
+            for index, block in enumerate(blocks):
+                last = index if block is None else last
+                marks.append(last)
+            last_missing.append(marks)
+        num_hits = next(h for h in range(len(chain), -1, -1)
+                        if all(marks[h] < self._first_visible_block(group, h * self.block_size)
+                               for group, marks in enumerate(last_missing)))
+        return [[block if index >= self._first_visible_block(group, num_hits * self.block_size) else None
+                 for index, block in enumerate(blocks[:num_hits])] for group, blocks in enumerate(groups)]
 
     def _cache_full_block(self, seq: SeqState, index: int) -> None:
-        """Publish the full block ``index`` (the next one after the chain) of ``seq`` and extend its chain."""
+        """Publish the full block ``index`` (the next one after the chain) of ``seq`` in every group that holds it,
+        and extend its chain."""
         seq.num_published_blocks = index + 1
         block_tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
         seq.prefix_hash, seq.prefix_content_id = self.prefix_cache.publish(
-            self.gpu_blocks[seq.block_table[index]], block_tokens, seq.prefix_hash, seq.prefix_content_id)
+            self.gpu_blocks[seq.block_tables[0][index]], block_tokens, seq.prefix_hash, seq.prefix_content_id)
+        for group in range(1, self.num_groups):
+            block_id = seq.block_tables[group][index]
+            if block_id != PAD_BLOCK_ID:
+                self.prefix_cache.publish_group_block(self.gpu_blocks[block_id], group, block_tokens,
+                                                      seq.prefix_content_id)
+
+
+def _held(tables: list[list[int]]):
+    """The block ids the tables hold (released entries skipped), group after group."""
+    return (block_id for table in tables for block_id in table if block_id != PAD_BLOCK_ID)
 
 
 def _count(value, name: str, minimum: Optional[int] = 0) -> int:

@@ -10,6 +10,9 @@ if TYPE_CHECKING:
     from paged_attn.block_manager import Block
 
 
+GROUP_KEY = "group"  # first element of the keys of groups other than 0 (group 0's keys are ints)
+
+
 def _block_hash(parent_hash: Optional[int], token_ids: tuple[int, ...]) -> int:
     """Prefix-cache key of a full block, chained over its parent's key (None for the first block)."""
     return hash((parent_hash, token_ids))
@@ -25,12 +28,16 @@ class PrefixCache:
     for later hits until the manager, out of plain free blocks, recycles the least recently used one.
     The cache shares the manager's ``Block`` records (their ``hash``, ``token_ids`` and content ids are set exactly
     while registered) and never allocates.
+
+    With several KV-cache groups, the chain is group 0's; another group's block of the same token block is
+    registered under ``(GROUP_KEY, group, content id of group 0's entry)``: content ids are never reused, so it is
+    found only after exactly that prefix.
     """
 
     def __init__(self, blocks: list[Block], block_size: int):
         self.blocks = blocks
         self.block_size = block_size
-        self.hash_to_block_id: dict[int, int] = {}
+        self.hash_to_block_id: dict = {}  # int chain hash (group 0) or (GROUP_KEY, group, content id)
         self.evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # ref count 0 but cached, LRU first
         self._content_ids = itertools.count()
 
@@ -76,6 +83,18 @@ class PrefixCache:
             block.content_id, block.parent_content_id = content_id, parent_content_id
             self.hash_to_block_id[block_hash] = block.block_id
         return block_hash, content_id
+
+    def group_block(self, group: int, content_id: int) -> Optional[Block]:
+        """The cached block of a group (>= 1) for the token block whose group-0 entry has ``content_id``, or None."""
+        block_id = self.hash_to_block_id.get((GROUP_KEY, group, content_id))
+        return None if block_id is None else self.blocks[block_id]
+
+    def publish_group_block(self, block: Block, group: int, token_ids: tuple[int, ...], content_id: int) -> None:
+        """Register a group's full ``block`` holding ``token_ids``, whose group-0 entry has ``content_id`` (once)."""
+        key = (GROUP_KEY, group, content_id)
+        if key not in self.hash_to_block_id and block.hash is None:
+            block.hash, block.token_ids = key, token_ids
+            self.hash_to_block_id[key] = block.block_id
 
     def hold(self, block: Block) -> None:
         """A sequence takes a reference to the cached ``block`` (a hit)."""

@@ -538,3 +538,89 @@ def test_stats_report_sharing_and_fragmentation():
     stats = bm.stats()
     assert stats.gpu_blocks_used == 5 and stats.internal_fragmentation == 3
     assert stats.blocks_saved_by_sharing == 1 and stats.utilization == pytest.approx(17 / 20)
+
+
+# ---- KV-cache groups: windowed groups release the blocks no later query can see ----
+
+def test_a_windowed_group_releases_blocks_once_no_later_query_sees_them():
+    bm = BlockManager(32, 4, group_windows=(None, 6))  # group 1: window 6
+    bm.allocate(0, list(range(1, 14)))  # 13 tokens: 4 blocks in each group
+    assert [len(table) for table in bm.block_tables(0)] == [4, 4] and bm.num_free_blocks == 24
+    bm.mark_computed(0, 8)  # queries from position 8 on see 3 ..: block 0 (tokens 0-3) is still read
+    assert PAD_BLOCK_ID not in bm.block_table(0, 1)
+    bm.mark_computed(0, 9)  # from 9 on: 4 ..: block 0 is dead
+    assert bm.block_table(0, 1)[0] == PAD_BLOCK_ID and PAD_BLOCK_ID not in bm.block_table(0, 1)[1:]
+    bm.mark_computed(0)  # from 13 on: positions 8 .. ; blocks 0 and 1 are dead
+    assert bm.block_table(0, 1)[:2] == [PAD_BLOCK_ID] * 2 and PAD_BLOCK_ID not in bm.block_table(0)
+    assert bm.stats().gpu_blocks_by_attention_type == {"global": 4, "sliding_window": 2}
+    assert bm.num_free_blocks == 26 and bm.num_blocks_held([0]) == 6
+    with pytest.raises(ValueError, match="released"):
+        bm.slot_mapping(0, 7, 9, group=1)
+    assert bm.slot_mapping(0, 8, 13, group=1) == [bm.block_table(0, 1)[i // 4] * 4 + i % 4 for i in range(8, 13)]
+    for token in (14, 15, 16, 17):  # positions 13 .. 15 fill block 3; position 16 opens block 4 in both groups
+        slots, cows = bm.append_slots(0, token)
+        assert cows == [] and len(slots) == 2
+    assert [len(table) for table in bm.block_tables(0)] == [5, 5]
+    bm.mark_computed(0)  # from 17 on: positions 12 ..; block 2 is dead too
+    assert bm.block_table(0, 1)[:3] == [PAD_BLOCK_ID] * 3
+    bm.free(0)
+    assert bm.num_free_blocks == 32 and bm.stats().gpu_blocks_used == 0
+
+
+def test_append_slots_copies_on_write_in_every_group():
+    bm = BlockManager(16, 4, group_windows=(None, 4, 4))
+    bm.allocate(0, [1, 2, 3, 4, 5])
+    bm.mark_computed(0)
+    bm.fork(0, 1)
+    raises_unchanged(bm, ValueError, bm.append_slot, 1, 9, match="append_slots")
+    shared = [table[-1] for table in bm.block_tables(0)]
+    slots, cows = bm.append_slots(1, 9)
+    assert [src for src, _ in cows] == shared and len({dst for _, dst in cows}) == 3
+    assert [table[-1] for table in bm.block_tables(1)] == [dst for _, dst in cows]
+    assert slots == [dst * 4 + 1 for _, dst in cows]
+    assert ref_counts(bm, shared) == [1, 1, 1]
+    for seq_id in (0, 1):
+        bm.free(seq_id)
+    assert bm.num_free_blocks == 16
+
+
+def test_fork_and_swap_keep_the_released_entries_released():
+    bm = BlockManager(24, 4, num_cpu_blocks=24, group_windows=(None, 4))
+    bm.allocate(0, list(range(1, 11)))  # 10 tokens, 3 blocks per group
+    bm.mark_computed(0)  # from 10 on: positions 7 ..: group 1 releases block 0
+    bm.fork(0, 1)
+    assert bm.block_tables(1) == bm.block_tables(0) and bm.block_table(1, 1)[0] == PAD_BLOCK_ID
+    before = bm.block_tables(0)
+    mapping = bm.swap_out([0, 1])
+    assert len(mapping) == 5 and bm.num_free_cpu_blocks == 19  # 3 + 2 distinct blocks, moved once
+    assert bm.block_table(0, 1)[0] == PAD_BLOCK_ID and bm.block_tables(0) == bm.block_tables(1)
+    bm.swap_in([0, 1])
+    after = bm.block_tables(0)
+    assert [[b == PAD_BLOCK_ID for b in table] for table in after] == [[b == PAD_BLOCK_ID for b in table]
+                                                                      for table in before]
+    assert bm.block_tables(1) == after and bm.num_free_blocks == 19 and bm.num_free_cpu_blocks == 24
+    for seq_id in (0, 1):
+        bm.free(seq_id)
+    assert bm.num_free_blocks == 24
+
+
+def test_a_prefix_hit_needs_the_windowed_groups_blocks_in_its_window():
+    """Group 0's chain still holds a 16-token prefix, but the windowed group's blocks of it were evicted: no query
+    after the prefix could read its window, so nothing of it is a hit."""
+    tokens = list(range(1, 17))
+    bm = BlockManager(40, 4, enable_prefix_caching=True, group_windows=(None, 4))
+    allocate_computed(bm, "a", tokens + [100])
+    bm.free("a")
+    assert bm.cached_prefix_length(tokens + [200]) == 16  # 4 blocks; group 1 needs block 3 only (positions 13 ..)
+    assert bm.allocate("b", tokens + [300]) == 16  # holds group 0's blocks 0-3 and group 1's block 3
+    for token in (301, 302, 303, 304):
+        bm.append_slots("b", token)
+    bm.mark_computed("b")  # from 21 on: positions 18 ..: "b" lets go of group 1's block 3 (still cached)
+    free = bm.num_free_blocks
+    assert free % 2 == 0
+    bm.allocate("c", [7] * (free // 2 * 4))  # takes every free block: evicts group 1's cached blocks 0-3
+    assert bm.num_free_blocks == 0 and bm.stats().gpu_blocks_cached == 0
+    assert bm.cached_prefix_length(tokens + [200]) == 0
+    for seq_id in ("b", "c"):
+        bm.free(seq_id)
+    assert bm.cached_prefix_length(tokens + [200]) == 0

@@ -8,6 +8,11 @@ later), and after every step checks that each sequence reads back exactly its ow
 that every cached block really holds its tokens, and that the reference counts and free lists agree with the
 block tables. Failed steps are simulated too: sequences are allocated or extended, garbage is written where their
 KV would go, and they are freed without being marked computed; no cached block may ever hold that garbage.
+
+The manager may have several KV-cache groups, global or windowed (window-aware memory): every group's slots are
+written, and each group's table must hold exactly the blocks that a query still to come can see (from the block
+of position ``floor - window + 1`` on, ``floor`` being the most tokens marked computed or found cached): released
+entries before them, and each group's blocks read back their tokens.
 """
 
 from collections import Counter
@@ -19,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from paged_attn import prefix_cache
-from paged_attn.block_manager import BlockManager, OutOfBlocksError
+from paged_attn.block_manager import PAD_BLOCK_ID, BlockManager, OutOfBlocksError
 
 EMPTY = None  # a simulated slot that no token was ever written to
 GARBAGE = ("garbage",)  # what a failed step leaves in the slots it was writing
@@ -34,8 +39,10 @@ def kv(tokens, position):
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(num_gpu_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 3, 4]),
                 num_cpu_blocks=st.integers(0, 8), enable_prefix_caching=st.booleans(),
-                hash_kind=st.sampled_from(["chained", "chained", "weak", "constant"]))
-    def setup(self, num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching, hash_kind):
+                hash_kind=st.sampled_from(["chained", "chained", "weak", "constant"]),
+                group_windows=st.sampled_from([(None,), (None,), (None, 1), (None, 3), (None, 2, 5), (None, None, 4),
+                                               (4,), (2, None)]))
+    def setup(self, num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching, hash_kind, group_windows):
         # "weak" drops the parent from the hash and "constant" makes every block collide: neither may ever
         # produce a wrong hit, which the read-back invariant would catch.
         self.real_hash = prefix_cache._block_hash
@@ -43,8 +50,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             prefix_cache._block_hash = lambda parent_hash, token_ids: hash(token_ids) % 5
         elif hash_kind == "constant":
             prefix_cache._block_hash = lambda parent_hash, token_ids: 0
+        if enable_prefix_caching and group_windows[0] is not None:
+            with pytest.raises(ValueError, match="group 0 must be global"):
+                BlockManager(num_gpu_blocks, block_size, enable_prefix_caching=True, group_windows=group_windows)
+            enable_prefix_caching = False
         self.bm = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                               enable_prefix_caching=enable_prefix_caching)
+                               enable_prefix_caching=enable_prefix_caching, group_windows=group_windows)
+        self.floor = {}  # seq_id -> no query before this position is still to come
         self.gpu_cache = [EMPTY] * (num_gpu_blocks * block_size)
         self.cpu_cache = [EMPTY] * (num_cpu_blocks * block_size)
         self.expected = {}  # seq_id -> the tokens the sequence must read back
@@ -96,17 +108,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return seq_id, prefix + tail
 
     def append(self, seq_id, token, tokens):
-        """append_slot and its copy-on-write; returns the slot to write, or None when out of blocks."""
-        if not self.bm.can_append_slot(seq_id):
-            self.expect_unchanged(OutOfBlocksError, self.bm.append_slot, seq_id, token)
+        """append_slot(s) and the copies-on-write; returns each group's slot to write, or None when out of blocks."""
+        bm = self.bm
+        if not bm.can_append_slot(seq_id):
+            self.expect_unchanged(OutOfBlocksError, bm.append_slots, seq_id, token)
+            self.expect_unchanged(OutOfBlocksError if bm.num_groups == 1 else ValueError, bm.append_slot, seq_id,
+                                  token)
             return None
-        slot, cow = self.bm.append_slot(seq_id, token)
-        if cow is not None:
-            src, dst = cow
-            assert src != dst and self.bm.gpu_blocks[src].ref_count >= 1
+        if bm.num_groups == 1:
+            slot, cow = bm.append_slot(seq_id, token)
+            slots, cows = [slot], [] if cow is None else [cow]
+        else:
+            self.expect_unchanged(ValueError, bm.append_slot, seq_id, token)
+            slots, cows = bm.append_slots(seq_id, token)
+        assert len(slots) == bm.num_groups
+        for src, dst in cows:
+            assert src != dst and bm.gpu_blocks[src].ref_count >= 1
             self.copy_block(self.gpu_cache, src, self.gpu_cache, dst)
         tokens.append(token)
-        return slot
+        return slots
+
+    def slots(self, seq_id, start, end):
+        return [slot for group in range(self.bm.num_groups) for slot in self.bm.slot_mapping(seq_id, start, end, group)]
+
+    def mark(self, seq_id, num_tokens=None):
+        self.bm.mark_computed(seq_id, num_tokens)
+        num_tokens = len(self.expected[seq_id]) if num_tokens is None else num_tokens
+        self.floor[seq_id] = max(self.floor[seq_id], num_tokens)
 
     @rule(tail=tokens_strategy, base=st.integers(0, 1000), cut=st.integers(0, 12), computed=st.booleans())
     def allocate(self, tail, base, cut, computed):
@@ -117,11 +145,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = self.bm.allocate(seq_id, prompt)
         assert 0 <= cached <= len(prompt) - 1 and cached % self.bm.block_size == 0
         assert cached == 0 or self.bm.enable_prefix_caching
-        for position, slot in enumerate(self.bm.slot_mapping(seq_id, cached, len(prompt)), start=cached):
-            self.write(slot, kv(prompt, position))
+        for group in range(self.bm.num_groups):
+            for position, slot in enumerate(self.bm.slot_mapping(seq_id, cached, len(prompt), group), start=cached):
+                self.write(slot, kv(prompt, position))
+        self.expected[seq_id], self.floor[seq_id] = list(prompt), cached
         if computed:
-            self.bm.mark_computed(seq_id)
-        self.expected[seq_id] = list(prompt)
+            self.mark(seq_id)
         self.past_prompts = (self.past_prompts + [prompt])[-16:]
 
     @rule(index=st.integers(0, 1000), token=st.integers(0, 2), computed=st.booleans())
@@ -130,12 +159,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq_id is None:
             return
         tokens = self.expected[seq_id]
-        slot = self.append(seq_id, token, tokens)
-        if slot is None:
+        slots = self.append(seq_id, token, tokens)
+        if slots is None:
             return
-        self.write(slot, kv(tokens, len(tokens) - 1))
+        for slot in slots:
+            self.write(slot, kv(tokens, len(tokens) - 1))
         if computed:
-            self.bm.mark_computed(seq_id)
+            self.mark(seq_id)
         if len(tokens) % self.bm.block_size == 0:
             self.past_prompts = (self.past_prompts + [list(tokens)])[-16:]
 
@@ -143,7 +173,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def mark_computed(self, index, cut):
         seq_id = self.pick(index, swapped_out=False)
         if seq_id is not None:
-            self.bm.mark_computed(seq_id, cut % (len(self.expected[seq_id]) + 1))
+            self.mark(seq_id, cut % (len(self.expected[seq_id]) + 1))
 
     @rule(tail=tokens_strategy, base=st.integers(0, 1000), cut=st.integers(0, 12), index=st.integers(0, 1000),
           tokens=st.lists(st.integers(0, 2), max_size=6))
@@ -155,7 +185,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.bm.can_allocate(prompt):
             cached = self.bm.allocate(seq_id, prompt)
             doomed.append(seq_id)
-            for slot in self.bm.slot_mapping(seq_id, cached, len(prompt)):
+            for slot in self.slots(seq_id, cached, len(prompt)):
                 self.write(slot, GARBAGE)
         parent = self.pick(index, swapped_out=False)
         if parent is not None:
@@ -164,10 +194,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             doomed.append(child)
             child_tokens = list(self.expected[parent])
             for token in tokens:
-                slot = self.append(child, token, child_tokens)
-                if slot is None:
+                slots = self.append(child, token, child_tokens)
+                if slots is None:
                     break
-                self.write(slot, GARBAGE)
+                for slot in slots:
+                    self.write(slot, GARBAGE)
         for seq_id in doomed:
             self.bm.free(seq_id)
 
@@ -178,7 +209,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         child, self.next_seq_id = self.next_seq_id, self.next_seq_id + 1
         self.bm.fork(parent, child)
-        self.expected[child] = list(self.expected[parent])
+        self.expected[child], self.floor[child] = list(self.expected[parent]), self.floor[parent]
 
     @rule(index=st.integers(0, 1000))
     def free(self, index):
@@ -215,7 +246,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for cpu_block, gpu_block in mapping:
             self.copy_block(self.cpu_cache, cpu_block, self.gpu_cache, gpu_block)
         for seq_id in group:
-            self.bm.mark_computed(seq_id)
+            self.mark(seq_id)
 
     @rule(index=st.integers(0, 1000))
     def misuse(self, index):
@@ -249,8 +280,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def blocks_are_accounted_for(self):
         bm = self.bm
-        gpu_holders = Counter(b for s in bm.seqs.values() if not s.swapped_out for b in s.block_table)
-        cpu_holders = Counter(b for s in bm.seqs.values() if s.swapped_out for b in s.block_table)
+        def holders(swapped_out):
+            return Counter(b for s in bm.seqs.values() if s.swapped_out == swapped_out for table in s.block_tables
+                           for b in table if b != PAD_BLOCK_ID)
+        gpu_holders, cpu_holders = holders(False), holders(True)
         assert [b.ref_count for b in bm.gpu_blocks] == [gpu_holders[i] for i in range(bm.num_gpu_blocks)]
         assert [b.ref_count for b in bm.cpu_blocks] == [cpu_holders[i] for i in range(bm.num_cpu_blocks)]
 
@@ -271,18 +304,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not bm.enable_prefix_caching:
             assert not bm.prefix_cache.hash_to_block_id
 
+    def first_visible(self, seq_id, group):
+        """The first position of the group's first block that a query still to come can see."""
+        window, bs = self.bm.group_windows[group], self.bm.block_size
+        return 0 if window is None else max(0, (self.floor[seq_id] - window + 1) // bs) * bs
+
     @invariant()
     def sequences_read_back_their_tokens(self):
         bm, bs = self.bm, self.bm.block_size
         assert set(bm.seqs) == set(self.expected)
         for seq_id, tokens in self.expected.items():
-            table = bm.block_table(seq_id)
-            assert len(table) == -(-len(tokens) // bs)
-            if bm.is_swapped_out(seq_id):
-                read = [self.cpu_cache[table[i // bs] * bs + i % bs] for i in range(len(tokens))]
-            else:
-                read = [self.gpu_cache[slot] for slot in bm.slot_mapping(seq_id, 0, len(tokens))]
-            assert read == [kv(tokens, i) for i in range(len(tokens))], seq_id
+            for group in range(bm.num_groups):
+                table, first = bm.block_table(seq_id, group), self.first_visible(seq_id, group)
+                assert len(table) == -(-len(tokens) // bs)
+                # exactly the blocks a query still to come can see are held
+                assert [b == PAD_BLOCK_ID for b in table] == [i < first // bs for i in range(len(table))], seq_id
+                if bm.is_swapped_out(seq_id):
+                    read = [self.cpu_cache[table[i // bs] * bs + i % bs] for i in range(first, len(tokens))]
+                else:
+                    read = [self.gpu_cache[slot] for slot in bm.slot_mapping(seq_id, first, len(tokens), group)]
+                    if first:
+                        self.expect_unchanged(ValueError, bm.slot_mapping, seq_id, first - 1, len(tokens), group)
+                assert read == [kv(tokens, i) for i in range(first, len(tokens))], (seq_id, group)
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
@@ -305,9 +348,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert stats.gpu_blocks_cached == len(bm.prefix_cache.evictable_block_ids)
         assert stats.cpu_blocks_used == sum(b.ref_count > 0 for b in bm.cpu_blocks)
         assert stats.num_tokens == sum(len(self.expected[s]) for s in gpu_seqs)
-        assert stats.logical_blocks == sum(len(bm.block_table(s)) for s in gpu_seqs)
+        assert stats.logical_blocks == sum(b != PAD_BLOCK_ID for s in gpu_seqs for t in bm.block_tables(s) for b in t)
         assert stats.blocks_saved_by_sharing == stats.logical_blocks - used >= 0
-        filled_slots = {slot for s in gpu_seqs for slot in bm.slot_mapping(s, 0, len(self.expected[s]))}
+        assert sum(stats.gpu_blocks_by_attention_type.values()) == used
+        windowed = [g for g, w in enumerate(bm.group_windows) if w is not None]
+        assert stats.gpu_blocks_by_attention_type.get("sliding_window", 0) == len(
+            {b for s in gpu_seqs for g in windowed for b in bm.block_table(s, g) if b != PAD_BLOCK_ID})
+        filled_slots = {slot for s in gpu_seqs for g in range(bm.num_groups)
+                        for slot in bm.slot_mapping(s, self.first_visible(s, g), len(self.expected[s]), g)}
         assert stats.internal_fragmentation == used * bs - len(filled_slots)
         assert 0.0 <= stats.utilization <= 1.0
         if used:
