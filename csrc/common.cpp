@@ -432,18 +432,23 @@ void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at
 }
 
 void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu, int64_t num_blocks,
-                             int64_t block_size) {
+                             int64_t block_size, const std::optional<at::Tensor>& query_start_loc_cpu,
+                             int64_t sliding_window) {
   const auto tables = block_tables_cpu.contiguous();
   const auto lens = seq_lens_cpu.contiguous();
+  const auto starts = query_start_loc_cpu.has_value() ? query_start_loc_cpu->contiguous() : at::Tensor();
   const int32_t* table = tables.data_ptr<int32_t>();
   const int32_t* len = lens.data_ptr<int32_t>();
+  const int32_t* qsl = starts.defined() ? starts.const_data_ptr<int32_t>() : nullptr;
   const int64_t max_blocks_per_seq = tables.size(1);
   for (int64_t s = 0; s < lens.size(0); ++s) {
     TORCH_CHECK(len[s] >= 0 && len[s] <= max_blocks_per_seq * block_size, "seq_lens[", s, "] = ", len[s],
                 " is out of range [0, ", max_blocks_per_seq * block_size,
                 "] (max_blocks_per_seq * block_size)");
     const int64_t used_blocks = (len[s] + block_size - 1) / block_size;
-    for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t first_row = int64_t{len[s]} - (qsl != nullptr ? int64_t{qsl[s + 1]} - qsl[s] : 1);
+    const int64_t first_read = sliding_window > 0 ? std::max<int64_t>(0, first_row - sliding_window + 1) : 0;
+    for (int64_t b = first_read / block_size; b < used_blocks; ++b) {
       const int32_t block = table[s * max_blocks_per_seq + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
                   " is out of range [0, ", num_blocks, ") (sequence ", s, " has ", len[s], " tokens)");

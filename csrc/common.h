@@ -126,9 +126,13 @@ void check_query_start_loc_range(const at::Tensor& query_start_loc_cpu, const at
                                  int64_t num_tokens, std::optional<int64_t> max_query_len);
 
 // Every seq_lens[s] is in [0, max_blocks_per_seq * block_size], and the block-table entries that sequence s
-// reads (the first ceil(seq_lens[s] / block_size)) are in [0, num_blocks). Takes CPU tensors.
+// reads are in [0, num_blocks): the first ceil(seq_lens[s] / block_size), except, with a sliding window, those
+// wholly before the window of its first query row (at seq_lens[s] - query_len; query_len 1 without
+// query_start_loc), which are never read: a windowed cache may have released them (-1). Takes CPU tensors;
+// query_start_loc, if given, already checked (check_query_start_loc_range).
 void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu, int64_t num_blocks,
-                             int64_t block_size);
+                             int64_t block_size, const std::optional<at::Tensor>& query_start_loc_cpu,
+                             int64_t sliding_window);
 
 // (address_of is in overlap.h; access_width, the widest access that divides a set of addresses and strides, is in
 // cuda/launch_plan.h.)

@@ -418,8 +418,8 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
                              sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
                              sinks);
   const int64_t block_size = key_cache.size(1);
-  check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size);
   if (query_start_loc.has_value()) check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
+  check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size, query_start_loc, sliding_window);
   check_kv_scale_values(k_scale, v_scale);
   check_sink_values(sinks);
   if (out.numel() == 0) return;

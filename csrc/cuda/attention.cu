@@ -161,10 +161,13 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
   const c10::cuda::CUDAGuard guard(query.device());
   if (validation_enabled()) {
     const at::Tensor seq_lens_cpu = seq_lens.cpu();
-    check_block_table_range(block_tables.cpu(), seq_lens_cpu, key_cache.size(0), block_size);
-    if (query_start_loc.has_value()) {
-      check_query_start_loc_range(query_start_loc->cpu(), seq_lens_cpu, num_tokens, max_query_len);
+    const std::optional<at::Tensor> query_start_loc_cpu =
+        query_start_loc.has_value() ? std::optional<at::Tensor>(query_start_loc->cpu()) : std::nullopt;
+    if (query_start_loc_cpu.has_value()) {
+      check_query_start_loc_range(*query_start_loc_cpu, seq_lens_cpu, num_tokens, max_query_len);
     }
+    check_block_table_range(block_tables.cpu(), seq_lens_cpu, key_cache.size(0), block_size, query_start_loc_cpu,
+                            sliding_window);
     check_kv_scale_values(k_scale, v_scale);
     check_sink_values(sinks);
   }

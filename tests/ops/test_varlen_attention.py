@@ -421,3 +421,45 @@ def test_fake_kernel_checks_query_start_loc():
         f(query, key_cache, value_cache, block_tables, seq_lens, starts.long())
     with pytest.raises(Exception, match="block_tables must have num_seqs = "):
         f(query, key_cache, value_cache, block_tables, seq_lens, starts[:-1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Window-aware memory: a windowed layer's blocks that no query row can see are released, their entries -1.
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("decode", [False, True], ids=["varlen", "decode"])
+def test_released_blocks_before_every_rows_window_are_never_read(device, block_size, decode):
+    """The engine's windowed KV-cache groups release the blocks before the window of a sequence's first query row
+    and set their table entries to -1 (PAD_BLOCK_ID). Over such tables the op gives the reference's output over
+    the intact ones, reading neither the entries nor the blocks: the caches are views one block into a NaN
+    allocation (block -1 is NaN), the released blocks are NaN too, and several sequences hold -1 at the same
+    positions (which must not pass for a block they share)."""
+    window = 40
+    specs = [(300, 1), (301, 1), (45, 1), (200, 1)] if decode else \
+        [(300, 1), (301, 37), (90, 90), (45, 1), (200, 130), (0, 0)]
+    query, key_cache, value_cache, block_tables, seq_lens, starts = make_varlen_case(specs, 8, 2, 64, block_size,
+                                                                                     torch.bfloat16, device)
+    options = dict(sliding_window=window) if decode else \
+        dict(sliding_window=window, query_start_loc=starts)
+    want = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                     compute_dtype=torch.float64, **options).to(query.dtype)
+    caches = []
+    for cache in (key_cache, value_cache):
+        padded = torch.full((cache.shape[0] + 1,) + cache.shape[1:], NAN, dtype=cache.dtype, device=device)
+        padded[1:] = cache
+        caches.append(padded[1:])  # block -1 is padded[0]: NaN
+    released = block_tables.clone()
+    num_released = 0
+    for s, (seq_len, query_len) in enumerate(specs):
+        first_visible = max(0, seq_len - query_len - window + 1) // block_size
+        for block in range(first_visible):
+            for cache in caches:
+                cache[released[s, block]] = NAN
+            released[s, block] = -1
+            num_released += 1
+    assert num_released > 20
+    out = paged_attn.paged_attention(query, *caches, released, seq_lens, **options)
+    assert not out.isnan().any(), "a released block or entry was read"
+    torch.testing.assert_close(out, want, **tolerance(torch.bfloat16))
