@@ -91,8 +91,10 @@ def teacher_forced_logprobs(llm, token_ids: list[int], num_prompt_tokens: int) -
     device = runner.device
     batch = Batch(
         input_ids=torch.tensor(token_ids, device=device), positions=torch.arange(n, device=device),
-        slot_mapping=torch.arange(n, device=device),  # blocks 0, 1, ... in order: slot i holds token i
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).view(1, -1),
+        # one KV-cache group (the model has no windowed layers); blocks 0, 1, ... in order: slot i holds token i
+        slot_mapping=torch.arange(n, device=device).view(1, -1),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).view(1, 1, -1),
+        layer_groups=(0,) * llm.model.config.num_layers,
         seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device), max_query_len=n,
         logits_indices=torch.arange(num_prompt_tokens - 1, n - 1, device=device))

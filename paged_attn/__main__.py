@@ -117,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
                         help="CPU blocks for swapping; 0: recompute")
     parser.add_argument("--enable-prefix-caching", action="store_true")
+    parser.add_argument("--no-window-kv-memory", action="store_true",
+                        help="keep every layer's KV of every token (no KV-cache groups: the sliding-window layers' "
+                             "blocks are not freed when they leave the window)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=64)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"], default="auto",
@@ -163,15 +166,17 @@ def run(args: argparse.Namespace) -> int:
               kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**20),
               num_cpu_blocks=args.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
               max_num_seqs=args.max_num_seqs, seed=args.seed, torch_compile=args.torch_compile,
-              kv_cache_dtype=args.kv_cache_dtype, calibrate_kv_scales=args.calibrate_kv_scales)
+              kv_cache_dtype=args.kv_cache_dtype, calibrate_kv_scales=args.calibrate_kv_scales,
+              window_kv_memory=not args.no_window_kv_memory)
     cfg, stats = llm.config, llm.stats()
     print(f"model: {os.path.basename(model_path)} ({cfg.num_layers} layers, {cfg.num_heads} heads / "
           f"{cfg.num_kv_heads} kv heads, head dim {cfg.head_dim}) on {args.device}, "
           f"{str(llm.model.dtype).replace('torch.', '')}, loaded in {time.perf_counter() - start:.1f} s")
-    bytes_per_token = stats.bytes_per_block // stats.block_size
-    print(f"KV cache: {stats.num_gpu_blocks} blocks x {stats.block_size} tokens "
-          f"({_mib(stats.num_gpu_blocks * stats.bytes_per_block)}) of {stats.kv_cache_dtype}, {bytes_per_token} bytes "
-          f"a token{_capacity_note(stats.kv_cache_dtype)}, {stats.num_cpu_blocks} CPU blocks for swapping, "
+    groups = f" of one of {stats.num_kv_cache_groups} KV-cache groups (layers by attention type)" \
+        if stats.num_kv_cache_groups > 1 else ""
+    print(f"KV cache: {stats.num_gpu_blocks} blocks x {stats.block_size} tokens{groups} "
+          f"({_mib(stats.num_gpu_blocks * stats.bytes_per_block)}) of {stats.kv_cache_dtype}, {stats.bytes_per_token} "
+          f"bytes a token{_capacity_note(stats.kv_cache_dtype)}, {stats.num_cpu_blocks} CPU blocks for swapping, "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}")
     raw = args.raw or llm.tokenizer.chat_template is None
     if raw and not args.raw:
@@ -200,15 +205,17 @@ def run(args: argparse.Namespace) -> int:
           f"{stats.num_generated_tokens} tokens generated over all samples and beams, "
           f"{stats.num_generated_tokens / elapsed:.1f} tokens/s; {num_output_tokens} tokens in the completions shown")
 
-    bytes_per_token = stats.bytes_per_block // stats.block_size
-    paged_slots = stats.peak_gpu_blocks_used * stats.block_size
+    paged_bytes = stats.peak_gpu_blocks_used * stats.bytes_per_block
     contiguous_slots = sum(params[mode].num_seqs * (len(output.prompt_token_ids) + params[mode].max_tokens)
                            for mode, output in zip(modes, outputs))
-    print(f"KV cache, paged: peak {stats.peak_gpu_blocks_used} blocks = {paged_slots} token slots = "
-          f"{_mib(paged_slots * bytes_per_token)}; {stats.utilization_at_peak:.0%} of their slots held a token; "
+    contiguous_bytes = contiguous_slots * stats.bytes_per_token
+    by_type = ", ".join(f"{kind} {_mib(num_bytes)}" for kind, num_bytes in
+                        stats.peak_kv_bytes_by_attention_type.items()) if stats.num_kv_cache_groups > 1 else ""
+    print(f"KV cache, paged: peak {stats.peak_gpu_blocks_used} blocks = {_mib(paged_bytes)}"
+          f"{f' ({by_type})' if by_type else ''}; {stats.utilization_at_peak:.0%} of their slots held a token; "
           f"{stats.peak_blocks_saved_by_sharing} blocks saved by sharing (parallel samples, beams, prefixes)")
     print(f"KV cache, contiguous (prompt + max_tokens reserved for every sequence): {contiguous_slots} token slots = "
-          f"{_mib(contiguous_slots * bytes_per_token)}; paged needed {paged_slots / contiguous_slots:.0%} of that")
+          f"{_mib(contiguous_bytes)}; paged needed {paged_bytes / contiguous_bytes:.0%} of that")
     print(f"preemptions: {stats.num_preemptions} ({stats.num_swapped_out} swapped out, {stats.num_recomputed} "
           f"recomputed); prefix-cache hits: {stats.prefix_cache_hit_tokens} tokens; blocks in use now: "
           f"{stats.gpu_blocks_used}")

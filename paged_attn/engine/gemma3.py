@@ -7,7 +7,8 @@ before and after the MLP; each head's query and key RMS-normed before RoPE; GELU
 ``query_pre_attn_scalar ** -0.5``. Layers take turns: most attend over a sliding window (``paged_attention``'s
 ``sliding_window``: the query at position p sees positions p - window + 1 .. p, as transformers' sliding mask) with
 RoPE of base ``local_rope_theta``, every 6th attends globally with base ``rope_theta`` (``config.sliding_windows``).
-The KV cache keeps every token of every layer (no block is freed when it falls out of the window).
+The engine's KV cache puts the windowed layers in KV-cache groups of their own (``model.kv_cache_groups``), whose
+pages are released once they fall out of the window of every query still to come.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class Gemma3Model(LlamaModel):
             with serial:
                 q, k, v = _qk_norm_rope(qkv, layer["self_attn.q_norm"], layer["self_attn.k_norm"],
                                         *ropes[window is not None], *heads, eps)
-            attn = self._attend(batch, q, k, v, kv_caches[i], kv_scales[i] if kv_scales is not None else None,
-                                kv_amax, scale=self.scale, sliding_window=window)
+            attn = self._attend(batch, batch.layer_groups[i], q, k, v, kv_caches[i],
+                                kv_scales[i] if kv_scales is not None else None, kv_amax, scale=self.scale,
+                                sliding_window=window)
             o = self._linear(attn, layer["o_proj"])
             with serial:
                 hidden = hidden + _rms_norm(o, layer["post_attention_layernorm"], eps)

@@ -20,7 +20,7 @@ from typing import Optional, Sequence as SequenceType, Union
 
 import torch
 
-from .model import LlamaModel, Tokenizer, compile_elementwise, load_model, model_class
+from .model import LlamaModel, Tokenizer, compile_elementwise, kv_cache_groups, load_model, model_class
 from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block
 from .output_processor import CompletionOutput, OutputProcessor, RequestOutput, request_output
 from .prompts import prompt_list
@@ -45,8 +45,14 @@ class LLM:
             CUDA.
         block_size: tokens per KV block.
         num_gpu_blocks / kv_cache_memory: size the KV cache (``[num_blocks, block_size, num_kv_heads,
-            head_dim]`` keys and values per layer) by blocks or by bytes; default 512 MiB on the CPU, half of
-            the free memory on CUDA.
+            head_dim]`` keys and values per layer of a KV-cache group) by blocks or by bytes; default 512 MiB on
+            the CPU, half of the free memory on CUDA. A block holds ``block_size`` tokens of one KV-cache group's
+            layers (all layers, unless ``window_kv_memory`` splits them).
+        window_kv_memory: for a model with sliding-window layers (Gemma 3), split the layers into KV-cache groups
+            by attention type (``model.kv_cache_groups``), so that a windowed group's blocks are freed as soon as
+            no query still to come can see them, while the global layers keep theirs (vLLM's hybrid KV cache
+            manager; design: ``engine/WINDOW_MEMORY.md``). Off: a block holds every layer and is kept until its
+            sequence ends (the comparison baseline). No effect on models without windows.
         num_cpu_blocks: CPU blocks to swap preempted requests to; 0 means preemption recomputes.
         enable_prefix_caching: reuse the KV of full blocks of earlier prompts with the same prefix.
         max_num_seqs: sequences (counting samples and beams) running at once.
@@ -90,7 +96,7 @@ class LLM:
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, admission_headroom: int = 2,
                  kv_reservation: str = "paged", seed: int = 0, tokenizer=None, torch_compile: bool = False,
-                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False):
+                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False, window_kv_memory: bool = True):
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as error:
@@ -143,7 +149,9 @@ class LLM:
             raise ValueError(f"max_model_len must be in [2, {cfg.max_model_len}] (the model's context), got "
                              f"{max_model_len}")
         self.max_model_len = max_model_len or cfg.max_model_len
-        bytes_per_block = kv_bytes_per_block(cfg, block_size, cache_dtype(kv_cache_dtype, model.dtype))
+        groups = kv_cache_groups(cfg, window_kv_memory, enable_prefix_caching)
+        bytes_per_block = kv_bytes_per_block(cfg, block_size, cache_dtype(kv_cache_dtype, model.dtype),
+                                             groups.layers_per_group)
         if num_gpu_blocks is None:
             if kv_cache_memory is None:
                 kv_cache_memory = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else \
@@ -157,9 +165,10 @@ class LLM:
                              f"({max_num_seqs}): every running sequence decodes a token each step")
         # The cache tensors come first: an oversized pool fails there, at once, before the scheduler's bookkeeping.
         self.runner = ModelRunner(model, block_size, num_gpu_blocks, num_cpu_blocks, kv_cache_dtype,
-                                  calibrate_kv_scales, compile_elementwise() if torch_compile else None)
+                                  calibrate_kv_scales, compile_elementwise() if torch_compile else None, groups)
         self.scheduler = Scheduler(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, max_num_seqs,
-                                   max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom)
+                                   max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom,
+                                   groups.windows)
         self.stats_collector = StatsCollector(self.scheduler.block_manager.stats())  # since the last generate began
         self.output_processor = OutputProcessor(self.scheduler, self.stats_collector, cfg.eos_token_id,
                                                 self.max_model_len)

@@ -9,6 +9,7 @@ decodes, prompts and chunks of prompts: each layer writes the new tokens' keys a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -18,21 +19,63 @@ import torch.nn.functional as F
 from .. import ops
 from .loader import ModelConfig, Tokenizer, config_from_transformers, default_model_path, load_gguf
 
-__all__ = ["Batch", "CompiledElementwise", "LlamaModel", "SERIAL_ELEMENTWISE_TOKENS", "compile_elementwise",
+__all__ = ["Batch", "CompiledElementwise", "KVCacheGroups", "LlamaModel", "kv_cache_groups", "SERIAL_ELEMENTWISE_TOKENS", "compile_elementwise",
            "load_model", "model_class",
            # loaded by loader.py, named here too for LlamaModel's users
            "ModelConfig", "Tokenizer", "config_from_transformers", "default_model_path", "load_gguf"]
 
 
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """How the layers share the paged KV cache (window-aware memory; design: ``WINDOW_MEMORY.md``): the layers are
+    split into groups of ``layers_per_group`` layers of one attention type, and every group keeps its own block
+    tables and slot mapping over one pool of pages; a page holds ``block_size`` tokens of a group's layers, so a
+    windowed group can release the pages that have fallen out of its window while a global one keeps them."""
+
+    windows: tuple[Optional[int], ...]  # per group: None (global) or its sliding window; global groups first
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_slot: tuple[int, ...]  # per layer: which of the layers_per_group (key, value) cache tensors it uses
+    layers_per_group: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+
+def kv_cache_groups(config: ModelConfig, window_aware: bool = True,
+                    enable_prefix_caching: bool = False) -> KVCacheGroups:
+    """The KV-cache groups of a model: one global group of every layer when all layers are global (Llama), when
+    ``window_aware`` is off, or when prefix caching needs a global group and there is none; else, per attention
+    type (global, then each window), the type's layers in order, cut into groups of the greatest common divisor of
+    the types' layer counts (Gemma 3 270M: 3 global and 15 windowed layers make 6 groups of 3)."""
+    num_layers = config.num_layers
+    windows = config.sliding_windows or (None,) * num_layers
+    kinds = sorted(set(windows), key=lambda window: (window is not None, window or 0))
+    if not window_aware or kinds == [None] or (enable_prefix_caching and None not in kinds):
+        return KVCacheGroups((None,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+    layers = {kind: [i for i, window in enumerate(windows) if window == kind] for kind in kinds}
+    size = math.gcd(*(len(indices) for indices in layers.values()))
+    group_windows, layer_group, layer_slot = [], [0] * num_layers, [0] * num_layers
+    for kind in kinds:
+        for start in range(0, len(layers[kind]), size):
+            for slot, layer in enumerate(layers[kind][start:start + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(kind)
+    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
+
+
 @dataclass
 class Batch:
     """Paged metadata of one step, built by the model runner: sequence ``s`` feeds its last ``q_s`` tokens (rows
-    ``query_start_loc[s]:query_start_loc[s + 1]``, ``q_s`` >= 1) and attends over its first ``seq_lens[s]``."""
+    ``query_start_loc[s]:query_start_loc[s + 1]``, ``q_s`` >= 1) and attends over its first ``seq_lens[s]``.
+    Layer ``i`` writes and reads the cache through its KV-cache group's ``slot_mapping`` and ``block_tables``
+    (``layer_groups[i]``; see ``KVCacheGroups``)."""
 
     input_ids: torch.Tensor  # int64 [num_tokens]
     positions: torch.Tensor  # int64 [num_tokens]
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_groups, num_tokens]
+    block_tables: torch.Tensor  # int32 [num_groups, num_seqs, max_blocks]; -1 (PAD_BLOCK_ID): none or released
+    layer_groups: tuple[int, ...]  # per layer: its KV-cache group
     seq_lens: torch.Tensor  # int32 [num_seqs]: tokens in the cache once this step's are written
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     max_query_len: int  # the largest q_s
@@ -197,8 +240,8 @@ class LlamaModel:
             qkv = self._linear(x, layer["qkv_proj"])
             with serial:
                 q, k, v = rope_qkv(qkv, cos, signed_sin, *heads)
-            attn = self._attend(batch, q, k, v, kv_caches[i], kv_scales[i] if kv_scales is not None else None,
-                                kv_amax)
+            attn = self._attend(batch, batch.layer_groups[i], q, k, v, kv_caches[i],
+                                kv_scales[i] if kv_scales is not None else None, kv_amax)
             o = self._linear(attn, layer["o_proj"])
             with serial:
                 hidden = hidden + o
@@ -215,20 +258,20 @@ class LlamaModel:
 
 
     @staticmethod
-    def _attend(batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _attend(batch: Batch, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], kv_scale: Optional[tuple[torch.Tensor, torch.Tensor]],
                 kv_amax: Optional[list], **options) -> torch.Tensor:
-        """One layer's attention: write the step's keys and values into the layer's cache, then attend each query
-        over its sequence (``options``: ``paged_attention``'s scale, sliding_window). ``[num_tokens, num_heads *
+        """One layer's attention: write the step's keys and values into the layer's cache (through its KV-cache
+        ``group``'s slots), then attend each query over its sequence (``options``: ``paged_attention``'s scale, sliding_window). ``[num_tokens, num_heads *
         head_dim]``."""
         key_cache, value_cache = kv_cache
         k_scale, v_scale = kv_scale if kv_scale is not None else (None, None)
         if kv_amax is not None:
             kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
-        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping[group], k_scale=k_scale, v_scale=v_scale)
         # decode form when every sequence feeds one token (the same attention, without query_start_loc)
         chunks = batch.max_query_len > 1
-        attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+        attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables[group], batch.seq_lens,
                                    query_start_loc=batch.query_start_loc if chunks else None,
                                    max_query_len=batch.max_query_len if chunks else None,
                                    k_scale=k_scale, v_scale=v_scale, **options)

@@ -11,6 +11,11 @@ The scheduler decides; the runner moves data. A step's cache operations run befo
 swap in, swap out, copy (copy-on-write), which is the order the scheduler decides them in: so a block a swap-out
 frees may be a copy's destination in the same step, and a swap-out may send back a request swapped in earlier in
 the same step.
+
+The cache is laid out by KV-cache groups (``model.KVCacheGroups``): ``layers_per_group`` (key, value) tensor pairs of
+``[num_blocks, block_size, num_kv_heads, head_dim]``, a block id (a page) naming ``block_size`` tokens of one group's
+layers in each pair; layer ``i`` uses pair ``layer_slot[i]`` with its group's slots and block tables. With one group
+(every layer global) a block holds every layer.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from .. import ops
 from ..block_manager import block_tables_tensor, token_slots
-from .model import Batch, CompiledElementwise, LlamaModel, ModelConfig
+from .model import Batch, CompiledElementwise, KVCacheGroups, LlamaModel, ModelConfig, kv_cache_groups
 from .scheduler import ScheduledStep
 from .sequence import Sequence
 
@@ -44,16 +49,20 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False,
-                 elementwise: Optional[CompiledElementwise] = None):
+                 elementwise: Optional[CompiledElementwise] = None, groups: Optional[KVCacheGroups] = None):
         self.model, self.device, self.block_size = model, model.device, block_size
         self.elementwise = elementwise  # this engine's compiled kernels (LLM(torch_compile=True)), or None
+        self.groups = groups or kv_cache_groups(model.config, window_aware=False)
         self.cache_dtype = cache_dtype(kv_cache_dtype, model.dtype)
-        self.bytes_per_block = kv_bytes_per_block(model.config, block_size, self.cache_dtype)
-        self.kv_caches = _allocate_caches(model.config, num_gpu_blocks, block_size, self.cache_dtype, self.device,
-                                          False, self.bytes_per_block, "num_gpu_blocks")
-        self.cpu_kv_caches = _allocate_caches(model.config, num_cpu_blocks, block_size, self.cache_dtype,
-                                              torch.device("cpu"), self.device.type == "cuda", self.bytes_per_block,
-                                              "num_cpu_blocks") if num_cpu_blocks else []
+        self.bytes_per_block = kv_bytes_per_block(model.config, block_size, self.cache_dtype,
+                                                  self.groups.layers_per_group)
+        # the distinct (key, value) pairs, and per layer the pair it uses
+        self.kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_gpu_blocks, block_size,
+                                         self.cache_dtype, self.device, False, self.bytes_per_block, "num_gpu_blocks")
+        self.kv_caches = [self.kv_pairs[slot] for slot in self.groups.layer_slot]
+        self.cpu_kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_cpu_blocks, block_size,
+                                             self.cache_dtype, torch.device("cpu"), self.device.type == "cuda",
+                                             self.bytes_per_block, "num_cpu_blocks") if num_cpu_blocks else []
         # (k_scale, v_scale) per layer, float32 [1] on the device: fp8 caches only.
         fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
         self.kv_scales = [(torch.ones(1, device=self.device), torch.ones(1, device=self.device))
@@ -67,7 +76,7 @@ class ModelRunner:
         self.swap(step.blocks_to_swap_in, to_gpu=True)
         self.swap(step.blocks_to_swap_out, to_gpu=False)
         if step.blocks_to_copy:
-            ops.copy_blocks([key for key, _ in self.kv_caches], [value for _, value in self.kv_caches],
+            ops.copy_blocks([key for key, _ in self.kv_pairs], [value for _, value in self.kv_pairs],
                             step.blocks_to_copy)
         return self.model.forward(self.prepare(step), self.kv_caches, self.kv_scales, elementwise=self.elementwise)
 
@@ -104,7 +113,7 @@ class ModelRunner:
             blocks = -(-len(prompt) // self.block_size)
             step.seqs.append(Sequence(list(prompt), len(prompt)))
             step.num_new_tokens.append(len(prompt))
-            step.block_tables.append(list(range(num_blocks, num_blocks + blocks)))
+            step.block_tables.append([list(range(num_blocks, num_blocks + blocks))] * self.groups.num_groups)
             num_blocks += blocks
         cfg = self.model.config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -131,22 +140,24 @@ class ModelRunner:
         """Copy blocks between the pools: ``(cpu_block, gpu_block)`` pairs in, ``(gpu_block, cpu_block)`` out."""
         if not mapping:
             return
-        for gpu_pair, cpu_pair in zip(self.kv_caches, self.cpu_kv_caches):
+        for gpu_pair, cpu_pair in zip(self.kv_pairs, self.cpu_kv_pairs):
             src, dst = (cpu_pair, gpu_pair) if to_gpu else (gpu_pair, cpu_pair)
             ops.swap_blocks(src[0], dst[0], mapping)
             ops.swap_blocks(src[1], dst[1], mapping)
 
     def prepare(self, step: ScheduledStep) -> Batch:
         """The step's paged metadata: sequence ``s`` computes its tokens ``[num_computed_tokens, + num_new_tokens)``
-        and attends over all its tokens up to each one."""
-        block_size = self.block_size
-        input_ids, positions, slots, query_lens, seq_lens, logits_indices = [], [], [], [], [], []
+        and attends over all its tokens up to each one, in every KV-cache group through the group's block table."""
+        block_size, num_groups = self.block_size, self.groups.num_groups
+        input_ids, positions, query_lens, seq_lens, logits_indices = [], [], [], [], []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         num_tokens = 0
-        for seq, num_new_tokens, table in zip(step.seqs, step.num_new_tokens, step.block_tables):
+        for seq, num_new_tokens, tables in zip(step.seqs, step.num_new_tokens, step.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += token_slots(table, block_size, start, end)
+            for group_slots, table in zip(slots, tables):
+                group_slots += token_slots(table, block_size, start, end)
             query_lens.append(num_new_tokens)
             seq_lens.append(end)
             num_tokens += num_new_tokens
@@ -159,8 +170,10 @@ class ModelRunner:
         return Batch(
             input_ids=tensor(input_ids),
             positions=tensor(positions),
-            slot_mapping=tensor(slots),
-            block_tables=block_tables_tensor(step.block_tables).to(self.device, non_blocking=True),
+            slot_mapping=tensor(list(itertools.chain.from_iterable(slots))).view(num_groups, num_tokens),
+            block_tables=torch.stack([block_tables_tensor([tables[group] for tables in step.block_tables])
+                                      for group in range(num_groups)]).to(self.device, non_blocking=True),
+            layer_groups=self.groups.layer_group,
             seq_lens=tensor(seq_lens, torch.int32),
             query_start_loc=tensor([0, *itertools.accumulate(query_lens)], torch.int32),
             max_query_len=max(query_lens, default=0),
@@ -174,15 +187,17 @@ def _calibrated_scale(amax: torch.Tensor, fp8_max: float) -> float:
     return amax * KV_SCALE_MARGIN / fp8_max if math.isfinite(amax) and amax > 0 else 1.0
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: keys and values of block_size tokens, in every layer."""
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * \
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       num_layers: Optional[int] = None) -> int:
+    """Bytes of one KV block: keys and values of block_size tokens, in ``num_layers`` layers (default: every layer;
+    with KV-cache groups, a group's)."""
+    return 2 * (num_layers or config.num_layers) * block_size * config.num_kv_heads * config.head_dim * \
         torch.empty((), dtype=dtype).element_size()
 
 
-def _allocate_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+def _allocate_caches(config: ModelConfig, num_pairs: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                      device: torch.device, pin_memory: bool, bytes_per_block: int, name: str):
-    """One (key_cache, value_cache) pair per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each;
+    """``num_pairs`` (key_cache, value_cache) pairs, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each;
     a pool that cannot be allocated raises ValueError at once."""
     total = num_blocks * bytes_per_block
     too_big = f"{name}={num_blocks} blocks of {bytes_per_block} bytes ({total / 2**30:.2f} GiB of KV cache)"
@@ -195,7 +210,7 @@ def _allocate_caches(config: ModelConfig, num_blocks: int, block_size: int, dtyp
     try:
         return [(torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory),
                  torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory))
-                for _ in range(config.num_layers)]
+                for _ in range(num_pairs)]
     except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
         raise ValueError(f"{too_big} cannot be allocated on {device}: {error}") from None
 

@@ -9,12 +9,13 @@ several steps. A request's sequences are scheduled, swapped and preempted togeth
 Admission (or re-admission after preemption by recomputation) allocates blocks for all of a request's tokens,
 prefix-cache hits counted as computed; the request is then in *prefill* until every one of them is computed. It
 samples only in the step that computes the last token of each of its sequences (a chunk that ends earlier gives no
-token); from then on it decodes, and the slot of each newly sampled token is reserved (``append_slot``) when the
+token); from then on it decodes, and the slots of each newly sampled token are reserved (``append_slots``) when the
 step that writes its KV is scheduled.
 
 The scheduler decides; ``ModelRunner`` applies the cache operations the step asks for (swap in, swap out,
-copy-on-write) and runs it. Once the forward pass has completed, ``mark_computed`` advances the sequences and
-publishes the blocks written so far to the prefix cache; if anything fails before that, ``abort_all`` drops every
+copy-on-write) and runs it. Once the forward pass has completed, ``mark_computed`` advances the sequences,
+publishes the blocks written so far to the prefix cache and releases the blocks of windowed KV-cache groups that no
+query still to come can see; if anything fails before that, ``abort_all`` drops every
 request and no unwritten block is ever published.
 
 ``kv_reservation`` picks how KV memory is promised to requests. ``"paged"`` (the default): blocks are taken
@@ -49,7 +50,7 @@ class ScheduledStep:
 
     seqs: list[Sequence] = field(default_factory=list)  # a request's sequences are adjacent
     num_new_tokens: list[int] = field(default_factory=list)  # per sequence, from its num_computed_tokens on
-    block_tables: list[list[int]] = field(default_factory=list)  # per sequence
+    block_tables: list[list[list[int]]] = field(default_factory=list)  # per sequence, per KV-cache group
     sampling_requests: list[Request] = field(default_factory=list)  # those whose every last token is computed
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
@@ -69,15 +70,17 @@ class Scheduler:
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "paged",
-                 admission_headroom: int = 0):
+                 admission_headroom: int = 0, group_windows: tuple = (None,)):
         if kv_reservation not in KV_RESERVATIONS:
             raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {kv_reservation!r}")
         self.block_size = block_size
         self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # one block table per KV-cache group (None: global, or the group's sliding window; model.kv_cache_groups)
         self.block_manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                                          enable_prefix_caching=enable_prefix_caching)
+                                          enable_prefix_caching=enable_prefix_caching, group_windows=group_windows)
+        self.num_groups = self.block_manager.num_groups
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.swapped: list[Request] = []  # oldest first
@@ -88,10 +91,12 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def max_blocks(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The most blocks a request can ever hold, and what it reserves under a kv_reservation policy."""
+        """The most blocks a request can ever hold, and what it reserves under a kv_reservation policy. With
+        windowed KV-cache groups this is an upper bound: a (re)admitted prompt holds its blocks in every group until
+        its chunks are computed."""
         max_len = self.max_model_len if self.kv_reservation == "max_model_len" else \
             min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        return params.num_seqs * self.blocks_for(max_len)
+        return params.num_seqs * self.num_groups * self.blocks_for(max_len)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError for a request that could never run: too many sequences, or more blocks than the pool."""
@@ -101,8 +106,8 @@ class Scheduler:
         if needed > self.block_manager.num_gpu_blocks:
             raise ValueError(
                 f"request can never fit in the KV cache: {params.num_seqs} sequence(s) of up to "
-                f"{needed // params.num_seqs} blocks of {self.block_size} tokens "
-                f"(kv_reservation={self.kv_reservation!r}) need {needed} blocks, but the cache has "
+                f"{needed // params.num_seqs} blocks of {self.block_size} tokens (in {self.num_groups} KV-cache "
+                f"group(s), kv_reservation={self.kv_reservation!r}) need {needed} blocks, but the cache has "
                 f"{self.block_manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
 
     def _reserved_unused_blocks(self) -> int:
@@ -111,8 +116,8 @@ class Scheduler:
             return 0
         unused = 0
         for request in self.running:
-            held = {block for seq in request.seqs for block in self.block_manager.block_table(seq.seq_id)}
-            unused += max(0, self.max_blocks(len(request.prompt_token_ids), request.params) - len(held))
+            held = self.block_manager.num_blocks_held(seq.seq_id for seq in request.seqs)
+            unused += max(0, self.max_blocks(len(request.prompt_token_ids), request.params) - held)
         return unused
 
     def add(self, request: Request) -> None:
@@ -133,7 +138,8 @@ class Scheduler:
 
     def mark_computed(self, step: ScheduledStep) -> None:
         """The step's forward pass has written the KV of its tokens: advance every scheduled sequence and publish
-        its full blocks written so far to the prefix cache."""
+        its full blocks written so far to the prefix cache; windowed KV-cache groups release the blocks that have
+        fallen out of the window of every query still to come."""
         for seq, num_new_tokens in zip(step.seqs, step.num_new_tokens):
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
@@ -158,7 +164,8 @@ class Scheduler:
         if not consistent or drop_prefix_cache:  # start over with an empty manager (and prefix cache)
             self.block_manager = BlockManager(manager.num_gpu_blocks, manager.block_size,
                                               num_cpu_blocks=manager.num_cpu_blocks,
-                                              enable_prefix_caching=manager.enable_prefix_caching)
+                                              enable_prefix_caching=manager.enable_prefix_caching,
+                                              group_windows=manager.group_windows)
 
     # ---- scheduling ----
 
@@ -193,8 +200,9 @@ class Scheduler:
             request = self.swapped[0]
             seq_ids = [seq.seq_id for seq in request.seqs]
             if self.running:  # leave room for every sequence's next token, or it would be swapped right back
-                num_blocks = len({block for seq_id in seq_ids for block in self.block_manager.block_table(seq_id)})
-                if (num_blocks + self._running_seqs() + len(seq_ids) > self.block_manager.num_free_blocks
+                num_blocks = self.block_manager.num_blocks_held(seq_ids)
+                headroom = (self._running_seqs() + len(seq_ids)) * self.num_groups
+                if (num_blocks + headroom > self.block_manager.num_free_blocks
                         or self._running_seqs_promised() + request.params.num_seqs > self.max_num_seqs):
                     return
             step.blocks_to_swap_in += self.block_manager.swap_in(seq_ids)
@@ -204,7 +212,8 @@ class Scheduler:
     def _can_append(self, request: Request) -> bool:
         if len(request.seqs) == 1:
             return self.block_manager.can_append_slot(request.seqs[0].seq_id)
-        return len(request.seqs) <= self.block_manager.num_free_blocks  # each may need a new or copied block
+        # each may need a new or copied block in every group
+        return len(request.seqs) * self.num_groups <= self.block_manager.num_free_blocks
 
     def _schedule_decodes(self, step: ScheduledStep) -> None:
         """Reserve the slot of every decoding sequence's new token, preempting the newest requests if needed."""
@@ -219,9 +228,8 @@ class Scheduler:
                     continue
                 # (alone, a request always fits: LLM rejects any request the whole pool could not hold)
                 for seq in request.seqs:
-                    _, cow = self.block_manager.append_slot(seq.seq_id, seq.token_ids[-1])
-                    if cow is not None:
-                        step.blocks_to_copy.append(cow)
+                    _, cows = self.block_manager.append_slots(seq.seq_id, seq.token_ids[-1])
+                    step.blocks_to_copy += cows
                 self._add_to_step(step, request, [1] * len(request.seqs))
                 step.num_decode_tokens += len(request.seqs)
             self.running.append(request)
@@ -246,7 +254,7 @@ class Scheduler:
             if num_tokens:
                 step.seqs.append(seq)
                 step.num_new_tokens.append(num_tokens)
-                step.block_tables.append(self.block_manager.block_table(seq.seq_id))
+                step.block_tables.append(self.block_manager.block_tables(seq.seq_id))
         if all(seq.num_computed_tokens + num_tokens == len(seq.token_ids)
                for seq, num_tokens in zip(request.seqs, num_new_tokens)):
             step.sampling_requests.append(request)
@@ -258,11 +266,12 @@ class Scheduler:
         # While others run, leave admission_headroom free blocks per running sequence (the request's own included)
         # for their next tokens: otherwise new prompts fill the pool, the running sequences soon preempt them
         # again, and each preemption by recomputation redoes a prefill.
-        keep_free = self.admission_headroom * (self._running_seqs() + len(request.seqs)) if self.running else 0
+        keep_free = self.admission_headroom * self.num_groups * (self._running_seqs() + len(request.seqs)) \
+            if self.running else 0
         if len(request.seqs) == 1:
             return self.block_manager.can_allocate(request.seqs[0].token_ids, keep_free)  # counts prefix-cache hits
         # recomputing a request with several sequences: each is allocated on its own (hits can only help)
-        needed = sum(self.blocks_for(len(seq.token_ids)) for seq in request.seqs)
+        needed = self.num_groups * sum(self.blocks_for(len(seq.token_ids)) for seq in request.seqs)
         return needed + keep_free <= self.block_manager.num_free_blocks
 
     def _admit(self, step: ScheduledStep) -> None:

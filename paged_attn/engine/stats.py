@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..block_manager import BlockManager, BlockManagerStats
 
@@ -15,7 +15,7 @@ class EngineStats:
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
-    bytes_per_block: int  # key and value, all layers
+    bytes_per_block: int  # key and value, every layer of a KV-cache group
     gpu_blocks_used: int  # now
     peak_gpu_blocks_used: int
     peak_tokens: int  # tokens stored (counted per sequence) at the peak
@@ -32,6 +32,15 @@ class EngineStats:
     num_mixed_steps: int  # steps that decoded and computed prefill tokens together
     peak_running_seqs: int  # sequences in one step, at most
     kv_cache_dtype: str = ""  # the cache tensors' dtype, e.g. "bfloat16" or "float8_e4m3fn"
+    num_kv_cache_groups: int = 1  # block tables per sequence (model.kv_cache_groups); a block holds one group's layers
+    # KV bytes held per attention type ("global", "sliding_window"), now and at the peak of gpu_blocks_used
+    kv_bytes_by_attention_type: dict = field(default_factory=dict)
+    peak_kv_bytes_by_attention_type: dict = field(default_factory=dict)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token in every layer."""
+        return self.bytes_per_block * self.num_kv_cache_groups // self.block_size
 
 
 class StatsCollector:
@@ -79,4 +88,9 @@ class StatsCollector:
             num_generated_tokens=self.num_generated_tokens, num_steps=self.num_steps,
             num_decode_steps=self.num_decode_steps, num_mixed_steps=self.num_mixed_steps,
             peak_running_seqs=self.peak_running_seqs, kv_cache_dtype=kv_cache_dtype,
+            num_kv_cache_groups=block_manager.num_groups,
+            kv_bytes_by_attention_type={kind: blocks * bytes_per_block
+                                        for kind, blocks in now.gpu_blocks_by_attention_type.items()},
+            peak_kv_bytes_by_attention_type={kind: blocks * bytes_per_block
+                                             for kind, blocks in self.peak.gpu_blocks_by_attention_type.items()},
         )

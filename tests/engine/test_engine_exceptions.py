@@ -119,7 +119,7 @@ def is_decode_filling_a_block(batch, kv_caches, *scales):
 # name -> (where: (object, attribute) of the engine to patch, which calls count, what is raised)
 def points(llm):
     scheduler, model = llm.scheduler, llm.model
-    cpu_caches = {t.data_ptr() for pair in llm.runner.cpu_kv_caches for t in pair}
+    cpu_caches = {t.data_ptr() for pair in llm.runner.cpu_kv_pairs for t in pair}
     return {
         "prefill": ((model, "forward"), computes_a_prompt, KeyboardInterrupt()),
         "decode": ((model, "forward"), decodes, Injected("decode")),
@@ -131,7 +131,7 @@ def points(llm):
         "swap_in": ((ops, "swap_blocks"), lambda src, dst, mapping: src.data_ptr() in cpu_caches, Injected("in")),
         "copy_on_write": ((ops, "copy_blocks"), lambda *args: True, Injected("copy_on_write")),
         "fork": ((scheduler, "fork"), lambda *args: True, Injected("fork")),
-        "out_of_blocks": ((scheduler.block_manager, "append_slot"), lambda *args: True, OutOfBlocksError("injected")),
+        "out_of_blocks": ((scheduler.block_manager, "append_slots"), lambda *args: True, OutOfBlocksError("injected")),
     }
 
 

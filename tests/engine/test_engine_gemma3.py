@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"Gemma 3 engine tests ne
 if not _MISSING:
     from paged_attn.engine import LLM, SamplingParams, model_path
     from paged_attn.engine.model import Batch
+    from paged_attn.engine.output_processor import request_output
 
 MAX_TOKENS = 12
 BEAM_TOKENS = 8
@@ -109,8 +110,9 @@ def prefill_logits(model, prompt, block_size=16):
     num_blocks = -(-n // block_size)
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     caches = [(torch.empty(shape), torch.empty(shape)) for _ in range(cfg.num_layers)]
-    batch = Batch(input_ids=torch.tensor(prompt), positions=torch.arange(n), slot_mapping=torch.arange(n),
-                  block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+    batch = Batch(input_ids=torch.tensor(prompt), positions=torch.arange(n), slot_mapping=torch.arange(n)[None],
+                  block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, None],
+                  layer_groups=(0,) * cfg.num_layers,
                   seq_lens=torch.tensor([n], dtype=torch.int32), max_query_len=n, logits_indices=torch.tensor([n - 1]),
                   query_start_loc=torch.tensor([0, n], dtype=torch.int32))
     return model.forward(batch, caches)[0]
@@ -169,7 +171,7 @@ def test_the_window_changes_the_answer(model, hf_model, prompts, hf_greedy):
              for window in (WINDOW, WINDOW - 1, WINDOW + 1, context)}
     assert error[WINDOW] < 1e-3
     assert min(error[WINDOW - 1], error[WINDOW + 1], error[context]) > 1e-2, error
-    unwindowed = LLM(with_windows(model, context), num_gpu_blocks=128)
+    unwindowed = LLM(with_windows(model, context), num_gpu_blocks=128, window_kv_memory=False)
     tokens = greedy_tokens(unwindowed, prompts)
     assert [tokens[i] for i in SHORT] == [hf_greedy[i] for i in SHORT]
     assert all(tokens[i] != hf_greedy[i] for i in LONG)
@@ -178,12 +180,16 @@ def test_the_window_changes_the_answer(model, hf_model, prompts, hf_greedy):
 @pytest.mark.parametrize("config", [
     dict(block_size=16),
     dict(block_size=8),
-    dict(block_size=16, num_gpu_blocks=109, num_cpu_blocks=128, admission_headroom=0),
-    dict(block_size=8, num_gpu_blocks=215, admission_headroom=0),
+    # tiny pools (a block holds 3 of the 18 layers): a long prompt is preempted once the short ones grow
+    dict(block_size=16, num_gpu_blocks=342, num_cpu_blocks=768, admission_headroom=0, max_num_batched_tokens=100),
+    dict(block_size=8, num_gpu_blocks=678, admission_headroom=0, max_num_batched_tokens=100),
+    # the same with every layer's blocks kept (a block holds all 18 layers)
+    dict(block_size=16, num_gpu_blocks=109, num_cpu_blocks=128, admission_headroom=0, window_kv_memory=False),
     dict(block_size=16, max_num_batched_tokens=100, enable_prefix_caching=True),
-], ids=["block16", "block8", "swap", "recompute", "chunked+prefix_caching"])
+], ids=["block16", "block8", "swap", "recompute", "swap_all_layers", "chunked+prefix_caching"])
 def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
     llm = make_llm(**config)
+    assert llm.stats().num_kv_cache_groups == (1 if config.get("window_kv_memory") is False else 6)
     assert greedy_tokens(llm, prompts) == hf_greedy
     stats = llm.stats()
     if config.get("num_gpu_blocks"):  # a long prompt is preempted once the short ones grow
@@ -198,12 +204,16 @@ def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
 
 @pytest.mark.parametrize("config, greedy, beams", [
     (dict(), SHORT[3], [SHORT[1], LONG[0]]),
-    (dict(block_size=16, num_gpu_blocks=56, num_cpu_blocks=64, admission_headroom=0), LONG[1], [SHORT[1], SHORT[3]]),
-    (dict(block_size=16, num_gpu_blocks=56, admission_headroom=0), LONG[1], [SHORT[1], SHORT[3]]),
+    (dict(block_size=16, num_gpu_blocks=56, num_cpu_blocks=64, admission_headroom=0, window_kv_memory=False),
+     LONG[1], [SHORT[1], SHORT[3]]),
+    (dict(block_size=16, num_gpu_blocks=56, admission_headroom=0, window_kv_memory=False),
+     LONG[1], [SHORT[1], SHORT[3]]),
 ], ids=["default", "swap", "recompute"])
 def test_beam_search_equals_transformers_best_beam(make_llm, prompts, hf_greedy, hf_beams, config, greedy, beams):
-    """A greedy request first, then two beam searches (width 3). In the pool of 56 blocks the long greedy request
-    takes 52: when the beams fork, the newest is preempted while the long one decodes past the window."""
+    """A greedy request first, then two beam searches (width 3); by default the beams of the long prompt drop
+    their windowed blocks as they decode. With every layer's blocks kept, in the pool of 56 blocks the long
+    greedy request takes 52: when the beams fork, the newest is preempted while the long one decodes past the
+    window."""
     llm = make_llm(**config)
     beam = SamplingParams(max_tokens=BEAM_TOKENS, beam_width=3)
     outputs = llm.generate([prompts[greedy]] + [prompts[i] for i in beams],
@@ -214,6 +224,29 @@ def test_beam_search_equals_transformers_best_beam(make_llm, prompts, hf_greedy,
     assert stats.peak_blocks_saved_by_sharing > 0  # beams share their prefix blocks
     if config:
         assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
+
+
+def test_windowed_blocks_are_released_and_reported(make_llm, prompts, hf_greedy):
+    """After the 820-token prompt's prefill, each of the 5 windowed groups holds only the 33 blocks of 16 the next
+    query (position 820: tokens 309..820) can see, the global group all 52; ``stats()`` reports the bytes per
+    attention type, against 52 blocks of all 18 layers with ``window_kv_memory=False``."""
+    long = prompts[LONG[0]]
+    held = {}
+    for window_kv_memory in (True, False):
+        llm = make_llm(block_size=16, window_kv_memory=window_kv_memory)
+        llm.scheduler.add(llm._make_request(0, long, SamplingParams(max_tokens=MAX_TOKENS)))
+        llm.stats_collector.reset(llm.scheduler.block_manager.stats())
+        llm._step()  # the whole prompt in one step, and the first token
+        stats = llm.stats()
+        held[window_kv_memory] = stats.kv_bytes_by_attention_type
+        tokens = []
+        while llm.scheduler.has_unfinished():
+            tokens += [request_output(request, None).outputs[0].token_ids for request in llm._step()]
+        assert tokens == [hf_greedy[LONG[0]]]
+        assert llm.stats().gpu_blocks_used == 0
+    per_layer_block = stats.bytes_per_block // 18  # (the all-layer LLM's block)
+    assert held[True] == {"global": 52 * 3 * per_layer_block, "sliding_window": 5 * 33 * 3 * per_layer_block}
+    assert held[False] == {"global": 52 * 18 * per_layer_block}
 
 
 def test_llm_from_a_transformers_gemma3(hf_model, prompts, hf_greedy):

@@ -286,8 +286,9 @@ def test_the_runners_paged_metadata_is_the_block_managers(tiny_model):
             expected = [slot for seq, n in zip(step.seqs, step.num_new_tokens)
                         for slot in manager.slot_mapping(seq.seq_id, seq.num_computed_tokens,
                                                          seq.num_computed_tokens + n)]
-            assert batch.slot_mapping.tolist() == expected
-            assert torch.equal(batch.block_tables, manager.block_tables_tensor([seq.seq_id for seq in step.seqs]))
+            assert batch.slot_mapping.tolist() == [expected]  # one KV-cache group
+            assert torch.equal(batch.block_tables[0], manager.block_tables_tensor([seq.seq_id for seq in step.seqs]))
+            assert batch.block_tables.shape[0] == 1 and batch.layer_groups == (0,) * llm.config.num_layers
             scheduler.mark_computed(step)
             llm.output_processor.process(step, torch.zeros(len(batch.logits_indices), llm.config.vocab_size))
     finally:
