@@ -240,8 +240,8 @@ struct RowSplit {
   int row_in_warp;     // the row group's place in its warp
   int warp_first_row;  // the first row of the tile that this warp's row groups read
 
-  __device__ __forceinline__ explicit RowSplit(int tid) {
-    const int warp = tid / 32, lane = tid % 32;
+  __device__ __forceinline__ explicit RowSplit(unsigned tid) {  // unsigned: shifts and masks, no sign fix-ups
+    const int warp = static_cast<int>(tid / 32), lane = static_cast<int>(tid % 32);
     row_lane = lane % LANES, row_in_warp = lane / LANES;
     warp_first_row = warp * (32 / LANES);
     row_group = warp_first_row + row_in_warp;
@@ -642,8 +642,11 @@ __device__ __forceinline__ void write_empty(const AttentionParams<T, C>& p, cons
 // partition did (fp8 cache, head dim 256, one head: 118 registers instead of 80), spills in some variants, a
 // resident block fewer per SM. decode_min_blocks<C, HEAD_DIM, GROUP>() is, per variant, the blocks per SM it held
 // with one partition per block (a5ad90d, bench/sass_baseline.json); as __launch_bounds__'s minimum it caps the
-// registers at what those blocks allow, which the variants meet with no more local memory than then (sm_90,
-// ptxas 13.0: scripts/sass_report.py --baseline compares every variant).
+// registers at what those blocks allow, which the variants meet with no local memory (sm_90, ptxas 13.0:
+// scripts/sass_report.py --baseline compares every variant). One exception: float16/bfloat16 at head dim 192 with
+// one head holds 7 (at 8, ptxas spilled ~40 bytes); it runs only below sm_80, where the tensor-core decode does not.
+// What ptxas spills at a cap moves with small changes anywhere in the kernel: RowSplit's unsigned thread index and
+// the assumption seq_len >= 0 below are what took the last 8-byte stack frames away.
 template <typename C, int HEAD_DIM, int GROUP>
 constexpr int decode_min_blocks() {
   if constexpr (sizeof(C) == 4) {  // float32
@@ -654,7 +657,7 @@ constexpr int decode_min_blocks() {
     if (GROUP == 1) return HEAD_DIM == 80 || HEAD_DIM == 96 || HEAD_DIM == 112 || HEAD_DIM == 192 ? 5 : 6;
     return GROUP == 4 ? 4 : 2;
   } else {  // float16, bfloat16
-    return GROUP == 1 ? 8 : GROUP == 4 ? 4 : 2;
+    return GROUP == 1 ? (HEAD_DIM == 192 ? 7 : 8) : GROUP == 4 ? 4 : 2;
   }
 }
 
@@ -680,6 +683,7 @@ __global__ void __launch_bounds__(kAttentionThreads, (decode_min_blocks<C, HEAD_
   const int first = window_start(task.seq_len, p.sliding_window) / p.partition_size;
   int partition = task.partition;
   if (partition < first) partition += (first - partition + gridDim.z - 1) / gridDim.z * gridDim.z;
+  PA_ASSUME(task.seq_len >= 0);  // clamped: the loop's 64-bit bound needs no register for its high word
   if (static_cast<int64_t>(partition) * p.partition_size >= task.seq_len) return;  // no partition with tokens
   const float inv_soft_cap = p.logits_soft_cap > 0.0f ? 1.0f / p.logits_soft_cap : 0.0f;
   const R rs(threadIdx.x);

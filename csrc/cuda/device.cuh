@@ -37,3 +37,11 @@ inline dim3 to_dim3(const Grid& grid) {  // after grid_error(grid) == ""
 #ifndef PA_EXTERN_SHARED
 #define PA_EXTERN_SHARED(type, name) extern __shared__ type name[]
 #endif
+
+// A fact about a value that the compiler may use (nvcc's __builtin_assume: e.g. a length known to be >= 0 needs no
+// register for the high word of its 64-bit sign extension). Under the emulator it is checked instead.
+#ifndef PAGED_ATTN_EMULATED
+#define PA_ASSUME(cond) __builtin_assume(cond)
+#else
+#define PA_ASSUME(cond) ((cond) ? (void)0 : __builtin_trap())
+#endif
