@@ -20,12 +20,14 @@
 // bench/RESULTS.md) rows that share blocks run 1.8x faster than on the AVX-512 path, but a row alone ~1.25x slower
 // (the per-unit layout and the tile loads and stores cost more than 4 heads' products gain). The bits differ from
 // the AVX-512 path's (other sums), so the choice is per process, never per batch.
-// Tile registers: 0 S, 1 Q, 2 key_t (step 1); 3 P, 4 and 2 value_b, 5 and 6 acc (step 3). The configuration (rows = M) is per thread; attend
-// loads it where M changes and releases the tiles at the end (AmxTiles).
+// Tile registers: 0 S, 1 Q, 2 key_t (step 1); 3 P, 4 and 2 value_b, 5 and 6 acc (step 3). The configuration is
+// per thread; attend loads it where the rows change and releases the tiles at the end (AmxTiles).
 #pragma once
 
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <string>
 
 #include "avx512_kernels.h"
 
@@ -75,9 +77,10 @@ struct AmxTiles {
     asm volatile("ldtilecfg %0" ::"m"(config));
     rows = m, qk_rows = qk;
   }
-  PAGED_ATTN_AMX ~AmxTiles() {
-    if (rows != 0) _tile_release();
+  ~AmxTiles() {  // not compiled for AMX: it also runs (and does nothing) on CPUs without it
+    if (rows != 0) release();
   }
+  PAGED_ATTN_AMX static void release() { _tile_release(); }
 };
 
 // r[i] (16 dwords each) becomes column i: r[j] element i = old r[i] element j.
