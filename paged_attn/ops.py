@@ -207,7 +207,9 @@ def paged_attention(
         physical blocks (the same entries over the same tokens: a prompt shared by samples or beams, a cached
         prefix shared by requests, the rows of one sequence in a variable-length call) and reads each once for up
         to 16 of those rows, each row from its own state, so the bits stay those of the row alone. Nothing to
-        pass; ``PAGED_ATTN_NO_SHARED_BLOCKS=1`` switches the search off (for measuring).
+        pass; ``PAGED_ATTN_NO_SHARED_BLOCKS=1`` switches the search off (for measuring). ``PAGED_ATTN_AMX=1`` (read
+        once per process) runs bfloat16 decode rows on Intel AMX where the CPU has it: faster where rows share
+        blocks, slower for a row alone, and other bits than without it (still the same bits shared or not).
 
     Example::
 

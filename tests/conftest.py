@@ -108,8 +108,24 @@ def snapshot(bm):
             list(bm.prefix_cache.evictable_block_ids), list(bm.free_cpu_block_ids), dict(bm.prefix_cache.hash_to_block_id), seqs)
 
 
-def run_on_portable_path(script: str) -> None:
+def run_on_portable_path(script: str, switch: str = "PAGED_ATTN_NO_AVX512") -> None:
     """Runs `script` in a child Python with PAGED_ATTN_NO_AVX512=1 (what CPUs without AVX-512 run: the choice is
-    made once per process), with this process's path, so it can import the test modules; fails if the script does."""
-    env = dict(os.environ, PAGED_ATTN_NO_AVX512="1", PYTHONPATH=os.pathsep.join(sys.path))
+    made once per process; switch="PAGED_ATTN_AMX": the opt-in AMX path), with this process's path, so it can
+    import the test modules; fails if the script does."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env[switch] = "1"
     subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=Path(__file__).resolve().parent / "ops")
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+# The CPU can take the opt-in AMX decode path (PAGED_ATTN_AMX=1, csrc/cpu/amx_kernels.h); the tests run it in a
+# child process.
+HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags() and "PAGED_ATTN_NO_AVX512" not in os.environ

@@ -476,6 +476,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
     pb.logits_soft_cap = static_cast<float>(logits_soft_cap);
     pb.v_scale = v_scale_value;
     pb.avx512_bf16 = avx512_bf16_path<scalar_t, cache_t>(head_dim);
+    pb.amx = pb.avx512_bf16 && use_amx();
     pb.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
     pb.sinks = sinks_f32.defined() ? sinks_f32.const_data_ptr<float>() : nullptr;
     scalar_t* out_ptr = out.data_ptr<scalar_t>();

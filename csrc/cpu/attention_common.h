@@ -236,6 +236,7 @@ struct Problem {  // every field set by name (attention.cpp: paged_attention_cpu
   float* lse = nullptr;  // [num_tokens, num_heads]: each row's log-sum-exp of its logits (return_lse), or nullptr
   const float* sinks = nullptr;  // [num_heads]: each head's sink logit (gpt-oss), or nullptr
   bool avx512_bf16 = false;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
+  bool amx = false;          // and within it the AMX path for the decode steps (amx_kernels.h)
 
   int64_t row_len(int64_t row) const { return row_lens[row]; }
   int64_t token(int64_t row) const { return row_tokens ? row_tokens[row] : row; }

@@ -16,13 +16,16 @@
 // Meanwhile the thread software-prefetches (see Prefetcher) the next tile's rows into L2 and the next (tile, kv head)
 // unit's rows into L1, a few cache lines per token of work in steps 1 and 3.
 //
-// Two implementations of steps 1-3, picked per call:
+// Three implementations of steps 1-3, picked per call:
 //  - portable (at::vec, AVX2 on x86-64; float32, float16, and bfloat16 without AVX-512): q pre-scaled in float32,
 //    one dot product per (token, head); p in float32.
 //  - AVX-512 bf16: see avx512_kernels.h.
+//  - AMX (bfloat16, opt-in with PAGED_ATTN_AMX=1 where the CPU has AMX-BF16): see amx_kernels.h; all the rows of
+//    a unit at once.
 #pragma once
 
 #include "attention_common.h"
+#include "amx_kernels.h"
 #include "avx512_kernels.h"
 
 namespace paged_attn {
@@ -236,6 +239,30 @@ void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n
   for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) load_tile(tiles[k], k);
   // The last row of a unit prefetches (the next unit's rows into L1 as late as they can come); the others not.
   Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim), idle(pb.kv, pb.num_kv_heads, pb.head_dim);
+#if defined(CPU_CAPABILITY_AVX2)
+  // The AMX path's per-row arguments, its tile layout ([head_dim * 24] dwords) and the thread's tile configuration.
+  // queries: per kv head, the rows' heads of its group stacked (entry i * group + j), padded to 16 entries.
+  const int64_t amx_entries = (n * pb.group_size + kAmxRows - 1) / kAmxRows * kAmxRows;
+  std::vector<scalar_t> queries;
+  std::vector<int64_t> last_tokens;
+  std::vector<uint32_t> layout, p_pairs;
+  std::vector<float> logits;
+  AmxTiles amx_tiles;
+  if (pb.amx) {
+    queries.assign(pb.num_kv_heads * amx_entries * head_dim, scalar_t(0));
+    for (int64_t i = 0; i < n; ++i) {
+      last_tokens.push_back(pb.row_len(rows[i]) - 1);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const int64_t kv_head = h / pb.group_size, e = i * pb.group_size + h % pb.group_size;
+        std::copy_n(query_of(i) + h * pb.query_head_stride, head_dim,
+                    queries.begin() + (kv_head * amx_entries + e) * head_dim);
+      }
+    }
+    layout.resize(head_dim * 24);
+    logits.resize(amx_entries * kTileTokens);
+    p_pairs.resize(n * pb.group_size * kTileTokens);
+  }
+#endif
   for (int64_t k = 0; k < num_tiles; ++k) {
     const Tile<cache_t>& tile = tiles[k % kRing];
     if (k + kPrefetchTiles < num_tiles) {
@@ -251,6 +278,16 @@ void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n
       prefetcher.unit_tile = !last_head ? &tile : k + 1 < num_tiles ? &tiles[(k + 1) % kRing] : nullptr;
       prefetcher.key_offset = last_head ? 0 : (kv_head + 1) * pb.kv.key.head_stride;
       prefetcher.value_offset = last_head ? 0 : (kv_head + 1) * pb.kv.value.head_stride;
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
+        if (pb.amx) {
+          attend_tile_amx(pb, kv_head, tile, n, queries.data() + kv_head * amx_entries * head_dim,
+                          last_tokens.data(), scs, layout.data(), logits.data(), p_pairs.data(), amx_tiles,
+                          prefetcher);
+          continue;
+        }
+      }
+#endif
       for (int64_t i = 0; i < n; ++i) {
         Prefetcher<cache_t>& pf = i + 1 == n ? prefetcher : idle;
         const int64_t last_token = pb.row_len(rows[i]) - 1;

@@ -19,7 +19,7 @@ are also checked against paged_attn.reference.paged_attention in float64, within
 
 import pytest
 import torch
-from conftest import run_on_portable_path
+from conftest import HAS_AMX, run_on_portable_path
 from test_attention import tolerance
 
 import paged_attn
@@ -258,4 +258,17 @@ def test_portable_path_when_avx512_is_switched_off():
         "    t.check_alone_and_in_batches('bfloat16', heads, 'all')\n"
         "    t.check_alone_and_in_batches('bf16q-e4m3', heads, 'window')\n"
         "    t.check_thread_counts('bfloat16', heads, 'all')\n"
+    )
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX-BF16 here: the opt-in AMX path cannot run")
+def test_amx_path():
+    """The bf16 ids again on the opt-in AMX path (PAGED_ATTN_AMX=1)."""
+    run_on_portable_path(
+        "import test_batch_invariance as t\n"
+        "for heads in ('gqa', 'mha'):\n"
+        "    t.check_alone_and_in_batches('bfloat16', heads, 'all')\n"
+        "    t.check_alone_and_in_batches('bf16q-e4m3', heads, 'window')\n"
+        "    t.check_thread_counts('bfloat16', heads, 'all')\n",
+        switch="PAGED_ATTN_AMX",
     )

@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_on_portable_path
+from conftest import HAS_AMX, run_on_portable_path
 from test_attention import tolerance
 from test_batch_invariance import CACHES, FEATURES, HEADS, HEAD_DIM, assert_same_bits, op_kwargs, poisoned
 
@@ -205,3 +205,47 @@ def test_portable_path_when_avx512_is_switched_off():
         "    t.check_tree('bfloat16', heads, 'all')\n"
         "    t.check_tree('bf16q-e4m3', heads, 'window')\n"
     )
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX-BF16 here: the opt-in AMX path cannot run")
+def test_amx_path():
+    """The bf16 trees again on the opt-in AMX path (PAGED_ATTN_AMX=1): every row's bits shared, on distinct copies,
+    alone and on 1 or 2 threads, within the reference's tolerance."""
+    run_on_portable_path(
+        "import test_shared_blocks as t\n"
+        "for heads in ('gqa', 'mha'):\n"
+        "    for features in ('all', 'plain'):\n"
+        "        t.check_tree('bfloat16', heads, features)\n"
+        "    t.check_tree('bf16q-e4m3', heads, 'window')\n"
+        "t.check_tree('bfloat16', 'gqa', 'soft_cap', block_size=8)\n",
+        switch="PAGED_ATTN_AMX",
+    )
+
+
+def wide_group_case():
+    """A tree of rows with 24 query heads on one kv head (the AMX path's products take 16 heads, then 8)."""
+    rows = make_tree(24, 1, torch.bfloat16, torch.bfloat16, seed=5)
+    return rows, lay_out_shared(rows, 16, 6), op_kwargs(FEATURES["all"], 24, torch.bfloat16)
+
+
+def check_wide_group(path):
+    """The wide group's output (saved to `path`) within the reference's tolerance and the same bits on distinct
+    copies of the blocks."""
+    rows, case, kwargs = wide_group_case()
+    out = run(case, kwargs)
+    expected = reference.paged_attention(*case, compute_dtype=torch.float64, **kwargs).to(out.dtype)
+    torch.testing.assert_close(out, expected, **tolerance(out.dtype))
+    assert_same_bits(run(lay_out_shared(rows, 16, 7, share=False), kwargs), out, "shared blocks vs distinct copies")
+    torch.save(out, path)
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX-BF16 here: the opt-in AMX path cannot run")
+def test_amx_path_is_taken_when_asked(tmp_path):
+    """With PAGED_ATTN_AMX=1 the bf16 decode takes the AMX path: other bits than the AVX-512 path here (its sums
+    come in another order), both within the reference's tolerance, shared or not; 24 heads per kv head: a group
+    wider than one tile product."""
+    check_wide_group(tmp_path / "avx512.pt")
+    run_on_portable_path(f"import test_shared_blocks as t\nt.check_wide_group({str(tmp_path / 'amx.pt')!r})\n",
+                         switch="PAGED_ATTN_AMX")
+    avx512, amx = torch.load(tmp_path / "avx512.pt"), torch.load(tmp_path / "amx.pt")
+    assert not torch.equal(avx512, amx), "the same bits with PAGED_ATTN_AMX=1: the AMX path did not run"
