@@ -4,6 +4,7 @@
 // the dynamic shared memory and the kernel variant to launch, or an error that says why it cannot be launched.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -64,7 +65,7 @@ std::string to_string(IntList<Values...>) {  // "32, 64, 80"
 
 constexpr int kAttentionThreads = 128;  // threads per thread block, both kernels
 constexpr int kMaxGroup = 8;            // query heads one thread block serves at most
-constexpr int kPartitionSize = 512;     // tokens per partition in split-KV mode (the default; see plan_attention)
+constexpr int kPartitionSize = 512;     // the longest split-KV partition, in tokens (plan_attention: k / 8 of it)
 
 // The instantiations: head dims, and group variants (GROUP: the query heads a thread block's registers are sized
 // for; a block serving fewer heads takes the smallest variant that holds them).
@@ -141,25 +142,41 @@ inline void use_tensor_cores(AttentionPlan& plan, int64_t head_dim) {
 // model's products stay far inside int64).
 constexpr int64_t kMaxSinglePassWaves = 64;
 
+// Whether blocks thread blocks fill their waves on slots: a single wave, or a last wave at least 90% full.
+constexpr bool fills_waves(int64_t blocks, int64_t slots) {
+  const int64_t last = blocks % slots;
+  return blocks <= slots || last == 0 || 10 * last >= 9 * slots;
+}
+
 // The launch of paged_attention for these sizes, planned for the machine: num_sms multiprocessors, each holding
 // blocks_per_sm thread blocks of the kernel at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor of the
 // instantiation launched; tests pass it), so slots = num_sms * blocks_per_sm blocks run together.
-// partition_tokens: tokens per split-KV partition (kPartitionSize; tests pass smaller ones to get many partitions
-// from short sequences); it grows, in whole multiples, when a table-wide sequence would have more than kMaxGridYZ
-// partitions.
+// partition_tokens: the longest split-KV partition (kPartitionSize). When it is a multiple of 512 the partitions
+// may be k / 8 of it (k = 1..8: multiples of 64 tokens at the default, so the tensor-core kernel's 4 warps get the
+// same number of 16-token chunks); otherwise (tests pass small ones to get many partitions from short sequences)
+// they are exactly partition_tokens long. Beyond kMaxGridYZ partitions of a table-wide sequence they grow, in whole
+// multiples of partition_tokens.
 //
-// The model. With base = num_seqs * num_kv_heads * head_chunks thread blocks per partition slot and P =
-// num_partitions (each a unit of work), a grid of Z partition slots (block z runs partitions z, z + Z, ... of its
-// sequence: ceil(P / Z) at most) takes waves(Z) = ceil(base * Z / slots) * ceil(P / Z) units, for sequences that
-// fill the table. No plan does better than ceil(base * P / slots) (all the work spread over all slots, whole units),
-// and Z = P reaches it, so split-KV takes the smallest Z that reaches it: the waves of partitions are full except
-// the last one, and no more blocks are launched than needed (those of short sequences in a wide table find no
-// partition and return). Split-KV is taken when it is faster than the single pass (waves = ceil(base / slots) * P:
-// e.g. fewer blocks than slots, or a last wave far from full), and the single pass is kept when its waves are as
-// good (or at least kMaxSinglePassWaves of them). Partitions keep their boundaries whatever Z is, so Z changes no
-// result. (Waves of thread blocks are not the unit once a block runs several partitions: with 512-token
-// partitions, a last wave of blocks 90% full is out of reach within Z <= P for many sizes, e.g. GQA-4 at batch 70
-// and 4k context, and where it is reachable it can cost up to twice the time of this plan.)
+// The model (a ceiling and a proxy, not a measurement: no GPU has run it). Time is counted in token-times, the
+// time a thread block takes to stream one token of its kv head. With base = num_seqs * num_kv_heads * head_chunks
+// thread blocks per partition slot, P partitions of `size` tokens and a grid of Z partition slots (block z runs
+// partitions z, z + Z, ... of its sequence: ceil(P / Z) at most), the call takes
+//   ceil(base * Z / slots) * ceil(P / Z) * (size + overhead) + reduce
+// for sequences that fill the table, where overhead = partition_tokens / 16 is a partition's fixed cost (the
+// latency of its first loads, the merge of the warps' states, the partial results it writes and the reduce reads)
+// and reduce = partition_tokens / 8 the reduce kernel's; the single pass takes ceil(base / slots) * (max_context +
+// overhead). The plan is the least time over the single pass and every (size, Z) that is no slower than the plan
+// of the longest partitions alone for sequences an eighth as long as the table (a table padded for one long
+// sequence: smaller partitions over more slots can fill a full table's waves, but leave those slots idle for short
+// sequences, where fewer slots looping over longer partitions do not). On equal time, one whose waves of thread
+// blocks are full (fills_waves) first, then the fewest thread blocks, then the fewest partitions. The candidates of
+// a size are the smallest Z of each ceil(P / Z) (a larger one only adds blocks), or, where that one's waves are not
+// full, the smallest Z of the same time that fills them; those of fewer slots than one wave's most are slower.
+// Full waves are a tie-break, not a constraint: no plan has them for some sizes (a context too short to split, at
+// 1.5 waves of sequences), and where one has them but takes longer by the model, the faster plan is taken.
+// Partitions keep their boundaries whatever Z is, so Z changes no result. The partition size does (the online
+// softmax restarts at each partition), so on CUDA a sequence's bits may depend on its batch, as the choice between
+// the single pass and split-KV already made them.
 // The plan depends on the block table's width, never on seq_lens, so it needs no device-to-host copy and the
 // launch can be captured in a CUDA graph.
 inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -170,13 +187,15 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   constexpr int64_t kMaxSlotsFactor = int64_t{1} << 20;  // num_sms and blocks_per_sm: far below it on any GPU
   if (num_seqs < 1 || num_heads < 1 || num_kv_heads < 1 || block_size < 1 || max_blocks_per_seq < 0 ||
       sliding_window < 0 || num_sms < 1 || num_sms > kMaxSlotsFactor || blocks_per_sm < 1 ||
-      blocks_per_sm > kMaxSlotsFactor || partition_tokens < 1 || num_heads % num_kv_heads != 0) {
+      blocks_per_sm > kMaxSlotsFactor || partition_tokens < 1 || partition_tokens > INT32_MAX ||
+      num_heads % num_kv_heads != 0) {
     plan.error = "invalid sizes: num_seqs " + std::to_string(num_seqs) + ", num_heads " + std::to_string(num_heads) +
                  ", num_kv_heads " + std::to_string(num_kv_heads) + ", max_blocks_per_seq " +
                  std::to_string(max_blocks_per_seq) + ", block_size " + std::to_string(block_size) +
                  ", sliding_window " + std::to_string(sliding_window) + ", num_sms " + std::to_string(num_sms) +
                  ", blocks_per_sm " + std::to_string(blocks_per_sm) + ", partition_tokens " +
-                 std::to_string(partition_tokens) + " (num_sms and blocks_per_sm in [1, 2^20])";
+                 std::to_string(partition_tokens) +
+                 " (num_sms and blocks_per_sm in [1, 2^20], partition_tokens in [1, 2^31 - 1])";
     return plan;
   }
   const int64_t group_size = num_heads / num_kv_heads;
@@ -203,29 +222,82 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   const int64_t base = plan.grid.x * plan.grid.y;  // thread blocks per partition slot
   const int64_t slots = num_sms * blocks_per_sm;
   const int64_t single_pass_waves = (base + slots - 1) / slots;
-  if (plan.max_context <= partition_tokens || single_pass_waves >= kMaxSinglePassWaves) {
-    return plan;
-  }
-  int64_t size = partition_tokens;
-  if ((plan.max_context + size - 1) / size > kMaxGridYZ) {  // longer partitions, in whole multiples of the default
+  int64_t longest = partition_tokens;
+  if ((plan.max_context + longest - 1) / longest > kMaxGridYZ) {  // longer partitions, in whole multiples
     const int64_t needed = (plan.max_context + kMaxGridYZ - 1) / kMaxGridYZ;
-    size = (needed + partition_tokens - 1) / partition_tokens * partition_tokens;
+    longest = (needed + partition_tokens - 1) / partition_tokens * partition_tokens;
   }
-  const int64_t partitions = (plan.max_context + size - 1) / size;  // 2 .. kMaxGridYZ
-  // base < kMaxSinglePassWaves * slots <= 2^46, so base * partitions < 2^62.
-  const auto waves = [&](int64_t z) { return (base * z + slots - 1) / slots * ((partitions + z - 1) / z); };
-  const int64_t best = (base * partitions + slots - 1) / slots;  // waves(partitions)
-  if (single_pass_waves * partitions <= best) return plan;  // the single pass is as good
-  // The smallest z with waves(z) == best. Within the z that give the same ceil(partitions / z), waves grows with z,
-  // so only the smallest z of each is tried: O(sqrt(partitions)) steps.
-  int64_t z = 1;
-  while (waves(z) != best) {
-    const int64_t per_block = (partitions + z - 1) / z;  // > 1 here: waves(partitions) == best
-    z = (partitions + per_block - 2) / (per_block - 1);  // the smallest z with ceil(partitions / z) < per_block
-  }
-  plan.partition_size = static_cast<int>(size);
-  plan.num_partitions = static_cast<int>(partitions);
-  plan.grid.z = z;
+  const int64_t steps = partition_tokens % 512 == 0 ? 8 : 1;  // the sizes: longest * k / steps, k = 1..steps
+  if (plan.max_context <= longest / steps || single_pass_waves >= kMaxSinglePassWaves) return plan;
+
+  // base < kMaxSinglePassWaves * slots <= 2^46 and Z <= 65535, so base * Z < 2^62; every time below is under 2^40.
+  const int64_t overhead = partition_tokens / 16, reduce = partition_tokens / 8;
+  struct Candidate {
+    int64_t time, short_time, size, partitions, z;  // short_time: for sequences an eighth of the table's width
+    bool full;
+  };
+  // A plan's time for sequences of `context` tokens (at most the table's width): the blocks whose partitions lie
+  // past them find none and return at once (counted as free).
+  const auto time_for = [&](int64_t context, int64_t size, int64_t partitions, int64_t z) {
+    if (partitions == 1) return single_pass_waves * (context + overhead);
+    const int64_t used = std::max<int64_t>((context + size - 1) / size, 1);  // the partitions with tokens
+    const int64_t active = std::min(z, used);                                  // the slots with tokens
+    return (base * active + slots - 1) / slots * ((used + active - 1) / active) * (size + overhead) + reduce;
+  };
+  const auto make = [&](int64_t size, int64_t partitions, int64_t z, bool full) {
+    return Candidate{time_for(plan.max_context, size, partitions, z),
+                     time_for(plan.max_context / 8, size, partitions, z), size, partitions, z, full};
+  };
+  const auto better = [](const Candidate& a, const Candidate& b) {  // a before b (blocks: base * z)
+    if (a.time != b.time) return a.time < b.time;
+    if (a.full != b.full) return a.full;
+    if (a.z != b.z) return a.z < b.z;
+    return a.partitions < b.partitions;
+  };
+  // f(candidate) for the single pass and the partitions longest / steps * k, k = steps down to k_min, except
+  // those that cannot be as fast as incumbent (f's best so far).
+  const auto each_candidate = [&](int64_t k_min, const Candidate& incumbent, auto&& f) {
+    f(make(plan.max_context, 1, 1, fills_waves(base, slots)));
+    for (int64_t k = steps; k >= k_min; --k) {
+      const int64_t size = longest / steps * k;
+      const int64_t partitions = (plan.max_context + size - 1) / size;
+      if (partitions < 2 || partitions > kMaxGridYZ) continue;
+      // No grid takes less than the whole work spread over all slots, in whole partitions.
+      if ((base * partitions + slots - 1) / slots * (size + overhead) + reduce > incumbent.time) continue;
+      // Grids of one wave (z <= slots / base) take the least time at the most slots of it, z1; so the first z is
+      // the smallest of z1's per_block (the same time, the fewest blocks).
+      const int64_t z1 = std::max<int64_t>(1, std::min(partitions, slots / base));
+      const int64_t first = (partitions + (partitions + z1 - 1) / z1 - 1) / ((partitions + z1 - 1) / z1);
+      for (int64_t z = first;;) {  // the smallest z of each per_block = ceil(partitions / z), per_block descending
+        const int64_t per_block = (partitions + z - 1) / z;
+        const int64_t waves = (base * z + slots - 1) / slots;
+        // Where z's waves are not full: the fewest slots of the same time whose blocks fill 90% of the last of
+        // those waves, if they still run per_block partitions at most (some run one fewer).
+        const int64_t filling = ((waves - 1) * 10 * slots + 9 * slots + 10 * base - 1) / (10 * base);
+        if (fills_waves(base * z, slots) || filling > partitions || filling > waves * slots / base ||
+            (partitions + filling - 1) / filling != per_block) {
+          f(make(size, partitions, z, fills_waves(base * z, slots)));
+        } else {
+          f(make(size, partitions, filling, true));
+        }
+        if (per_block == 1) break;
+        z = (partitions + per_block - 2) / (per_block - 1);  // the smallest z with ceil(partitions / z) < per_block
+      }
+    }
+  };
+  // The plan of the longest partitions alone, then the best plan no slower than it for short sequences.
+  Candidate longest_plan = make(plan.max_context, 1, 1, fills_waves(base, slots));
+  each_candidate(steps, longest_plan, [&](const Candidate& c) {
+    if (better(c, longest_plan)) longest_plan = c;
+  });
+  Candidate best = longest_plan;
+  each_candidate(1, best, [&](const Candidate& c) {
+    if (c.short_time <= longest_plan.short_time && better(c, best)) best = c;
+  });
+  if (best.partitions == 1) return plan;
+  plan.partition_size = static_cast<int>(best.size);
+  plan.num_partitions = static_cast<int>(best.partitions);
+  plan.grid.z = best.z;
   plan.reduce_grid = {num_seqs, num_heads, 1};
   return plan;
 }
