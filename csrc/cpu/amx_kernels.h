@@ -177,17 +177,12 @@ PAGED_ATTN_AMX void attend_tile_amx(const Problem<at::BFloat16, cache_t>& pb, in
     _tile_stored(0, logits + e0 * kTileTokens, 64);
   }
   // 2.
-  const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
   for (int64_t i = 0; i < n; ++i) {
-    Scratch& sc = *scs[i];
     for (int64_t j = 0; j < group; ++j) {
-      const int64_t head = kv_head * group + j, e = i * group + j;
-      float* x = logits + e * kTileTokens;
-      _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(pb.scale)));
-      if (pb.logits_soft_cap > 0 || pb.alibi_slopes) apply_logit_mods(pb, head, tile.first, last_tokens[i], x);
-      softmax_tile_avx512(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), _mm512_loadu_ps(x)),
-                          sc.max_logit + head, sc.exp_sums + head * kTileTokens, sc.acc + head * head_dim, head_dim,
-                          p_pairs + e * kTileTokens);
+      float* x = logits + (i * group + j) * kTileTokens;
+      softmax_head_avx512(pb, kv_head * group + j, tile, last_tokens[i],
+                          _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(pb.scale)), x, *scs[i],
+                          p_pairs + (i * group + j) * kTileTokens);
     }
   }
   // 3. Two blocks of 16 elements at a time (B in tiles 4, 2; acc in 5, 6): independent products overlap.

@@ -244,6 +244,23 @@ PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t
                                        main == 0 ? prefetcher : nullptr);
 }
 
+// Step 2 for query head `head` over one tile (the AVX-512 and AMX paths): its scaled logits x, with soft cap and
+// ALiBi (apply_logit_mods edits them in memory, at spill: 16 floats), masked to the tile's tokens, into the row's
+// running state (sc); p as bfloat16 pairs into p_pairs.
+template <typename cache_t>
+PAGED_ATTN_AVX512 inline void softmax_head_avx512(const Problem<at::BFloat16, cache_t>& pb, int64_t head,
+                                                  const Tile<cache_t>& tile, int64_t last_token, __m512 x,
+                                                  float* spill, Scratch& sc, uint32_t* p_pairs) {
+  if (pb.logits_soft_cap > 0 || pb.alibi_slopes) {
+    _mm512_storeu_ps(spill, x);
+    apply_logit_mods(pb, head, tile.first, last_token, spill);
+    x = _mm512_loadu_ps(spill);
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
+  softmax_tile_avx512(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), x), sc.max_logit + head,
+                      sc.exp_sums + head * kTileTokens, sc.acc + head * pb.head_dim, pb.head_dim, p_pairs);
+}
+
 // Steps 1-3 for query heads [head0, head0 + kHeads) of kv head `kv_head`'s group over one tile (AVX-512 bf16 path).
 template <int kHeads, typename cache_t>
 PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16, cache_t>& pb, const at::BFloat16* query,
@@ -254,17 +271,8 @@ PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16, cache_t>&
   tile_logits_avx512<kHeads>(query + head0 * pb.query_head_stride, pb.query_head_stride, tile.keys,
                              kv_head * pb.kv.key.head_stride,
                              head_dim, pb.scale, prefetcher, logits);
-  const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
   for (int j = 0; j < kHeads; ++j) {
-    const int64_t head = head0 + j;
-    if (pb.logits_soft_cap > 0 || pb.alibi_slopes) {
-      float* x = sc.logits + j * kTileTokens;
-      _mm512_storeu_ps(x, logits[j]);
-      apply_logit_mods(pb, head, tile.first, last_token, x);
-      logits[j] = _mm512_loadu_ps(x);
-    }
-    softmax_tile_avx512(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), logits[j]), sc.max_logit + head,
-                        sc.exp_sums + head * kTileTokens, sc.acc + head * head_dim, head_dim,
+    softmax_head_avx512(pb, head0 + j, tile, last_token, logits[j], sc.logits + j * kTileTokens, sc,
                         sc.p_pairs + j * kTileTokens);
   }
   tile_values_avx512<kHeads>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * pb.kv.value.head_stride, head_dim,
