@@ -346,6 +346,24 @@ def test_attention_partitions_looped_inside_a_thread_block(driver, tmp_path, win
     check_attention(driver, case, tmp_path)
 
 
+@pytest.mark.parametrize("num_sms,blocks_per_sm,size", [(10, 2, 192), (6, 2, 320)], ids=["192", "320"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float", "bf16"])
+def test_attention_partition_sizes_of_the_default_plan(driver, tmp_path, num_sms, blocks_per_sm, size, dtype):
+    """The default plan's partition sizes (multiples of 64 tokens up to 512, by shape): 192 and 320 tokens, across
+    the CUDA-core kernel's 256-token tiles (float32) and the tensor-core kernel's 4 warps of 16-token chunks (bf16),
+    for sequences ending inside a partition, at its edge, and in the first one; with a window of 300 that starts
+    inside a partition."""
+    for window in (None, 300):
+        case = attention_case([1000, 576, 3], 4, 1, 64, 16, dtype, sliding_window=window, split=True,
+                              partition_tokens=512, num_sms=num_sms, blocks_per_sm=blocks_per_sm)
+        table_tokens = case.tensors["block_tables"].shape[1] * 16
+        plan = decode_plan(case)
+        assert plan["partition_size"] == size and plan["num_partitions"] == -(-table_tokens // size), plan
+        directory = tmp_path / str(window)
+        directory.mkdir()
+        check_attention(driver, case, directory)
+
+
 def test_attention_block_table_much_wider_than_the_sequences(driver, tmp_path):
     """A table of 1600 tokens (50 partitions) for sequences of at most 70: the plan sizes the scratch for 50
     partitions but launches 2 slots (2 SMs x 2 blocks for 6 blocks per slot), and the blocks find the few partitions
