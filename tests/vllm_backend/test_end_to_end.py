@@ -27,7 +27,7 @@ import vllm_runs  # noqa: E402
 # float32 logprobs from two attention kernels (different summation orders) through two layers: measured up to
 # 1.8e-5 apart on the Llama and Mistral (2026-12-01), 3.1e-5 on the gpt-oss (2026-12-04).
 LOGPROB_ATOL = 1e-4
-COMPARED = ["plain", "chunked", "window", "gptoss"]
+COMPARED = ["plain", "shared", "chunked", "window", "gptoss"]
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the last: collective_rpc(callable)
 GEMMA3_HF = os.environ.get("PAGED_ATTN_GEMMA3_HF", os.path.expanduser("~/.cache/paged_attn/gemma3-270m-hf"))
@@ -128,6 +128,8 @@ def test_prefix_cache_hits_served_from_cached_blocks(runs):
     for run in runs:
         cached = [r["num_cached_tokens"] for r in run["plain"]["requests"]]
         assert cached[num_plain:] == [vllm_runs.PREFIX_LEN] * 3, cached
+        # "shared": all 8 requests hit the system prompt's 17 blocks, so their block tables name the same ones.
+        assert [r["num_cached_tokens"] for r in run["shared"]["requests"]] == [vllm_runs.SYSTEM_PROMPT_LEN] * 8
 
 
 def test_chunked_prefill_took_several_steps(runs):

@@ -7,6 +7,9 @@ our plugin take vLLM's CPU_ATTN slot, ``VLLM_PLUGINS=""`` keeps every plugin out
 Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated position, block size 32):
   plain       tiny Llama, the mixed-length prompts in one batch; then prompts that extend the longest prompt,
               served from its cached blocks (prefix caching on; ``num_cached_tokens`` recorded)
+  shared      tiny Llama, a 544-token system prompt computed and cached by one request, then 8 requests behind it,
+              each with its own question (prefix caching on): their block tables name the prompt's 17 cached
+              blocks, and our CPU op reads its first 512 tokens (a whole chunk of its decode kernel) once for all 8
   chunked     tiny Llama, the same prompts under ``max_num_batched_tokens=16`` (chunked prefill mixed with decodes)
   window      tiny Mistral whose sliding window (16) is shorter than most prompts
   gptoss      tiny gpt-oss (attention sinks, a sliding-window layer (16) and a full one, 4 experts, top-2), the
@@ -41,6 +44,7 @@ MAX_TOKENS = 24
 VOCAB_SIZE = 1024
 PROMPT_LENS = [5, 18, 33, 64, 97, 130]
 PREFIX_LEN = 96  # three full blocks of the 130-token prompt
+SYSTEM_PROMPT_LEN = 544  # the "shared" scenario's: 17 blocks, more than the CPU decode kernel's 512-token chunk
 SLIDING_WINDOW = 16
 GEMMA3_MAX_TOKENS = 16
 GEMMA3_WINDOW = 512
@@ -102,6 +106,13 @@ def prefix_prompts() -> list[list[int]]:
     rng = random.Random(1)
     longest = plain_prompts()[-1]
     return [longest[:PREFIX_LEN] + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (1, 7, 40)]
+
+
+def shared_prompts() -> list[list[int]]:
+    """The system prompt alone, then 8 requests behind it with questions of 1 to 40 tokens."""
+    rng = random.Random(2)
+    system = [rng.randrange(VOCAB_SIZE) for _ in range(SYSTEM_PROMPT_LEN)]
+    return [system] + [system + [rng.randrange(VOCAB_SIZE) for _ in range(n)] for n in (3, 9, 17, 40, 5, 33, 1, 24)]
 
 
 def gptoss_sinks() -> list[list[float]]:
@@ -207,6 +218,12 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None, gemma3:
     if name == "plain":
         llm = LLM(model=models["llama"], **{**kwargs, "enable_prefix_caching": True})
         requests = generate(llm, plain_prompts()) + generate(llm, prefix_prompts())
+    elif name == "shared":
+        llm = LLM(model=models["llama"], hf_overrides={"max_position_embeddings": 1024},  # (512 saved)
+                  **{**kwargs, "enable_prefix_caching": True, "max_model_len": 1024})
+        system, *requests = shared_prompts()
+        generate(llm, [system], max_tokens=1)  # computes and caches the system prompt's blocks
+        requests = generate(llm, requests)
     elif name == "chunked":
         llm = LLM(model=models["llama"], **{**kwargs, "max_num_batched_tokens": 16, "enable_chunked_prefill": True})
         requests = generate(llm, plain_prompts())
