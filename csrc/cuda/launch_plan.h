@@ -254,10 +254,9 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
     if (a.z != b.z) return a.z < b.z;
     return a.partitions < b.partitions;
   };
-  // f(candidate) for the single pass and the partitions longest / steps * k, k = steps down to k_min, except
-  // those that cannot be as fast as incumbent (f's best so far).
+  // f(candidate) for the partitions longest / steps * k, k = steps down to k_min, except those that cannot be as
+  // fast as incumbent (f's best so far; the single pass at first).
   const auto each_candidate = [&](int64_t k_min, const Candidate& incumbent, auto&& f) {
-    f(make(plan.max_context, 1, 1, fills_waves(base, slots)));
     for (int64_t k = steps; k >= k_min; --k) {
       const int64_t size = longest / steps * k;
       const int64_t partitions = (plan.max_context + size - 1) / size;
@@ -274,9 +273,10 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
         // Where z's waves are not full: the fewest slots of the same time whose blocks fill 90% of the last of
         // those waves, if they still run per_block partitions at most (some run one fewer).
         const int64_t filling = ((waves - 1) * 10 * slots + 9 * slots + 10 * base - 1) / (10 * base);
-        if (fills_waves(base * z, slots) || filling > partitions || filling > waves * slots / base ||
+        const bool full = fills_waves(base * z, slots);
+        if (full || filling > partitions || filling > waves * slots / base ||
             (partitions + filling - 1) / filling != per_block) {
-          f(make(size, partitions, z, fills_waves(base * z, slots)));
+          f(make(size, partitions, z, full));
         } else {
           f(make(size, partitions, filling, true));
         }
@@ -285,7 +285,8 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
       }
     }
   };
-  // The plan of the longest partitions alone, then the best plan no slower than it for short sequences.
+  // The plan of the longest partitions alone (or the single pass), then the best plan no slower than it for short
+  // sequences.
   Candidate longest_plan = make(plan.max_context, 1, 1, fills_waves(base, slots));
   each_candidate(steps, longest_plan, [&](const Candidate& c) {
     if (better(c, longest_plan)) longest_plan = c;
