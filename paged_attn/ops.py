@@ -203,10 +203,12 @@ def paged_attention(
         in chunks at fixed token positions (multiples of 512) merged left to right, so its output bits do not
         depend on the other sequences of the batch, their order, the thread count, or which physical blocks
         hold its keys (and a prefill row's do not depend on the other sequences either). Shared blocks: on the
-        CPU the op finds, in the block tables, the 512-token chunks that several decode rows read in the same
-        physical blocks (the same entries over the same tokens: a prompt shared by samples or beams, a cached
-        prefix shared by requests, the rows of one sequence in a variable-length call) and reads each once for up
-        to 16 of those rows, each row from its own state, so the bits stay those of the row alone. Nothing to
+        CPU the op finds, in the block tables, the tokens of a 512-token chunk that several decode rows read in
+        the same physical blocks (the same entries from the chunk's start: a prompt shared by samples or beams, a
+        cached prefix shared by requests, the rows of one sequence in a variable-length call; the whole chunk, or
+        its first tokens up to a multiple of 16 where the rows' blocks or lengths part) and reads them once for
+        up to 16 of those rows, each row from its own state and then on alone through the rest of its chunk, so
+        the bits stay those of the row alone. Nothing to
         pass; ``PAGED_ATTN_NO_SHARED_BLOCKS=1`` switches the search off (for measuring). ``PAGED_ATTN_AMX=1`` (read
         once per process) runs bfloat16 decode rows on Intel AMX where the CPU has it: faster where rows share
         blocks, slower for a row alone, and other bits than without it (still the same bits shared or not).

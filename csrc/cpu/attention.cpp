@@ -10,9 +10,10 @@
 // acc likewise; always, whatever the batch and the thread count (see paged_attention_kernel). So a row's output
 // bits do not depend on the other rows of the call, on the thread count, or on which physical blocks hold its keys.
 // Threads share out (row, chunk) items, so that a few long rows still keep every thread busy.
-// Shared blocks: a chunk that several rows read as the same tokens in the same physical blocks is attended once for
-// a group of them (find_shared_chunks, attend_shared_chunks), each row from its own state, before the rest; the rows
-// merge its state in chunk order like any other, so sharing changes no bit either.
+// Shared blocks: a chunk whose first tokens (or all) several rows read as the same tokens in the same physical blocks
+// is attended once for a group of them up to there, then by each row alone to its chunk's end (find_shared_chunks,
+// attend_shared_chunks), each row from its own state, before the rest; the rows merge its state in chunk order like
+// any other, so sharing changes no bit either.
 // Only tokens t < L (and in the window) are ever read: unused cache slots and block-table entries may hold
 // anything, NaN included.
 //
@@ -166,23 +167,26 @@ std::vector<int64_t> split_among_threads(const Chunks<scalar_t, cache_t>& chunks
   return split_by_cost(cost_before, total_tokens * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)});
 }
 
-// Shared chunks: a chunk of several rows that covers the same tokens [begin, end) in the same physical blocks
-// (their block-table entries over it are equal), as a prompt's blocks shared by n samples or beams, a cached
+// Shared chunks: a chunk of several rows whose first tokens [begin, split) lie in the same physical blocks for all
+// of them (their block-table entries over it are equal), as a prompt's blocks shared by n samples or beams, a cached
 // system prompt shared by many requests, or the rows of one sequence in a varlen call. Such a chunk is attended
-// once for a group of its rows (decode_kernels.h: attend with n rows), each row from its own fresh state, so each
-// row's chunk state has the bits it has when the row reads the chunk alone; the rows merge it in chunk order as
-// any other (paged_attention_kernel). Found on the host from the block tables, for every chunk at any depth and in
-// any number of groups; a group holds at most kMaxSharedRows rows, or fewer when that leaves threads idle (a larger
-// run of equal chunks makes several groups, each reading the chunk once).
+// once for a group of its rows (decode_kernels.h: attend with n rows) up to `split`, each row from its own fresh
+// state, then each row alone on to its own end (the rest of its chunk, where its tokens or blocks differ), so each
+// row's chunk state has the bits it has when the row reads the chunk alone: the same tiles in the same order (split
+// is a tile boundary, or the rows' common end). The rows merge it in chunk order as any other
+// (paged_attention_kernel). Found on the host from the block tables, for every chunk at any depth and in any number
+// of groups; a group holds at most kMaxSharedRows rows, or fewer when that leaves threads idle (a larger run makes
+// several groups, each reading the shared tokens once).
 constexpr int64_t kMaxSharedRows = 16;        // rows per group: their scratch (~35 KB each at 32 x 128) stays in L2
 
 struct SharedChunks {
   struct Group {
-    int64_t begin, end;       // the tokens of the chunk
-    int64_t first, num_rows;  // its rows: rows[first, first + num_rows)
+    int64_t begin, split;     // the tokens its rows share: [begin, split)
+    int64_t first, num_rows;  // its rows: rows[first, first + num_rows), each to its chunk's end ends[first + i]
   };
   std::vector<Group> groups;
   std::vector<int64_t> rows;       // the groups' rows; position j holds the chunk state in slot j
+  std::vector<int64_t> ends;       // [rows.size()]: the end of the row's chunk
   std::vector<int64_t> item_slot;  // [num_items]: the slot of the (row, chunk) item's state, -1 if not shared
 };
 
@@ -208,81 +212,152 @@ SharedChunks find_shared_chunks(const Chunks<scalar_t, cache_t>& chunks, int64_t
   const int64_t bs = pb.block_size;
   const auto entries = [&](const Item& it) { return pb.block_table(it.row) + it.begin / bs; };
   const auto num_entries = [&](const Item& it) { return (it.end - 1) / bs - it.begin / bs + 1; };
-  const auto same_range = [](const Item& a, const Item& b) { return a.begin == b.begin && a.end == b.end; };
+  // By begin, then the block-table entries from there (lexicographically: items that share more entries lie
+  // closer), then end and row.
   std::sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    if (!same_range(a, b)) return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    if (a.begin != b.begin) return a.begin < b.begin;
     const int32_t *ea = entries(a), *eb = entries(b);
-    const int64_t n = num_entries(a);
-    const auto diff = std::mismatch(ea, ea + n, eb);
-    if (diff.first != ea + n) return *diff.first < *diff.second;
-    return a.row < b.row;
+    const int64_t na = num_entries(a), nb = num_entries(b);
+    if (std::lexicographical_compare(ea, ea + na, eb, eb + nb)) return true;
+    if (std::lexicographical_compare(eb, eb + nb, ea, ea + na)) return false;
+    return a.end != b.end ? a.end < b.end : a.row < b.row;
   });
-  // The runs of equal (range, entries), and their split into groups.
-  std::vector<std::pair<int64_t, int64_t>> runs;  // [first, last) in items
+  // The tokens two items (of one begin) can share: their common end if they agree on every entry up to it, else
+  // the tile boundary at or before the end of their common entries (and their ends); begin if none.
+  const auto shared_until = [&](const Item& a, const Item& b) -> int64_t {
+    if (a.begin != b.begin) return a.begin;
+    const int32_t *ea = entries(a), *eb = entries(b);
+    const int64_t n = std::min(num_entries(a), num_entries(b));
+    const int64_t same = std::mismatch(ea, ea + n, eb).first - ea;  // entries in common
+    const int64_t common = std::min({a.end, b.end, (a.begin / bs + same) * bs});
+    if (a.end == b.end && common == a.end) return a.end;
+    return std::max(a.begin, common / kTileTokens * kTileTokens);
+  };
+  // Runs of items sharing [begin, split), greedily: the next item joins while the tokens the run saves, (rows - 1)
+  // * (split - begin), do not shrink.
+  struct Run {
+    size_t first, last;  // [first, last) in items
+    int64_t split;
+  };
+  std::vector<Run> runs;
   for (size_t i = 0; i < items.size();) {
     size_t j = i + 1;
-    const int64_t n = num_entries(items[i]);
-    while (j < items.size() && same_range(items[i], items[j]) &&
-           std::equal(entries(items[i]), entries(items[i]) + n, entries(items[j]))) {
-      ++j;
+    int64_t split = std::numeric_limits<int64_t>::max();
+    for (; j < items.size(); ++j) {
+      const int64_t s = std::min(split, shared_until(items[j - 1], items[j])), begin = items[i].begin;
+      const int64_t rows = static_cast<int64_t>(j - i);  // before items[j] joins
+      const bool first_pair = split == std::numeric_limits<int64_t>::max();
+      if (s <= begin || (!first_pair && rows * (s - begin) < (rows - 1) * (split - begin))) break;
+      split = s;
     }
-    if (j - i >= 2) runs.emplace_back(i, j);
+    if (j - i >= 2) runs.push_back({i, j, split});
     i = j;
   }
   if (runs.empty()) return shared;
+  // Groups per run: at most kMaxSharedRows rows each; then, while the groups would keep some threads idle (their
+  // greedy schedule, largest first, ends more than 10% after the even share), the run whose groups cost most gets
+  // one more group (if it has 2 rows per group left), each reading the shared tokens once.
+  const auto run_cost = [&](const Run& run) {  // tokens attended, a tile's worth per group for its set-up
+    int64_t cost = 0;
+    for (size_t k = run.first; k < run.last; ++k) cost += items[k].end - items[k].begin;
+    return cost;
+  };
+  std::vector<int64_t> num_groups(runs.size()), cost(runs.size());
+  int64_t total_cost = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const int64_t n = static_cast<int64_t>(runs[r].last - runs[r].first);
+    num_groups[r] = (n + kMaxSharedRows - 1) / kMaxSharedRows;
+    cost[r] = run_cost(runs[r]);
+    total_cost += cost[r];
+  }
   const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::max<int64_t>(1, (threads + static_cast<int64_t>(runs.size()) - 1) /
-                                                  static_cast<int64_t>(runs.size()));
-  for (const auto& [first, last] : runs) {
-    const int64_t n = last - first;
-    const int64_t num_groups = std::min(std::max((n + kMaxSharedRows - 1) / kMaxSharedRows, splits), n / 2);
-    for (int64_t g = 0; g < num_groups; ++g) {
-      const int64_t b = first + n * g / num_groups, e = first + n * (g + 1) / num_groups;
-      const Item& head = items[b];
-      shared.groups.push_back({head.begin, head.end, static_cast<int64_t>(shared.rows.size()), e - b});
+  const auto makespan = [&] {  // of the groups over the threads, largest first, each to the least loaded thread
+    std::vector<int64_t> group_costs;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      group_costs.insert(group_costs.end(), num_groups[r], cost[r] / num_groups[r]);
+    }
+    std::sort(group_costs.rbegin(), group_costs.rend());
+    std::vector<int64_t> load(threads, 0);
+    for (const int64_t c : group_costs) *std::min_element(load.begin(), load.end()) += c;
+    return *std::max_element(load.begin(), load.end());
+  };
+  while (threads > 1 && makespan() * 10 > total_cost * 11 / threads) {
+    size_t widest = runs.size();  // the run with the costliest groups that can take one more
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const int64_t n = static_cast<int64_t>(runs[r].last - runs[r].first);
+      if (n / (num_groups[r] + 1) < 2) continue;
+      if (widest == runs.size() || cost[r] * num_groups[widest] > cost[widest] * num_groups[r]) widest = r;
+    }
+    if (widest == runs.size()) break;
+    ++num_groups[widest];
+  }
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const Run& run = runs[r];
+    const int64_t n = static_cast<int64_t>(run.last - run.first);
+    for (int64_t g = 0; g < num_groups[r]; ++g) {
+      const int64_t b = run.first + n * g / num_groups[r], e = run.first + n * (g + 1) / num_groups[r];
+      shared.groups.push_back({items[b].begin, run.split, static_cast<int64_t>(shared.rows.size()), e - b});
       for (int64_t k = b; k < e; ++k) {
         shared.item_slot[items[k].item] = static_cast<int64_t>(shared.rows.size());
         shared.rows.push_back(items[k].row);
+        shared.ends.push_back(items[k].end);
       }
     }
   }
   return shared;
 }
 
-// Attends the shared chunks' groups (each group's chunk read once for its rows), the threads taking runs of groups
-// of about equal work; row j of the groups' rows leaves its chunk state in states[j].
+// Attends the shared chunks' groups (each group's shared tokens read once for its rows, then each row's own rest),
+// the threads taking the next group in turn, the costliest first; row j of the groups' rows leaves its chunk state
+// in states[j]. (Which thread attends a group changes no bit.)
 template <typename scalar_t, typename cache_t>
 void attend_shared_chunks(const Problem<scalar_t, cache_t>& pb, const SharedChunks& shared, float* states) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
   const int64_t state_size = RowState::size(num_heads, head_dim);
   const int64_t num_groups = static_cast<int64_t>(shared.groups.size());
-  std::vector<int64_t> cost_before(num_groups + 1, 0);
+  std::vector<int64_t> cost(num_groups), order(num_groups);  // tokens attended; the groups, costliest first
+  int64_t total_tokens = 0;
   for (int64_t g = 0; g < num_groups; ++g) {
     const SharedChunks::Group& group = shared.groups[g];
-    cost_before[g + 1] = cost_before[g] + (group.end - group.begin) * group.num_rows + kTileTokens;
+    cost[g] = (group.split - group.begin) * group.num_rows;
+    for (int64_t i = 0; i < group.num_rows; ++i) cost[g] += shared.ends[group.first + i] - group.split;
+    total_tokens += cost[g];
   }
-  const std::vector<int64_t> part_begin =
-      split_by_cost(cost_before, cost_before.back() * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)});
-  const int64_t num_parts = static_cast<int64_t>(part_begin.size()) - 1;
-  at::parallel_for(0, num_parts, 1, [&](int64_t part_begin_index, int64_t part_end_index) {
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  // Threads only for work worth waking them (kMinBytesPerCpuTask of keys and values each); each takes the next
+  // group in turn.
+  const int64_t kv_bytes = total_tokens * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)};
+  const int64_t num_workers =
+      std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_groups));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, num_workers, 1, [&](int64_t worker_begin, int64_t worker_end) {
+    if (worker_begin >= worker_end) return;
     std::vector<Scratch> scratch;
     std::vector<Scratch*> scs;
     std::vector<float> sums(num_heads);
-    for (int64_t part = part_begin_index; part < part_end_index; ++part) {
-      for (int64_t g = part_begin[part]; g < part_begin[part + 1]; ++g) {
-        const SharedChunks::Group& group = shared.groups[g];
-        while (static_cast<int64_t>(scratch.size()) < group.num_rows) {
-          scratch.emplace_back(num_heads, pb.group_size, head_dim);
+    const auto keep_state = [&](int64_t i, int64_t slot) {  // scratch i's chunk state into slot
+      copy_state(chunk_state(scratch[i], num_heads, sums.data()), num_heads, head_dim,
+                 RowState(states + slot * state_size, num_heads, head_dim));
+    };
+    for (int64_t k = next++; k < num_groups; k = next++) {
+      const SharedChunks::Group& group = shared.groups[order[k]];
+      while (static_cast<int64_t>(scratch.size()) < group.num_rows) {
+        scratch.emplace_back(num_heads, pb.group_size, head_dim);
+      }
+      scs.clear();
+      for (int64_t i = 0; i < group.num_rows; ++i) scs.push_back(&scratch[i]);
+      const int64_t* rows = shared.rows.data() + group.first;
+      const int64_t* ends = shared.ends.data() + group.first;
+      attend(pb, rows, group.num_rows, group.begin, group.split, scs.data(), [&](int64_t) {
+        for (int64_t i = 0; i < group.num_rows; ++i) {
+          if (ends[i] == group.split) keep_state(i, group.first + i);
         }
-        scs.clear();
-        for (int64_t i = 0; i < group.num_rows; ++i) scs.push_back(&scratch[i]);
-        attend(pb, shared.rows.data() + group.first, group.num_rows, group.begin, group.end, scs.data(),
-               [&](int64_t) {
-                 for (int64_t i = 0; i < group.num_rows; ++i) {
-                   copy_state(chunk_state(scratch[i], num_heads, sums.data()), num_heads, head_dim,
-                              RowState(states + (group.first + i) * state_size, num_heads, head_dim));
-                 }
-               });
+      });
+      for (int64_t i = 0; i < group.num_rows; ++i) {  // each row on alone, from its state at split
+        if (ends[i] == group.split) continue;
+        attend(pb, rows + i, 1, group.split, ends[i], scs.data() + i,
+               [&](int64_t) { keep_state(i, group.first + i); }, /*fresh=*/false);
       }
     }
   });

@@ -187,18 +187,20 @@ void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
 // Tasks
 
 // Attends every query head of the query rows rows[0], ..., rows[n - 1] to their sequences' tokens [begin, end),
-// which start at a chunk boundary or at the rows' window start and end at a chunk boundary or at the rows' end;
-// for n > 1 these are the same tokens in the same physical blocks for every row (a shared chunk, see attention.cpp),
-// read once for all: each tile's rows are worked on by every row in turn while they are in L1. scs[i] is row i's
-// scratch. The chunks [c kChunkTokens, (c + 1) kChunkTokens) the range overlaps are each attended from a fresh
-// online-softmax state. The tiles lie at absolute positions too ([16 i, 16 (i + 1)), but the first, which starts
+// which start at a chunk boundary or at the rows' window start (or, with fresh = false, at a tile boundary where an
+// earlier call left the rows' states in scs: a shared chunk's rest, see attention.cpp) and end at a chunk boundary,
+// at the rows' end, or at a tile boundary where a later call goes on; for n > 1 these are the same tokens in the
+// same physical blocks for every row (a shared chunk), read once for all: each tile's rows are worked on by every
+// row in turn while they are in L1. scs[i] is row i's scratch. The chunks [c kChunkTokens, (c + 1) kChunkTokens) the
+// range overlaps are each attended from a fresh online-softmax state (the first from the states in scs if not
+// fresh). The tiles lie at absolute positions too ([16 i, 16 (i + 1)), but the first, which starts
 // at `begin`), so chunk boundaries are tile boundaries. After each chunk's last tile, chunk_done(c) finds each row's
 // chunk state (max, lane sums, acc) in its scratch, then the states are reset for the next. The tiles run on across
 // chunk boundaries (the prefetch too): only the states restart. A row's sequence of steps, and so its bits, are the
 // same for any n and any position in rows: each row's tiles, heads and head tiles come in the same order.
 template <typename scalar_t, typename cache_t, typename ChunkDone>
 void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n, int64_t begin, int64_t end,
-            Scratch* const* scs, ChunkDone&& chunk_done) {
+            Scratch* const* scs, ChunkDone&& chunk_done, bool fresh = true) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
   const auto query_of = [&](int64_t i) {  // [num_heads, head_dim]
     return pb.query + pb.token(rows[i]) * pb.query_row_stride;
@@ -218,7 +220,7 @@ void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n
       std::fill_n(scs[i]->exp_sums, num_heads * kTileTokens, 0.f);
     }
   };
-  reset();
+  if (fresh) reset();
   if (begin >= end) {  // an empty row (length 0): one empty chunk
     chunk_done(int64_t{0});
     return;
