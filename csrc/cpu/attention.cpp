@@ -132,8 +132,7 @@ struct Chunks {
 // worth waking for kv_bytes of keys and values (kMinBytesPerCpuTask each), at most one per item.
 inline std::vector<int64_t> split_by_cost(const std::vector<int64_t>& cost_before, int64_t kv_bytes) {
   const int64_t num_items = static_cast<int64_t>(cost_before.size()) - 1;
-  const int64_t num_parts =
-      std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_items));
+  const int64_t num_parts = threads_worth_waking(kv_bytes, num_items);
   std::vector<int64_t> part_begin(num_parts + 1);
   for (int64_t p = 0; p <= num_parts; ++p) {  // the first item whose cost ends past p / num_parts of the total
     const int64_t target = cost_before.back() * p / num_parts;
@@ -257,7 +256,7 @@ SharedChunks find_shared_chunks(const Chunks<scalar_t, cache_t>& chunks, int64_t
   // Groups per run: at most kMaxSharedRows rows each; then, while the groups would keep some threads idle (their
   // greedy schedule, largest first, ends more than 10% after the even share), the run whose groups cost most gets
   // one more group (if it has 2 rows per group left), each reading the shared tokens once.
-  const auto run_cost = [&](const Run& run) {  // tokens attended, a tile's worth per group for its set-up
+  const auto run_cost = [&](const Run& run) {  // tokens attended by its rows
     int64_t cost = 0;
     for (size_t k = run.first; k < run.last; ++k) cost += items[k].end - items[k].begin;
     return cost;
@@ -328,8 +327,7 @@ void attend_shared_chunks(const Problem<scalar_t, cache_t>& pb, const SharedChun
   // Threads only for work worth waking them (kMinBytesPerCpuTask of keys and values each); each takes the next
   // group in turn.
   const int64_t kv_bytes = total_tokens * 2 * pb.num_kv_heads * pb.head_dim * int64_t{sizeof(cache_t)};
-  const int64_t num_workers =
-      std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_groups));
+  const int64_t num_workers = threads_worth_waking(kv_bytes, num_groups);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_workers, 1, [&](int64_t worker_begin, int64_t worker_end) {
     if (worker_begin >= worker_end) return;

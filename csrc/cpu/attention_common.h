@@ -292,6 +292,12 @@ struct Scratch {
   }
 };
 
+// How many threads to wake for num_tasks tasks that walk kv_bytes of keys and values in all: one per
+// kMinBytesPerCpuTask, at least 1, at most one per task and no more than torch's threads.
+inline int64_t threads_worth_waking(int64_t kv_bytes, int64_t num_tasks) {
+  return std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+}
+
 // Calls f(std::integral_constant<int, n>, first) for tiles of n <= kMaxHeadTile heads covering [0, group_size).
 template <typename F>
 inline void for_each_head_tile(int64_t group_size, F&& f) {

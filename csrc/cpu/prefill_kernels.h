@@ -450,8 +450,7 @@ void prefill_kernel(const Problem<scalar_t, cache_t>& pb, const int32_t* query_s
   int64_t keys_walked = 0;
   for (const PrefillTask& task : tasks) keys_walked += task.num_keys;
   const int64_t kv_bytes = keys_walked * 2 * pb.head_dim * int64_t{sizeof(cache_t)};
-  const int64_t num_workers = std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1,
-                                                  std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  const int64_t num_workers = threads_worth_waking(kv_bytes, static_cast<int64_t>(tasks.size()));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     if (begin >= end) return;
