@@ -2,6 +2,8 @@
 // overlap.cpp).
 #include "common.h"
 
+#include "cuda/launch_plan.h"  // kSharedPlanColumns, kMaxSharedTasks (plain C++)
+
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
@@ -304,7 +306,8 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 int64_t sliding_window, double logits_soft_cap,
                                 const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                                const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks) {
+                                const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks,
+                                const std::optional<at::Tensor>& shared_plan) {
   check_cache_pair(key_cache, value_cache);
   TORCH_CHECK(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", query.sizes());
   TORCH_CHECK(query.device() == key_cache.device(), "query and key_cache must be on the same device, got ",
@@ -369,11 +372,20 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
     TORCH_CHECK(sinks->device() == query.device(), "sinks must be on the query's device ", query.device(), ", got ",
                 sinks->device());
   }
+  if (shared_plan.has_value()) {  // any contents: csrc/cuda/shared_blocks.cuh checks each listing against the tables
+    check_index_tensor(*shared_plan, "shared_plan", at::kInt, 2, query.device());
+    TORCH_CHECK(shared_plan->size(1) == kSharedPlanColumns && shared_plan->is_contiguous() &&
+                    shared_plan->size(0) <= kMaxSharedTasks,
+                "shared_plan must be a contiguous int32 tensor of shape [num_tasks, ", kSharedPlanColumns,
+                "] with num_tasks <= ", kMaxSharedTasks, " (paged_attn.plan_shared_blocks), got ",
+                shared_plan->sizes(), " with strides ", shared_plan->strides());
+  }
   const at::Tensor none;
   check_no_overlap({{&out, "out", true}, {lse.has_value() ? &*lse : &none, "lse", true},
                     {&query, "query", false}, {&key_cache, "key_cache", false},
                     {&value_cache, "value_cache", false}, {&block_tables, "block_tables", false},
                     {sinks.has_value() ? &*sinks : &none, "sinks", false},
+                    {shared_plan.has_value() ? &*shared_plan : &none, "shared_plan", false},
                     {&seq_lens, "seq_lens", false},
                     {alibi_slopes.has_value() ? &*alibi_slopes : &none, "alibi_slopes", false},
                     {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc", false},

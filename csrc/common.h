@@ -111,7 +111,8 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 int64_t sliding_window, double logits_soft_cap,
                                 const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                                const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks);
+                                const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks,
+                                const std::optional<at::Tensor>& shared_plan);
 
 // merge_attention_states: out_a, out_b [num_tokens, num_heads, head_size] of one dtype (float32, float16, bfloat16),
 // shape and device, last dimension contiguous; lse_a, lse_b float32 [num_tokens, num_heads] on that device, any

@@ -63,17 +63,18 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
   }
   const auto error = [](const std::string& e) { return e.empty() ? nullptr : e.c_str(); };
   const std::string name = kernel;
-  if (name == "paged_attention" && (sizes.size() == 8 || sizes.size() == 9)) {
-    const int64_t partition_tokens = sizes.size() == 9 ? sizes[8] : paged_attn::kPartitionSize;
+  if (name == "paged_attention" && sizes.size() >= 8 && sizes.size() <= 10) {
+    const int64_t partition_tokens = sizes.size() >= 9 ? sizes[8] : paged_attn::kPartitionSize;
+    const int64_t num_shared_tasks = sizes.size() == 10 ? sizes[9] : 0;
     const auto plan = paged_attn::plan_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6],
-                                                 sizes[7], partition_tokens);
-    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:z}", "group_size", plan.group_size,
+                                                 sizes[7], partition_tokens, num_shared_tasks);
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:i,s:z}", "group_size", plan.group_size,
                          "head_chunks", plan.head_chunks, "heads_per_block", plan.heads_per_block, "group_variant",
                          plan.group_variant, "max_context", static_cast<long long>(plan.max_context),
                          "sliding_window", plan.sliding_window, "num_partitions", plan.num_partitions,
                          "partition_size", plan.partition_size, "grid", grid_tuple(plan.grid), "reduce_grid",
                          grid_tuple(plan.reduce_grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes,
-                         "error", error(plan.error));
+                         "num_shared_tasks", plan.num_shared_tasks, "error", error(plan.error));
   }
   if (name == "paged_attention_varlen" && sizes.size() == 9) {
     const auto plan = paged_attn::plan_varlen_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5],

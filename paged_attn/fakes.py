@@ -27,6 +27,10 @@ def _is_finite(x) -> bool:
 
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A shared-blocks plan (ops.plan_shared_blocks): [num_tasks, SHARED_PLAN_COLUMNS] int32, as csrc/cuda/launch_plan.h.
+SHARED_ROWS = 8  # kSharedRows
+SHARED_PLAN_COLUMNS = 3 + SHARED_ROWS  # kSharedPlanColumns: ref, first_block, end_block, rows...
+MAX_SHARED_TASKS = 1 << 20  # kMaxSharedTasks
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _DTYPE_NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double",
                 torch.int64: "Long", torch.int32: "Int", torch.float8_e4m3fn: "Float8_e4m3fn",
@@ -165,7 +169,7 @@ def _(src, dst, block_mapping) -> None:
 @torch.library.register_fake("paged_attn::paged_attention")
 def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
       logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None, lse=None,
-      sinks=None) -> None:
+      sinks=None, shared_plan=None) -> None:
     _check_cache_pair(key_cache, value_cache)
     _require(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", _shape(query))
     _check_like_cache(query, "query", key_cache)
@@ -210,6 +214,13 @@ def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_s
                  "lse must be a float32 tensor of shape [num_tokens, num_heads] = [", num_tokens, ", ", num_heads,
                  "] on ", query.device, ", got ", lse.dtype, " ", _shape(lse), " on ", lse.device)
         _require(lse.is_contiguous(), "lse must be contiguous")
+    if shared_plan is not None:
+        _check_index_tensor(shared_plan, "shared_plan", torch.int32, 2, query.device)
+        _require(shared_plan.shape[1] == SHARED_PLAN_COLUMNS and shared_plan.is_contiguous()
+                 and shared_plan.shape[0] <= MAX_SHARED_TASKS,
+                 "shared_plan must be a contiguous int32 tensor of shape [num_tasks, ", SHARED_PLAN_COLUMNS,
+                 "] with num_tasks <= ", MAX_SHARED_TASKS, " (paged_attn.plan_shared_blocks), got ",
+                 _shape(shared_plan), " with strides ", tuple(shared_plan.stride()))
     if sinks is not None:
         _require(sinks.dtype in (torch.float32, torch.float16, torch.bfloat16),
                  "sinks must be float32, float16 or bfloat16 (one logit per query head), got ", sinks.dtype)

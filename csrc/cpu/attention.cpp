@@ -486,10 +486,12 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
                          const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
                          const std::optional<at::Tensor>& v_scale,  // [1], float32 (fp8 caches only)
                          const std::optional<at::Tensor>& lse,      // [num_tokens, num_heads], float32, or none
-                         const std::optional<at::Tensor>& sinks) {  // [num_heads], float32/16, bfloat16, or none
+                         const std::optional<at::Tensor>& sinks,  // [num_heads], float32/16, bfloat16, or none
+                         // [num_tasks, 11], int32, or none: checked, not read (this kernel finds the sharing itself)
+                         const std::optional<at::Tensor>& shared_plan) {
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                              sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
-                             sinks);
+                             sinks, shared_plan);
   const int64_t block_size = key_cache.size(1);
   if (query_start_loc.has_value()) check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
   check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size, query_start_loc, sliding_window);

@@ -85,9 +85,11 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
 
 // The decode kernels over num_items items (see QueryRows in attention_kernels.cuh): decode_mma_kernel where
 // decode_on_tensor_cores says so, else paged_attention_kernel.
+// shared_plan: a shared-blocks plan, taken by decode (kLastOfEachSeq) on tensor cores; not read otherwise.
 template <typename T, typename C>
 void launch_decode(AttentionParams<T, C> params, QueryRows rows, int64_t num_items, int64_t sliding_window,
-                   const at::Tensor& query, int64_t block_size, int64_t num_kv_heads) {
+                   const at::Tensor& query, int64_t block_size, int64_t num_kv_heads,
+                   const std::optional<at::Tensor>& shared_plan = std::nullopt) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int device = query.get_device();
   // The plan fills the SMs' waves with the instantiation it launches: its resident blocks per SM.
@@ -99,8 +101,10 @@ void launch_decode(AttentionParams<T, C> params, QueryRows rows, int64_t num_ite
                                                tensor_cores, device, &blocks_per_sm));
   TORCH_CHECK(blocks_per_sm >= 1, "paged_attention: the decode kernel for head_dim ", head_dim, " and ",
               num_heads / num_kv_heads, " query heads per kv head does not fit on an SM of this GPU");
+  const bool sharing = shared_plan.has_value() && tensor_cores && rows == QueryRows::kLastOfEachSeq;
   AttentionPlan plan = plan_attention(num_items, num_heads, num_kv_heads, params.max_blocks_per_seq, block_size,
-                                      sliding_window, multiprocessor_count(device), blocks_per_sm);
+                                      sliding_window, multiprocessor_count(device), blocks_per_sm, kPartitionSize,
+                                      sharing ? shared_plan->size(0) : 0);
   TORCH_CHECK(plan.error.empty(), "paged_attention: this call cannot be launched on CUDA: ", plan.error);
   if (tensor_cores) use_tensor_cores(plan, head_dim);
   at::Tensor partial_out, partial_max, partial_sum;
@@ -112,6 +116,10 @@ void launch_decode(AttentionParams<T, C> params, QueryRows rows, int64_t num_ite
     params.partial_out = partial_out.data_ptr<float>();
     params.partial_max = partial_max.data_ptr<float>();
     params.partial_sum = partial_sum.data_ptr<float>();
+  }
+  if (plan.num_shared_tasks > 0) {
+    params.shared_plan = shared_plan->data_ptr<int32_t>();  // contiguous (checked)
+    params.num_shared_tasks = plan.num_shared_tasks;
   }
   params.rows = rows;
   params.set_plan(plan);
@@ -131,10 +139,12 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
                           const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
                           const std::optional<at::Tensor>& v_scale,  // [1], float32 (fp8 caches only)
                           const std::optional<at::Tensor>& lse,      // [num_tokens, num_heads], float32, or none
-                          const std::optional<at::Tensor>& sinks) {  // [num_heads], float32/16, bfloat16, or none
+                          const std::optional<at::Tensor>& sinks,  // [num_heads], float32/16, bfloat16, or none
+                          // [num_tasks, kSharedPlanColumns], int32, or none: shared blocks (shared_blocks.cuh)
+                          const std::optional<at::Tensor>& shared_plan) {
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                              sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
-                             sinks);
+                             sinks, shared_plan);
   const bool fp8 = is_fp8(key_cache.scalar_type());
   TORCH_CHECK(query.is_cuda(), "paged_attention: expected CUDA tensors, got ", query.device());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -187,7 +197,7 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
                                alibi_c, logits_soft_cap, k_scale, v_scale, sinks_f32, lse);
     if (!query_start_loc.has_value()) {
       return launch_decode(params, QueryRows::kLastOfEachSeq, num_seqs, sliding_window, query, block_size,
-                           num_kv_heads);
+                           num_kv_heads, shared_plan);
     }
     const VarlenPlan plan = plan_varlen_attention(num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
                                                   query.element_size(), block_tables.size(1), block_size,

@@ -106,6 +106,9 @@ struct AttentionParams {
   const float* alibi_slopes;        // [num_heads], or nullptr
   const float* sinks;               // [num_heads], or nullptr: each head's sink logit (row_sum)
   float* lse;                       // [num_tokens, num_heads], contiguous, or nullptr: each row's log-sum-exp
+  const int32_t* shared_plan;       // [num_shared_tasks, kSharedPlanColumns], or nullptr: shared blocks
+                                    // (shared_blocks.cuh; the tensor-core decode kernel, split-KV only)
+  int num_shared_tasks;             // the plan's (plan.num_shared_tasks: 0 when the launch is not split)
   QueryRows rows;                   // which query rows the decode kernels serve
   int num_seqs, num_tokens;
   int num_heads;

@@ -27,17 +27,22 @@
 // At the end of a partition the four warps' (max, sum, output) are merged in shared memory in warp order (the same
 // bits on every run) and written: out = O / sum in single pass (row_sum: with the sink; row_lse), the
 // partition's record in split-KV.
+// Shared blocks (shared_blocks.cuh, split-KV): the thread blocks past num_seqs serve the tasks of a shared-blocks
+// plan, their head slots holding several rows' heads; a row's own thread blocks skip the partitions a task computes
+// for it. Only a head slot's row, position and head differ: the loop is the same.
 #pragma once
 
 #include "attention_kernels.cuh"
 #include "cp_async.cuh"
 #include "mma.cuh"
+#include "shared_blocks.cuh"
 
 namespace paged_attn {
 
 constexpr int kDecodeWarps = kAttentionThreads / 32;
 constexpr int kDecodeSlots = 8;  // head slots of a thread block: N of the m16n8k16 products (kMaxGroup)
 static_assert(kMaxGroup <= kDecodeSlots, "a thread block's heads fit the N = 8 of one product");
+static_assert(kSharedRows == kDecodeSlots, "a shared-blocks task fills the head slots with its rows' heads");
 
 // One warp's stages in shared memory: stage s holds K rows [kDecodeChunk][ROW] then V rows [kDecodeChunk][ROW].
 template <typename T, int HEAD_DIM>
@@ -133,15 +138,13 @@ __device__ __forceinline__ void copy_chunk(T* stage, const ChunkCopies<HEAD_DIM>
   }
 }
 
-// Q^T as the B fragments of S^T = K Q^T, one per k step: lane (g, t) holds head g's elements 16 s + 2t, + 1 and
-// 16 s + 8 + 2t, + 1, unscaled (exact in T), zero for a head slot past the task's heads.
+// Q^T as the B fragments of S^T = K Q^T, one per k step: lane (g, t) holds head slot g's elements 16 s + 2t, + 1
+// and 16 s + 8 + 2t, + 1, unscaled (exact in T), zero for a slot without a head (has = false). query: slot g's row
+// of the query (read only when has).
 template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void load_query_fragments(uint32_t (&q)[HEAD_DIM / 16][2], const AttentionParams<T>& p,
-                                                     const AttentionTask& task, int lane) {
-  const int g = lane / 4, t = lane % 4;
-  const bool has = g < task.num_heads;
-  const T* query =
-      p.query + query_row(p) * p.query_row_stride + (task.first_head + (has ? g : 0)) * p.query_head_stride;
+__device__ __forceinline__ void load_query_fragments(uint32_t (&q)[HEAD_DIM / 16][2], const T* query, bool has,
+                                                     int lane) {
+  const int t = lane % 4;
 #pragma unroll
   for (int s = 0; s < HEAD_DIM / 16; ++s) {
 #pragma unroll
@@ -167,13 +170,30 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
   float* const max_s = out_s + kDecodeWarps * kDecodeSlots * HEAD_DIM;  // [kDecodeWarps][kDecodeSlots]
   float* const sum_s = max_s + kDecodeWarps * kDecodeSlots;             // [kDecodeWarps][kDecodeSlots]
 
-  AttentionTask task = attention_task(p);
+  PA_SHARED(SharedBlocksState, share_s, [1]);               // shared blocks (split-KV with a plan)
+
+  // A shared-blocks task's thread block (blockIdx.x >= num_seqs): its task's partitions, read through the block
+  // table of its reference sequence, for its rows' head slots (plan_task_block); a row's: its row, but not the
+  // partitions that tasks compute for it (plan_row_block).
+  const bool sharing = p.num_shared_tasks > 0 && p.num_partitions > 1 && p.rows == QueryRows::kLastOfEachSeq;
+  // (only with a plan: grid.x = num_seqs + its tasks; with kEveryRow the items are query rows, past num_seqs)
+  const bool task_block = sharing && static_cast<int>(blockIdx.x) >= p.num_seqs;
+  const int shared_task = static_cast<int>(blockIdx.x) - p.num_seqs;
+  AttentionTask task = task_block ? shared_blocks_task(p, shared_task) : attention_task(p);
   if (!task.active) return;  // uniform across the thread block
   if (p.num_partitions == 1 && task.begin >= task.end) {  // uniform across the thread block
     write_empty<T, T, HEAD_DIM>(p, task);
     return;
   }
-  const int first_partition = window_start(task.seq_len, p.sliding_window) / p.partition_size;
+  // The partitions to skip (share_s[0].skip_*): a row's block, those that tasks compute for its row; a task's,
+  // those past its range. (Read from shared memory in the loop: held in registers, they cost the loop ~10%.)
+  if (task_block) {
+    if (plan_task_block(p, share_s[0], shared_task, task.first_head, task.num_heads) == 0) return;  // uniform
+  } else if (sharing) {
+    plan_row_block(p, share_s[0], task.seq);
+  }
+  const int first_partition =
+      task_block ? task.begin / p.partition_size : window_start(task.seq_len, p.sliding_window) / p.partition_size;
   int partition = task.partition;
   if (partition < first_partition) {
     partition += (first_partition - partition + gridDim.z - 1) / gridDim.z * gridDim.z;
@@ -185,17 +205,31 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(task.seq) * p.max_blocks_per_seq;
   const int block_shift = p.key_cache.block_size == 8 ? 3 : p.key_cache.block_size == 16 ? 4 : 5;  // 8, 16, 32
   const float inv_soft_cap = p.logits_soft_cap > 0.0f ? 1.0f / p.logits_soft_cap : 0.0f;
-  // This lane's two head slots, 2t and 2t + 1: their ALiBi slopes (0 past the task's heads).
+  // This lane's two head slots, 2t and 2t + 1: their ALiBi slopes (0 past the task's heads). (The position is
+  // seq_len - 1 for every slot: with ALiBi a task's rows have its reference sequence's length.)
   float slope[2] = {0.0f, 0.0f};
   if (p.alibi_slopes != nullptr) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      slope[k] = 2 * t + k < task.num_heads ? p.alibi_slopes[task.first_head + 2 * t + k] : 0.0f;
+      const int slot = 2 * t + k;
+      const bool has = task_block ? share_s[0].slot_item[slot] >= 0 : slot < task.num_heads;
+      const int head = task_block ? share_s[0].slot_head[slot] : task.first_head + slot;
+      slope[k] = has ? p.alibi_slopes[head] : 0.0f;
     }
   }
   const ChunkCopies<HEAD_DIM> copies(p.key_cache, p.value_cache, lane);
   uint32_t q[S::KSTEPS][2];
-  load_query_fragments<T, HEAD_DIM>(q, p, task, lane);
+  if (task_block) {  // slot g: (row slot_item[g], head slot_head[g]); the row of a decode item is its sequence
+    const int item = share_s[0].slot_item[g];
+    load_query_fragments<T, HEAD_DIM>(
+        q, p.query + max(item, 0) * p.query_row_stride + share_s[0].slot_head[g] * p.query_head_stride, item >= 0,
+        lane);
+  } else {
+    const bool has = g < task.num_heads;
+    load_query_fragments<T, HEAD_DIM>(
+        q, p.query + query_row(p) * p.query_row_stride + (task.first_head + (has ? g : 0)) * p.query_head_stride,
+        has, lane);
+  }
   // ldmatrix row addresses within a chunk (lane l passes row l % 8 of matrix l / 8):
   //   K (A of S^T, non-transposed): matrix m = (tokens 8 (m & 1) .., dims 8 (m >> 1) ..) of each 16 x 16 tile;
   //   V (A of O^T = V^T .., transposed): matrix m = (tokens 8 (m >> 1) .., dims 8 (m & 1) ..).
@@ -203,7 +237,12 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
   const int v_lds = (lane % 8 + 8 * (lane / 16)) * S::ROW + 8 * ((lane / 8) & 1);
 
   for (; static_cast<int64_t>(partition) * p.partition_size < task.seq_len; partition += gridDim.z) {
-    set_partition(task, p, partition);  // begin < end: partition >= first_partition
+    if (sharing && skipped(share_s[0], partition)) continue;  // uniform
+    if (task_block) {  // the whole partition: every row of the task sees it all
+      task.partition = partition, task.begin = partition * p.partition_size, task.end = task.begin + p.partition_size;
+    } else {
+      set_partition(task, p, partition);  // begin < end: partition >= first_partition
+    }
     float acc[S::KSTEPS][4];  // O^T: m tile j, (dim 16 j + g (+ 8), head slot 2t (+ 1))
 #pragma unroll
     for (int j = 0; j < S::KSTEPS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -313,7 +352,8 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
     }
     __syncthreads();
     const int64_t row = p.num_partitions == 1 ? query_row(p) : 0;
-    if (static_cast<int>(threadIdx.x) < task.num_heads) {
+    const int num_slots = task_block ? kDecodeSlots : task.num_heads;
+    if (static_cast<int>(threadIdx.x) < num_slots) {
       const int slot = threadIdx.x;
       float max_all = -INFINITY;
 #pragma unroll
@@ -330,7 +370,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
       total_s[slot] = total, max_all_s[slot] = max_all;
     }
     __syncthreads();
-    for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
+    for (int k = threadIdx.x; k < num_slots * HEAD_DIM; k += kAttentionThreads) {
       const int slot = k / HEAD_DIM, d = k % HEAD_DIM;
       float o = 0.0f;
 #pragma unroll
@@ -342,9 +382,10 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
         from_float(p.out[out_row * HEAD_DIM + d], o / row_sum(max_all_s[slot], total_s[slot], sink));
         if (d == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(max_all_s[slot], total_s[slot], sink);
       } else {
-        const int64_t record =
-            (static_cast<int64_t>(blockIdx.x) * p.num_heads + task.first_head + slot) * p.num_partitions +
-            task.partition;
+        const int item = task_block ? share_s[0].slot_item[slot] : static_cast<int>(blockIdx.x);
+        if (item < 0) continue;  // a task's slot without a row
+        const int head = task_block ? share_s[0].slot_head[slot] : task.first_head + slot;
+        const int64_t record = (static_cast<int64_t>(item) * p.num_heads + head) * p.num_partitions + task.partition;
         p.partial_out[record * HEAD_DIM + d] = o;
         if (d == 0) p.partial_max[record] = max_all_s[slot], p.partial_sum[record] = total_s[slot];
       }

@@ -99,6 +99,13 @@ constexpr int decode_mma_shared_bytes(int64_t head_dim) {
   return static_cast<int>(2 /*stages*/ * 2 /*K, V*/ * (kAttentionThreads / 32) * kDecodeChunk * (head_dim + 8) * 2);
 }
 
+// Shared blocks (csrc/cuda/shared_blocks.cuh): the plan of paged_attn.plan_shared_blocks is int32
+// [num_tasks, kSharedPlanColumns]: per task a reference sequence, a range of block-table positions [first_block,
+// end_block) and up to kSharedRows sequences that hold the same blocks there (-1 past the last).
+constexpr int kSharedRows = 8;  // one per head slot of the tensor-core decode kernel (MHA); fewer fit larger groups
+constexpr int kSharedPlanColumns = 3 + kSharedRows;  // ref, first_block, end_block, rows...
+constexpr int64_t kMaxSharedTasks = int64_t{1} << 20;  // (task * kSharedRows + place fits int32)
+
 struct AttentionPlan {
   int group_size = 0;       // num_heads / num_kv_heads: the query heads that read one kv head
   int head_chunks = 0;      // thread blocks per (sequence, kv head, partition slot): ceil(group_size / kMaxGroup)
@@ -112,7 +119,8 @@ struct AttentionPlan {
   int partition_size = 1;   // tokens per partition (max(max_context, 1) in single pass)
   Grid grid;                // paged_attention_kernel: (num_seqs, num_kv_heads * head_chunks, partition slots), the
                             // partition slots (grid.z) at most num_partitions: block z runs partitions z,
-                            // z + grid.z, ... of its sequence
+                            // z + grid.z, ... of its sequence; with shared tasks, grid.x = num_seqs + num_shared_tasks
+  int num_shared_tasks = 0;  // the shared-blocks plan's tasks (split-KV only; 0: none)
   Grid reduce_grid;         // paged_attention_reduce_kernel (split-KV only): (num_seqs, num_heads, 1)
   int threads = kAttentionThreads;  // per thread block, both kernels
   int shared_bytes = 0;             // dynamic shared memory of the attention kernel (the reduce's is static)
@@ -179,22 +187,28 @@ constexpr bool fills_waves(int64_t blocks, int64_t slots) {
 // the single pass and split-KV already made them.
 // The plan depends on the block table's width, never on seq_lens, so it needs no device-to-host copy and the
 // launch can be captured in a CUDA graph.
+//
+// Shared blocks: num_shared_tasks > 0 (the tensor-core decode kernel, with the tasks of a shared-blocks plan) asks
+// for split-KV, since a task writes the partition records of the rows it serves: the least time over the split
+// plans alone (the model counts every row's partitions as its own: what sharing saves it does not see); grid.x
+// gains one thread block per task. Where no split plan exists (a table of one partition), the plan is single pass
+// and the tasks are dropped (num_shared_tasks = 0).
 inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                     int64_t max_blocks_per_seq, int64_t block_size, int64_t sliding_window,
                                     int64_t num_sms, int64_t blocks_per_sm,
-                                    int64_t partition_tokens = kPartitionSize) {
+                                    int64_t partition_tokens = kPartitionSize, int64_t num_shared_tasks = 0) {
   AttentionPlan plan;
   constexpr int64_t kMaxSlotsFactor = int64_t{1} << 20;  // num_sms and blocks_per_sm: far below it on any GPU
   if (num_seqs < 1 || num_heads < 1 || num_kv_heads < 1 || block_size < 1 || max_blocks_per_seq < 0 ||
       sliding_window < 0 || num_sms < 1 || num_sms > kMaxSlotsFactor || blocks_per_sm < 1 ||
-      blocks_per_sm > kMaxSlotsFactor || partition_tokens < 1 || partition_tokens > INT32_MAX ||
+      blocks_per_sm > kMaxSlotsFactor || partition_tokens < 1 || partition_tokens > INT32_MAX || num_shared_tasks < 0 ||
       num_heads % num_kv_heads != 0) {
     plan.error = "invalid sizes: num_seqs " + std::to_string(num_seqs) + ", num_heads " + std::to_string(num_heads) +
                  ", num_kv_heads " + std::to_string(num_kv_heads) + ", max_blocks_per_seq " +
                  std::to_string(max_blocks_per_seq) + ", block_size " + std::to_string(block_size) +
                  ", sliding_window " + std::to_string(sliding_window) + ", num_sms " + std::to_string(num_sms) +
                  ", blocks_per_sm " + std::to_string(blocks_per_sm) + ", partition_tokens " +
-                 std::to_string(partition_tokens) +
+                 std::to_string(partition_tokens) + ", num_shared_tasks " + std::to_string(num_shared_tasks) +
                  " (num_sms and blocks_per_sm in [1, 2^20], partition_tokens in [1, 2^31 - 1])";
     return plan;
   }
@@ -229,6 +243,7 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   }
   const int64_t steps = partition_tokens % 512 == 0 ? 8 : 1;  // the sizes: longest * k / steps, k = 1..steps
   if (plan.max_context <= longest / steps || single_pass_waves >= kMaxSinglePassWaves) return plan;
+  const bool split_only = num_shared_tasks > 0;
 
   // base < kMaxSinglePassWaves * slots <= 2^46 and Z <= 65535, so base * Z < 2^62; every time below is under 2^40.
   const int64_t overhead = partition_tokens / 16, reduce = partition_tokens / 8;
@@ -287,7 +302,9 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   };
   // The plan of the longest partitions alone (or the single pass), then the best plan no slower than it for short
   // sequences.
+  // (split_only: the single pass as a candidate that every split plan beats)
   Candidate longest_plan = make(plan.max_context, 1, 1, fills_waves(base, slots));
+  if (split_only) longest_plan.time = longest_plan.short_time = int64_t{1} << 62;
   each_candidate(steps, longest_plan, [&](const Candidate& c) {
     if (better(c, longest_plan)) longest_plan = c;
   });
@@ -300,6 +317,12 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   plan.num_partitions = static_cast<int>(best.partitions);
   plan.grid.z = best.z;
   plan.reduce_grid = {num_seqs, num_heads, 1};
+  if (split_only) {
+    const Grid grid = {num_seqs + num_shared_tasks, plan.grid.y, plan.grid.z};
+    const std::string error = grid_error(grid, "num_seqs + num_shared_tasks", "num_kv_heads * head_chunks",
+                                         "partition slots");
+    if (error.empty()) plan.grid = grid, plan.num_shared_tasks = static_cast<int>(num_shared_tasks);
+  }
   return plan;
 }
 

@@ -13,7 +13,8 @@
 //   output ID PATH                                    written back after the kernels ran
 // fp8 caches (attention, reshape_and_cache): the scalar fp8_format (1: e4m3, 2: e5m2; absent or 0: the caches have
 // the dtype), and optional one-element float32 tensors k_scale, v_scale. attention: optional tensors alibi_slopes,
-// sinks (float32 [num_heads]) and lse (float32 [num_tokens, num_heads], an output).
+// sinks (float32 [num_heads]) and lse (float32 [num_tokens, num_heads], an output), shared_plan (int32
+// [num_tasks, kSharedPlanColumns]: a shared-blocks plan, csrc/cuda/shared_blocks.cuh).
 // Exit status: 0 done; 2 bad case file or a plan that refuses the launch (message on stderr); 3 an emulator error
 // (divergent barrier, collective mismatch, ...). Sanitizer reports abort the program on their own.
 #include "simt.h"  // first: the kernel headers then take its PA_SHARED / PA_EXTERN_SHARED
@@ -178,12 +179,29 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
                         int64_t num_items) {
   const View& block_tables = c.tensor("block_tables");
   const int64_t num_heads = p.num_heads, head_dim = p.key_cache.head_dim;
+  // As csrc/cuda/attention.cu: the tensor-core decode kernel where decode_on_tensor_cores says so (the scalar
+  // tensor_cores = 0 takes the CUDA-core kernel, as a GPU below compute capability 8.0 does).
+  const bool tensor_cores = paged_attn::decode_on_tensor_cores(
+      head_dim, sizeof(C), std::is_same_v<C, paged_attn::Fp8>,
+      !c.scalars.count("tensor_cores") || c.scalar("tensor_cores") != 0, p.key_cache.token_stride,
+      p.value_cache.token_stride);
+  // A shared-blocks plan (the tensor shared_plan) serves decode on tensor cores; elsewhere it is not read.
+  const bool sharing = c.has("shared_plan") && tensor_cores && p.rows == paged_attn::QueryRows::kLastOfEachSeq;
   paged_attn::AttentionPlan plan = paged_attn::plan_attention(
       num_items, num_heads, p.key_cache.num_kv_heads, block_tables.size(1), p.key_cache.block_size,
       static_cast<int64_t>(c.scalar("sliding_window")), static_cast<int64_t>(c.scalar("num_sms")),
       c.scalars.count("blocks_per_sm") ? static_cast<int64_t>(c.scalar("blocks_per_sm")) : 1,
-      static_cast<int64_t>(c.scalar("partition_tokens")));
+      static_cast<int64_t>(c.scalar("partition_tokens")), sharing ? c.tensor("shared_plan").size(0) : 0);
   if (!plan.error.empty()) throw CaseError("plan_attention: " + plan.error);
+  if (plan.num_shared_tasks > 0) {
+    p.shared_plan = c.tensor("shared_plan").as<const int32_t>();
+    p.num_shared_tasks = plan.num_shared_tasks;
+    // (the scalar drop_shared_tasks = 1: the tasks' thread blocks are not launched, so the records they own stay
+    // NaN: the tests see which rows the tasks serve)
+    if (c.scalars.count("drop_shared_tasks") && c.scalar("drop_shared_tasks") != 0) {
+      plan.grid.x -= plan.num_shared_tasks;
+    }
+  }
   if (plan.split()) {
     const int64_t records = num_items * num_heads * plan.num_partitions;
     p.partial_out = nan_floats(records * head_dim);
@@ -191,12 +209,6 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
     p.partial_sum = nan_floats(records);
   }
   p.set_plan(plan);
-  // As csrc/cuda/attention.cu: the tensor-core decode kernel where decode_on_tensor_cores says so (the scalar
-  // tensor_cores = 0 takes the CUDA-core kernel, as a GPU below compute capability 8.0 does).
-  const bool tensor_cores = paged_attn::decode_on_tensor_cores(
-      head_dim, sizeof(C), std::is_same_v<C, paged_attn::Fp8>,
-      !c.scalars.count("tensor_cores") || c.scalar("tensor_cores") != 0, p.key_cache.token_stride,
-      p.value_cache.token_stride);
   if constexpr (std::is_same_v<T, C> && sizeof(T) == 2) {
     if (tensor_cores) {
       paged_attn::use_tensor_cores(plan, head_dim);
@@ -211,9 +223,10 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
         }
       });
       if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " has no tensor-core decode kernel");
-      std::printf("decode plan (tensor cores): %lld items, partitions %d of %d tokens in %lld slots, %d bytes\n",
+      std::printf("decode plan (tensor cores): %lld items, partitions %d of %d tokens in %lld slots, %d bytes, "
+                  "%d shared tasks\n",
                   static_cast<long long>(num_items), plan.num_partitions, plan.partition_size,
-                  static_cast<long long>(plan.grid.z), plan.shared_bytes);
+                  static_cast<long long>(plan.grid.z), plan.shared_bytes, plan.num_shared_tasks);
       return;
     }
   }

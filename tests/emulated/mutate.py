@@ -31,6 +31,8 @@ VARLEN_TESTS = "varlen"  # pytest -k: the tensor-core kernel's mutants run only 
 NONFINITE_TESTS = "nonfinite"  # and the NaN / inf mutants only the tests that plant them
 SEVERAL_TILES_TESTS = "several_tiles"  # the CUDA-core decode over several tiles per partition
 SINK_TESTS = "sinks or lse"  # the attention sinks' and the lse's mutants, their tests
+SHARED = "csrc/cuda/shared_blocks.cuh"
+SHARED_TESTS = "shared_blocks"  # the shared-blocks plan's mutants, its tests
 
 # name -> (file, text, replacement[, pytest -k expression])
 MUTANTS = {
@@ -217,6 +219,21 @@ MUTANTS = {
         ATTENTION,
         "  if (p.lse != nullptr && static_cast<int>(threadIdx.x) < task.num_heads) {",
         "  if (false) {", SINK_TESTS),
+    "shared blocks: a dropped merge (a task's partition records not written)": (
+        DECODE_MMA,
+        "        if (item < 0) continue;  // a task's slot without a row",
+        "        if (item < 0 || task_block) continue;  // a task's slot without a row", SHARED_TESTS),
+    "shared blocks: a row mapped to the wrong task (it skips the next task's partitions)": (
+        SHARED,
+        "    if (!listing_fits(p, s, 0, listing)) continue;\n    const SharedRange range = shared_range(p, task);",
+        "    if (!listing_fits(p, s, 0, listing)) continue;\n"
+        "    const SharedRange range = shared_range(p, (task + 1) % p.num_shared_tasks);", SHARED_TESTS),
+    "shared blocks: a plan applied to other tables (the block-table check dropped)": (
+        SHARED, "  return __syncthreads_and(same);", "  return __syncthreads_and(true);", SHARED_TESTS),
+    "shared blocks: a window that starts inside a task's range not checked": (
+        SHARED, "      window_start(seq_len, p.sliding_window) > range.begin * ps ||\n", "", SHARED_TESTS),
+    "shared blocks: ALiBi rows of another length than the reference's served": (
+        SHARED, " ||\n      (p.alibi_slopes != nullptr && seq_len != clamped_seq_len(p, ref))", "", SHARED_TESTS),
 }
 
 # What caught it, from the first failure's report.

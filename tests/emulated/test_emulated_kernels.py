@@ -1102,3 +1102,129 @@ def test_minus_inf_sinks_are_no_sinks_and_lse_alone(driver, tmp_path, split):
         runs[name] = check_sinks_and_lse(driver, with_sinks_and_lse(case, sinks, lse), tmp_path / name)
     for name in ("out", "lse"):
         assert_same_bits(runs["minus_inf"][name], plain[name], f"{name}: sinks of -inf vs none")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared blocks (csrc/cuda/shared_blocks.cuh): the tensor-core decode kernel with a plan of
+# paged_attn.plan_shared_blocks, split-KV in partitions of 32 tokens.
+
+def share_blocks(case, groups):
+    """Makes rows share blocks: for each (rows, num_blocks) in groups, rows[1:] take rows[0]'s first num_blocks
+    block-table entries (full blocks of rows[0]; the rows' own blocks there stay in the cache, unread)."""
+    tables = case.tensors["block_tables"]
+    for rows, num_blocks in groups:
+        for row in rows[1:]:
+            tables[row, :num_blocks] = tables[rows[0], :num_blocks]
+    return case
+
+
+def shared_tree_case(num_heads, num_kv_heads, dtype=torch.bfloat16, *, alibi=False, sliding_window=None,
+                     soft_cap=None, sinks=False):
+    """A tree of shared blocks (block size 16): rows 0-4 share a 128-token prompt, rows 0-2 also the next 64
+    tokens (a fork), rows 0 and 1 the 32 after those (another); rows 5-7 share 96 tokens of their own; row 8 shares
+    nothing; lengths end inside and on block boundaries. 4 rows per task at most (plan_shared_blocks: 8 head slots)."""
+    seq_lens = [230, 251, 200, 150, 129, 140, 97, 113, 77]
+    case = attention_case(seq_lens, num_heads, num_kv_heads, 64, 16, dtype, split=True, alibi=alibi,
+                          sliding_window=sliding_window, soft_cap=soft_cap)
+    share_blocks(case, [([0, 1, 2, 3, 4], 8), ([0, 1, 2], 12), ([0, 1], 14), ([5, 6, 7], 6)])
+    if sinks:
+        case = with_sinks_and_lse(case, random_sinks(num_heads, 1))
+    return case
+
+
+def with_plan(case, plan=None, **scalars):
+    """The case with a shared-blocks plan (by default plan_shared_blocks of its own tables)."""
+    t = case.tensors
+    if plan is None:
+        num_heads, num_kv_heads = t["query"].shape[1], t["key_cache"].shape[2]
+        plan = paged_attn.plan_shared_blocks(t["block_tables"], t["seq_lens"], t["key_cache"].shape[1],
+                                             num_queries_per_kv=num_heads // num_kv_heads, min_shared_tokens=32)
+    return Case(case.op, {**t, "shared_plan": plan.contiguous()}, {**case.scalars, **scalars}, case.outputs,
+                case.dtype)
+
+
+def check_shared(driver, case, tmp_path, plan=None):
+    """Runs the case with a plan and without: each output within the float64 reference's tolerance, and the same
+    bits with the plan as without (a head slot's column of the mma, and its softmax, do not depend on the other
+    slots'). Returns the plan."""
+    shared = with_plan(case, plan)
+    names = ["out", "lse"] if "lse" in case.tensors else ["out"]
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "alone").mkdir()
+    with_sharing = check_sinks_and_lse(driver, shared, tmp_path / "shared")
+    alone = run_everywhere(driver, case, tmp_path / "alone", names)
+    for name in names:
+        assert_same_bits(with_sharing[name], alone[name], f"{name}: with the plan vs without")
+    return shared.tensors["shared_plan"]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, feature", [
+    (4, 4, None), (4, 4, "alibi"), (4, 4, "window"), (4, 4, "soft_cap_sinks"),
+    (8, 4, None), (8, 4, "alibi"), (6, 2, "window"), (6, 2, "soft_cap_sinks")])
+def test_shared_blocks_tree(driver, tmp_path, num_heads, num_kv_heads, feature):
+    """A tree of shared blocks at three depths and a second group, with MHA (4 rows per task), groups of 2 and 3
+    (2 rows per task: 4 and 6 of the 8 head slots); ALiBi (each slot its row's position), a window of 100 (it
+    starts inside the shared prompt for the longer rows: their listings fail the window rule and they read those
+    blocks themselves), soft cap with sinks and lse (the reduce's)."""
+    case = shared_tree_case(num_heads, num_kv_heads, alibi=feature == "alibi",
+                            sliding_window=100 if feature == "window" else None,
+                            soft_cap=5.0 if feature == "soft_cap_sinks" else None, sinks=feature == "soft_cap_sinks")
+    plan = check_shared(driver, case, tmp_path)
+    assert plan.shape[0] >= 4, plan  # the tree's nodes were found (tasks of 4 or 2 rows)
+
+
+def test_shared_blocks_serve_the_rows_they_list(driver, tmp_path):
+    """Without the tasks' thread blocks (drop_shared_tasks), exactly the rows the tasks serve keep NaN records, so
+    the outputs of those rows, and only those, are NaN: the rows' own thread blocks skip what a task computes, and
+    the task computes it. With a window of 100 a task serves only the rows whose window starts at or before its
+    range: rows 0 and 1 for the last 32 shared tokens, row 2 for the 64 before, row 6 (97 tokens) for its 96.
+    With ALiBi a task serves the rows of its reference's length: rows 5-7 made 97 tokens long (as samples of one
+    prompt are); of the other tasks (rows of different lengths) only the reference itself."""
+    for name, window, alibi, served in (("plain", None, False, [0, 1, 2, 3, 4, 5, 6, 7]),
+                                        ("window", 100, False, [0, 1, 2, 6]), ("alibi", None, True, [5, 6, 7])):
+        base = shared_tree_case(4, 4, sliding_window=window, alibi=alibi)
+        if alibi:
+            base.tensors["seq_lens"][[5, 7]] = 97
+        case = with_plan(base, drop_shared_tasks=1)
+        directory = tmp_path / name
+        directory.mkdir()
+        out = run_everywhere(driver, case, directory, ["out"])["out"]
+        nan_rows = [row for row in range(out.shape[0]) if out[row].isnan().any()]
+        if alibi:
+            served = sorted(set(served) | set(case.tensors["shared_plan"][:, 0].tolist()))
+        assert nan_rows == served, (name, nan_rows, case.tensors["shared_plan"])
+
+
+def test_shared_blocks_plan_of_other_tables_is_harmless(driver, tmp_path):
+    """A plan made for other tables: rows moved (the plan's rows now hold other prefixes), a row whose shared blocks
+    now differ in one entry, a row shortened below its task's range, a row listed in two overlapping tasks, a task
+    past the table's width, out-of-range rows and references, a duplicate row. Every output is still right, and the
+    same bits as without a plan, under the sanitizers."""
+    case = shared_tree_case(4, 4)
+    t = case.tensors
+    plan = paged_attn.plan_shared_blocks(t["block_tables"], t["seq_lens"], 16, min_shared_tokens=32)
+    tables = t["block_tables"]
+    tables[[1, 5]] = tables[[5, 1]].clone()       # rows 1 and 5 swap their tables
+    t["seq_lens"][[1, 5]] = t["seq_lens"][[5, 1]].clone()
+    tables[3, 2] = tables[8, 0]                   # row 3's prompt differs in one block
+    t["seq_lens"][4] = 40                         # row 4 ends inside the prompt
+    width = tables.shape[1]
+    extra = torch.tensor([
+        [0, 0, 8, 2, 0, -1, -1, -1, -1, -1, -1],          # row 2 again, overlapping its own listing
+        [0, 4, width + 3, 6, 7, -1, -1, -1, -1, -1, -1],  # past the table's width
+        [99, 0, 8, 0, 1, -1, -1, -1, -1, -1, -1],         # a reference that is not a sequence
+        [5, 0, 6, 5, 7, 7, 1000, -5, -1, -1, -1],         # a duplicate row, rows that are not sequences
+    ], dtype=torch.int32)
+    check_shared(driver, case, tmp_path, torch.cat([plan, extra]))
+
+
+def test_shared_blocks_random_plans(driver, tmp_path):
+    """Plans of random integers (rows, references and block ranges around the valid ones): right outputs, the same
+    bits as without a plan, no sanitizer report."""
+    generator = torch.Generator().manual_seed(5)
+    case = shared_tree_case(8, 4, alibi=True)
+    width = case.tensors["block_tables"].shape[1]
+    plan = torch.randint(-2, 11, (24, 11), generator=generator, dtype=torch.int32)
+    plan[:, 1] = torch.randint(-1, width, (24,), generator=generator)
+    plan[:, 2] = plan[:, 1] + torch.randint(-1, width, (24,), generator=generator)
+    check_shared(driver, case, tmp_path, plan)

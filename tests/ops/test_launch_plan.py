@@ -16,11 +16,13 @@ PARTITION_SIZE = 512  # kPartitionSize
 
 
 def attention_plan(num_seqs=1, num_heads=32, num_kv_heads=32, max_blocks_per_seq=64, block_size=16,
-                   sliding_window=0, num_sms=132, blocks_per_sm=4, partition_tokens=None):
+                   sliding_window=0, num_sms=132, blocks_per_sm=4, partition_tokens=None, num_shared_tasks=None):
     sizes = [num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms,
              blocks_per_sm]
-    if partition_tokens is not None:
-        sizes.append(partition_tokens)
+    if partition_tokens is not None or num_shared_tasks is not None:
+        sizes.append(PARTITION_SIZE if partition_tokens is None else partition_tokens)
+    if num_shared_tasks is not None:
+        sizes.append(num_shared_tasks)
     return _C._launch_plan("paged_attention", *sizes)
 
 
@@ -440,3 +442,25 @@ def test_copy_blocks_plan():
 def test_unknown_kernel():
     with pytest.raises(TypeError, match="unknown kernel"):
         _C._launch_plan("nope", 1)
+
+
+@pytest.mark.parametrize("num_seqs, max_blocks_per_seq", [(1024, 256), (8, 260), (64, 144)])
+def test_shared_tasks_take_split_kv(num_seqs, max_blocks_per_seq):
+    """With the tasks of a shared-blocks plan the launch is split-KV (a task writes its rows' partition records):
+    grid.x = num_seqs + the tasks, the reduce's over the sequences only; a batch that fills many waves, single pass
+    without tasks, is split with them; without tasks the plan is the usual one."""
+    usual = attention_plan(num_seqs, 32, 8, max_blocks_per_seq)
+    plan = attention_plan(num_seqs, 32, 8, max_blocks_per_seq, num_shared_tasks=5)
+    assert usual["num_shared_tasks"] == 0 and plan["error"] is None
+    assert plan["num_partitions"] > 1 and plan["num_shared_tasks"] == 5
+    assert plan["grid"][0] == num_seqs + 5 and plan["reduce_grid"][0] == num_seqs
+    assert plan["grid"][1:] == (usual["grid"][1], plan["grid"][2]) and plan["grid"][2] <= plan["num_partitions"]
+    if usual["num_partitions"] > 1:  # already split: the same partitions (the tasks do not change the model)
+        assert (plan["partition_size"], plan["grid"][2]) == (usual["partition_size"], usual["grid"][2])
+
+
+def test_shared_tasks_dropped_without_a_split():
+    """A table of one partition (or at most 64 tokens) cannot be split: single pass, and no task is launched."""
+    plan = attention_plan(8, 32, 8, 4, num_shared_tasks=3)
+    assert plan["num_partitions"] == 1 and plan["num_shared_tasks"] == 0 and plan["grid"][0] == 8
+    assert attention_plan(8, 32, 8, 64, num_shared_tasks=-1)["error"] is not None

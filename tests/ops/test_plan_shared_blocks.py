@@ -1,0 +1,192 @@
+"""paged_attn.plan_shared_blocks: the host-side plan of shared blocks for the CUDA decode kernel
+(csrc/cuda/shared_blocks.cuh), checked against a brute force over every pair of rows; and the shared_plan argument
+of paged_attention at the door (CPU: checked, not read; CUDA, where a GPU is present: the same outputs). The kernel
+itself runs in tests/emulated/test_emulated_kernels.py (test_shared_blocks_*)."""
+
+import random
+
+import pytest
+import torch
+from conftest import HAS_CUDA_OPS
+from test_attention import make_case, tolerance
+
+import paged_attn
+from paged_attn import reference
+
+
+def tree_tables(seed, num_seqs, block_size, *, width=40):
+    """Random block tables with sharing as forks make it: each new row copies a random earlier row's first k
+    entries (k random, sometimes 0) and takes fresh blocks after them; random lengths (full blocks and a tail)."""
+    rng = random.Random(seed)
+    next_block = 0
+    tables, lens = [], []
+    for s in range(num_seqs):
+        num_blocks = rng.randint(1, width)
+        shared = rng.randint(0, num_blocks) if s and rng.random() < 0.8 else 0
+        parent = tables[rng.randrange(s)] if s else []
+        shared = min(shared, len(parent))
+        row = parent[:shared] + list(range(next_block, next_block + num_blocks - shared))
+        next_block += num_blocks - shared
+        tables.append(row + [-1] * (width - len(row)))
+        lens.append((num_blocks - 1) * block_size + rng.randint(1, block_size))
+    return torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def common_blocks(tables, lens, block_size, a, b):
+    """The leading full-block entries rows a and b agree on."""
+    n = min(int(lens[a]) // block_size, int(lens[b]) // block_size)
+    k = 0
+    while k < n and tables[a, k] == tables[b, k]:
+        k += 1
+    return k
+
+
+def check_plan(plan, tables, lens, block_size, rows_per_task, min_shared_tokens):
+    """Every task valid, every row's listings disjoint; where no node is cut (short segments, leftover rows), a
+    row's listings cover exactly the blocks it shares with some other row."""
+    num_seqs = tables.shape[0]
+    assert plan.dtype == torch.int32 and plan.dim() == 2 and plan.shape[1] == 11
+    listed = {r: [] for r in range(num_seqs)}
+    for ref, first, end, *rows in plan.tolist():
+        members = [r for r in rows if r >= 0]
+        assert rows[len(members):] == [-1] * (8 - len(members)), "rows, then -1"
+        assert 2 <= len(members) <= rows_per_task and ref == members[0]
+        assert 0 <= first < end and (end - first) * block_size >= min_shared_tokens
+        for r in members:
+            assert int(lens[r]) // block_size >= end, "the row's full blocks reach the end of the task"
+            assert torch.equal(tables[r, first:end], tables[ref, first:end])
+            listed[r].append((first, end))
+    for r, ranges in listed.items():
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), (r, ranges)
+    return listed
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_plan_covers_what_rows_share(seed, block_size):
+    """MHA (8 rows per task), one block at least: every block a row shares with another row is in exactly one of its
+    listings, and no other block is (a forest of 8 random forks, at any depth: no node is cut)."""
+    tables, lens = tree_tables(seed, 8, block_size)
+    plan = paged_attn.plan_shared_blocks(tables, lens, block_size, min_shared_tokens=block_size)
+    listed = check_plan(plan, tables, lens, block_size, 8, block_size)
+    for r in range(tables.shape[0]):
+        shared = max(common_blocks(tables, lens, block_size, r, s) for s in range(tables.shape[0]) if s != r)
+        covered = sorted(b for first, end in listed[r] for b in range(first, end))
+        assert covered == list(range(shared)), (r, shared, listed[r])
+
+
+@pytest.mark.parametrize("num_queries_per_kv, rows_per_task", [(1, 8), (2, 4), (3, 2), (4, 2), (5, 1), (8, 1),
+                                                               (10, 1), (16, 1)])
+def test_rows_per_task_follow_the_head_slots(num_queries_per_kv, rows_per_task):
+    """A task holds 8 // heads_per_block rows (the kernel's head slots); a lone leftover row is in no task; where a
+    thread block holds one row (groups from 5 up) the plan is empty."""
+    tables, lens = tree_tables(0, 2, 16)
+    tables = tables[[0] * 11]  # 11 rows with one table: one node of 11 rows
+    lens = lens[[0] * 11]
+    plan = paged_attn.plan_shared_blocks(tables, lens, 16, num_queries_per_kv=num_queries_per_kv,
+                                         min_shared_tokens=16)
+    if rows_per_task == 1:
+        assert plan.shape == (0, 11)
+        return
+    check_plan(plan, tables, lens, 16, rows_per_task, 16)
+    sizes = [int((row[3:] >= 0).sum()) for row in plan]
+    expected = [rows_per_task] * (11 // rows_per_task) + ([11 % rows_per_task] if 11 % rows_per_task >= 2 else [])
+    assert sizes == expected
+
+
+def test_short_segments_and_partial_blocks_are_not_listed():
+    """A node that adds fewer than min_shared_tokens is not listed (its rows keep the parent's listing); a partially
+    filled last block is never shared, even where the entries agree; nothing shared, no task."""
+    tables = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 3, 4], [5, 6, 3, 4]], dtype=torch.int32)
+    lens = torch.tensor([64, 64, 64, 40], dtype=torch.int32)  # row 3: 2 full blocks, and block 3 partly filled
+    plan = paged_attn.plan_shared_blocks(tables, lens, 16, min_shared_tokens=32)  # [2, 3) of rows 0, 1: 16 < 32
+    assert plan[:, 1:3].tolist() == [[0, 2]] and sorted(plan[0, 3:7].tolist()) == [0, 1, 2, 3]
+    assert plan[0, 0] == plan[0, 3] and plan[0, 7:].tolist() == [-1] * 4
+    plan = paged_attn.plan_shared_blocks(tables, lens, 16, min_shared_tokens=16)
+    tasks = sorted((first, end, tuple(sorted(r for r in rows if r >= 0))) for _, first, end, *rows in plan.tolist())
+    assert tasks == [(0, 2, (0, 1, 2, 3)), (2, 3, (0, 1))]  # rows 2 and 3 agree on block 2: partial for row 3
+    unrelated = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+    assert paged_attn.plan_shared_blocks(unrelated, lens[:2], 16).shape == (0, 11)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "device_meta", "dims", "rows", "block_size", "group", "min_tokens"])
+def test_plan_rejects_bad_arguments(bad):
+    tables, lens = tree_tables(1, 4, 16)
+    args = dict(block_tables=tables, seq_lens=lens, block_size=16)
+    if bad == "dtype":
+        args["block_tables"] = tables.long()
+    elif bad == "device_meta":
+        args["seq_lens"] = lens.to("meta")
+    elif bad == "dims":
+        args["seq_lens"] = lens[None]
+    elif bad == "rows":
+        args["seq_lens"] = lens[:3]
+    elif bad == "block_size":
+        args["block_size"] = 0
+    elif bad == "group":
+        args["num_queries_per_kv"] = 1.5
+    else:
+        args["min_shared_tokens"] = -1
+    with pytest.raises(ValueError):
+        paged_attn.plan_shared_blocks(**args)
+
+
+def shared_decode_case(dtype, device, num_heads=8, num_kv_heads=2):
+    """Eight rows: six behind a 160-token prompt (three of them forked again up to 256 tokens), two alone."""
+    query, key_cache, value_cache, tables, lens = make_case([300, 290, 270, 200, 180, 161, 90, 40], num_heads,
+                                                            num_kv_heads, 64, 16, dtype, device)
+    for row in range(1, 6):
+        tables[row, :10] = tables[0, :10]
+    for row in (1, 2):
+        tables[row, :16] = tables[0, :16]
+    return query, key_cache, value_cache, tables, lens
+
+
+def test_cpu_checks_the_plan_and_does_not_read_it():
+    """On the CPU the plan is checked for its shape, dtype and device, and otherwise not read (the kernel finds the
+    sharing itself): the same bits with a plan, an empty one or garbage; a plan of the wrong shape is an error."""
+    query, key_cache, value_cache, tables, lens = shared_decode_case(torch.float32, "cpu")
+    plain = paged_attn.paged_attention(query, key_cache, value_cache, tables, lens)
+    plan = paged_attn.plan_shared_blocks(tables, lens, 16, num_queries_per_kv=4)
+    assert plan.shape[0] > 0
+    for given in (plan, plan[:0], torch.randint(-9, 99, (5, 11), dtype=torch.int32)):
+        out = paged_attn.paged_attention(query, key_cache, value_cache, tables, lens, shared_plan=given)
+        assert torch.equal(out, plain)
+    for bad, message in ((plan[:, :10].contiguous(), r"shared_plan must be a contiguous int32 tensor of shape"),
+                         (plan.long(), r"shared_plan must be Int"),
+                         (plan.t().contiguous().t(), r"shared_plan must be a contiguous"),
+                         (plan[0], r"shared_plan must have 2 dimension")):
+        with pytest.raises(RuntimeError, match=message):
+            paged_attn.paged_attention(query, key_cache, value_cache, tables, lens, shared_plan=bad)
+
+
+def test_plan_traces_under_torch_compile():
+    """The fake kernel takes the plan (and checks it as the op does)."""
+    query, key_cache, value_cache, tables, lens = shared_decode_case(torch.float32, "cpu")
+    plan = paged_attn.plan_shared_blocks(tables, lens, 16, num_queries_per_kv=4)
+    out = torch.empty_like(query)
+    torch.library.opcheck(torch.ops.paged_attn.paged_attention.default,
+                          (out, query, key_cache, value_cache, tables, lens, 0.125, None, 0, 0.0),
+                          {"shared_plan": plan})
+
+
+@pytest.mark.skipif(not HAS_CUDA_OPS, reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa4"])
+def test_cuda_decode_with_a_plan(dtype, heads):
+    """On a GPU: the tensor-core decode with the plan, right against the float64 reference; a plan of other
+    tables (rows moved) still right."""
+    query, key_cache, value_cache, tables, lens = shared_decode_case(dtype, "cuda", *heads)
+    plan = paged_attn.plan_shared_blocks(tables.cpu(), lens.cpu(), 16, num_queries_per_kv=heads[0] // heads[1],
+                                         min_shared_tokens=16)
+    expected = reference.paged_attention(query, key_cache, value_cache, tables, lens, compute_dtype=torch.float64)
+    for given in (plan, plan[:, [0, 1, 2, 4, 3, 5, 6, 7, 8, 9, 10]].flip(0).contiguous()):
+        out = paged_attn.paged_attention(query, key_cache, value_cache, tables, lens, shared_plan=given.cuda())
+        torch.testing.assert_close(out.double(), expected.double(), **tolerance(dtype))
+    moved = tables[[1, 0, 6, 3, 4, 5, 2, 7]]
+    moved_lens = lens[[1, 0, 6, 3, 4, 5, 2, 7]]
+    out = paged_attn.paged_attention(query, key_cache, value_cache, moved, moved_lens, shared_plan=plan.cuda())
+    expected = reference.paged_attention(query, key_cache, value_cache, moved, moved_lens,
+                                         compute_dtype=torch.float64)
+    torch.testing.assert_close(out.double(), expected.double(), **tolerance(dtype))
