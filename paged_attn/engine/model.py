@@ -80,6 +80,7 @@ class Batch:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     max_query_len: int  # the largest q_s
     logits_indices: torch.Tensor  # int64 [num_sampling_seqs]: rows whose next-token logits are wanted
+    shared_plans: Optional[tuple[torch.Tensor, ...]] = None  # CUDA decode steps: per group, plan_shared_blocks
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -274,7 +275,9 @@ class LlamaModel:
         attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables[group], batch.seq_lens,
                                    query_start_loc=batch.query_start_loc if chunks else None,
                                    max_query_len=batch.max_query_len if chunks else None,
-                                   k_scale=k_scale, v_scale=v_scale, **options)
+                                   k_scale=k_scale, v_scale=v_scale,
+                                   shared_plan=batch.shared_plans[group] if batch.shared_plans and not chunks else None,
+                                   **options)
         return attn.flatten(1)
 
 

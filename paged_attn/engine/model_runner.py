@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -68,6 +69,10 @@ class ModelRunner:
         self.kv_scales = [(torch.ones(1, device=self.device), torch.ones(1, device=self.device))
                           for _ in range(model.config.num_layers)] if fp8 else None
         self.calibrate_pending = calibrate_kv_scales  # until calibrate_kv_scales has run (LLM refuses it without fp8)
+        # Shared blocks: on the CPU the attention op finds them itself; on CUDA a decode step passes a plan per
+        # KV-cache group (ops.plan_shared_blocks, from the host-side tables). PAGED_ATTN_NO_SHARED_BLOCKS set (read
+        # every step, as the op reads it): neither.
+        self.plan_shared_blocks = self.device.type == "cuda"
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Apply the step's cache operations, then run its forward pass (which writes the KV of its tokens).
@@ -167,17 +172,26 @@ class ModelRunner:
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+        tables = [block_tables_tensor([tables[group] for tables in step.block_tables]) for group in range(num_groups)]
+        shared_plans = None
+        if (self.plan_shared_blocks and max(step.num_new_tokens, default=0) == 1  # a decode step
+                and "PAGED_ATTN_NO_SHARED_BLOCKS" not in os.environ):
+            config, lens = self.model.config, torch.tensor(seq_lens, dtype=torch.int32)
+            shared_plans = tuple(
+                ops.plan_shared_blocks(table, lens, block_size,
+                                       num_queries_per_kv=config.num_heads // config.num_kv_heads)
+                .to(self.device, non_blocking=True) for table in tables)
         return Batch(
             input_ids=tensor(input_ids),
             positions=tensor(positions),
             slot_mapping=tensor(list(itertools.chain.from_iterable(slots))).view(num_groups, num_tokens),
-            block_tables=torch.stack([block_tables_tensor([tables[group] for tables in step.block_tables])
-                                      for group in range(num_groups)]).to(self.device, non_blocking=True),
+            block_tables=torch.stack(tables).to(self.device, non_blocking=True),
             layer_groups=self.groups.layer_group,
             seq_lens=tensor(seq_lens, torch.int32),
             query_start_loc=tensor([0, *itertools.accumulate(query_lens)], torch.int32),
             max_query_len=max(query_lens, default=0),
             logits_indices=tensor(logits_indices),
+            shared_plans=shared_plans,
         )
 
 

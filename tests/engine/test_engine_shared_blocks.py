@@ -39,3 +39,40 @@ def test_shared_blocks_on_and_off_give_the_same_tokens(tiny_model, dtype, monkey
         assert stats.peak_blocks_saved_by_sharing >= 3 * 8  # the decode steps did have shared blocks to read
         assert len(on) == 4 and all(len(tokens) == 24 for tokens, _ in on)
         assert on == off  # tokens and cumulative log-probabilities, exactly
+
+
+def test_decode_steps_pass_shared_plans(tiny_model, monkeypatch):
+    """The engine's CUDA path (a plan of paged_attn.plan_shared_blocks per KV-cache group on every decode step),
+    run on the CPU, whose op checks a plan and does not read it: with the runner's plan_shared_blocks on, every
+    decode call gets a plan whose tasks list the samples of the shared prompt, a step with a prompt in it gets
+    none, PAGED_ATTN_NO_SHARED_BLOCKS switches the plans off, and the tokens are those without plans."""
+    from paged_attn import ops
+
+    prompt = torch.randint(0, 101, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=12, n=4, temperature=1.0, seed=7, ignore_eos=True)
+    plain = LLM(tiny_model, block_size=4, num_gpu_blocks=256).generate([prompt], params, use_tqdm=False)
+    seen = []
+    attention = ops.paged_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("query_start_loc") is None, kwargs.get("shared_plan")))
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "paged_attention", spy)
+    for switch_off in (False, True):
+        if switch_off:
+            monkeypatch.setenv(SWITCH, "1")
+        seen.clear()
+        llm = LLM(tiny_model, block_size=4, num_gpu_blocks=256)
+        llm.runner.plan_shared_blocks = True
+        outputs = llm.generate([prompt], params, use_tqdm=False)
+        assert [c.token_ids for c in outputs[0].outputs] == [c.token_ids for c in plain[0].outputs]
+        decodes = [plan for decode, plan in seen if decode]
+        assert decodes and all(plan is None for decode, plan in seen if not decode)
+        if switch_off:
+            assert all(plan is None for plan in decodes)
+            continue
+        for plan in decodes:
+            assert plan is not None and plan.dtype == torch.int32 and plan.shape[1] == 11
+        # the 4 samples behind the prompt's 17 full blocks (68 tokens: above the plan's least 64)
+        assert any(plan.shape[0] >= 1 and sorted(plan[0, 3:7].tolist()) == [0, 1, 2, 3] for plan in decodes)
