@@ -19,6 +19,12 @@ over those the shared one needs read once.
 
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py --quick
+    python bench/bench_shared_prefix.py --device cuda        # on a GPU (bench/gpu_check.sh)
+
+On CUDA (``--device cuda``) ``shared`` passes the plan of ``paged_attn.plan_shared_blocks`` (made on the host,
+outside the timing) and ``off`` is the shared batch without it; the outputs are checked against the reference and
+each other within tolerance (split-KV with the plan, maybe single pass without: other bits). Timed with
+``torch.cuda.synchronize`` around each call.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--quick", action="store_true", help="a quarter of every length, 5 repeats")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     return p.parse_args()
 
 
@@ -83,14 +90,17 @@ def make_case(num_seqs: int, prefix: int, tail: int, args: argparse.Namespace, d
     return query, key_cache, value_cache, shared, distinct, seq_lens
 
 
-def median_times(methods, repeats: int):
+def median_times(methods, repeats: int, device: str = "cpu"):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for fn in methods.values():
         fn()
     times = {name: [] for name in methods}
     for _ in range(repeats):
         for name, fn in methods.items():
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -114,6 +124,10 @@ def main() -> None:
             prefix, tail = prefix // 4, max(args.block_size, tail // 4)
         query, key_cache, value_cache, shared, distinct, seq_lens = make_case(num_seqs, prefix, tail, args, dtype,
                                                                               seed)
+        if args.device == "cuda":
+            cuda_case(name, args, num_seqs, prefix, tail, repeats, query, key_cache, value_cache, shared, distinct,
+                      seq_lens)
+            continue
         out_shared = paged_attn.paged_attention(query, key_cache, value_cache, shared, seq_lens)
         out_distinct = paged_attn.paged_attention(query, key_cache, value_cache, distinct, seq_lens)
         if not torch.equal(out_shared, out_distinct):
@@ -145,6 +159,36 @@ def main() -> None:
         print(f"{name:<20} {times['shared'] * 1e3:>10.2f} {times['distinct'] * 1e3:>12.2f} "
               f"{times['distinct'] / times['shared']:>8.2f}x {times['off'] * 1e3:>8.2f} "
               f"{times['off'] / times['shared']:>6.2f}x {bytes_ratio:>11.2f}x", flush=True)
+
+
+def cuda_case(name, args, num_seqs, prefix, tail, repeats, query, key_cache, value_cache, shared, distinct,
+              seq_lens) -> None:
+    """One case on CUDA: the shared batch with the host's plan, without it, and the distinct batch."""
+    plan = paged_attn.plan_shared_blocks(shared, seq_lens, args.block_size,
+                                         num_queries_per_kv=args.num_heads // args.num_kv_heads).cuda()
+    query, key_cache, value_cache, shared, distinct, seq_lens = (
+        t.cuda() for t in (query, key_cache, value_cache, shared, distinct, seq_lens))
+    out = {k: torch.empty_like(query) for k in ("shared", "off", "distinct")}
+    methods = {
+        "shared": lambda: paged_attn.paged_attention(query, key_cache, value_cache, shared, seq_lens,
+                                                     out=out["shared"], shared_plan=plan),
+        "distinct": lambda: paged_attn.paged_attention(query, key_cache, value_cache, distinct, seq_lens,
+                                                       out=out["distinct"]),
+        "off": lambda: paged_attn.paged_attention(query, key_cache, value_cache, shared, seq_lens, out=out["off"]),
+    }
+    for fn in methods.values():
+        fn()
+    rows = [0, num_seqs - 1]
+    expected = reference.paged_attention(query[rows], key_cache, value_cache, shared[rows], seq_lens[rows])
+    for k, o in out.items():
+        err = (o[rows].double() - expected.double()).abs().max().item()
+        if not err <= (2e-2 if query.dtype != torch.float32 else 1e-4):
+            raise SystemExit(f"{name} ({k}): max abs error {err:.3g} against the float64 reference")
+    times = median_times(methods, repeats, "cuda")
+    bytes_ratio = num_seqs * (prefix + tail) / (prefix + num_seqs * tail)
+    print(f"{name:<20} {times['shared'] * 1e3:>10.3f} {times['distinct'] * 1e3:>12.3f} "
+          f"{times['distinct'] / times['shared']:>8.2f}x {times['off'] * 1e3:>8.3f} "
+          f"{times['off'] / times['shared']:>6.2f}x {bytes_ratio:>11.2f}x  ({plan.shape[0]} tasks)", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,11 @@ step "benchmark: fp8 e4m3 against bf16 cache, decode at batch 64/256 x context 2
   --contexts 2048,8192
 step "benchmark: prefill on tensor cores (TFLOP/s against torch.matmul; bf16 and fp8 e4m3 caches)" \
   bench_cuda_prefill.log "$PY" bench/bench_cuda_prefill.py --kv-dtype fp8_e4m3
+step "benchmark: shared blocks read once (decode with plan_shared_blocks' plan, without, distinct copies)" \
+  bench_cuda_shared.log "$PY" bench/bench_shared_prefix.py --device cuda --repeats 20
+step "tests: shared blocks (the plan on the GPU, and the emulated kernels against it)" tests_shared.log \
+  "$PY" -m pytest tests/ops/test_plan_shared_blocks.py tests/emulated/test_emulated_kernels.py -q -ra \
+  -p no:cacheprovider -k "cuda or shared_blocks"
 # Hardware counters of the attention kernels, for tuning (where the runtime lets ncu read counters): every
 # launch of bench/ncu_cases.py (each case twice; which path runs shows in the kernel name and grid size).
 step "ncu: paged_attention kernels (batch 128 x 4k single pass, batch 1 x 32k split-KV)" ncu.log \

@@ -4,7 +4,7 @@ Each case is checked against paged_attn.reference, so the run also fails on a wr
 paged_attention decode paths (single pass: many sequences; split-KV: one long sequence), GQA groups above and below
 the 8 query heads a thread block serves, every dtype, a strided cache view, padding slots and copy/swap of blocks;
 with query_start_loc, the tensor-core kernel next to the decode kernel (float16/bfloat16) and the decode kernel for
-every row (float32), on vLLM's packed K|V cache.
+every row (float32), on vLLM's packed K|V cache; the tensor-core decode with a shared-blocks plan (and a garbage one).
 """
 
 import torch
@@ -55,6 +55,19 @@ def main():
             for kwargs in ({}, {"alibi_slopes": slopes, "sliding_window": 1000, "logits_soft_cap": 30.0}):
                 torch.testing.assert_close(paged_attn.paged_attention(*case, **kwargs),
                                            reference.paged_attention(*case, **kwargs), **tolerance)
+
+        # shared blocks (float16/bfloat16, tensor-core decode): 5 rows behind a 640-token prompt, 2 forking again,
+        # with the host's plan and with a plan of random integers (checked in the kernel: still right)
+        if dtype != torch.float32:
+            case = list(attention_case([700, 900, 650, 800, 641, 300], 8, 8, 128, 16, dtype))
+            tables = case[3]
+            tables[1:5, :40] = tables[0, :40]
+            tables[1, 40:44] = tables[3, 40:44]
+            plan = paged_attn.plan_shared_blocks(tables.cpu(), case[4].cpu(), 16)
+            garbage = torch.randint(-2, 60, (6, plan.shape[1]), dtype=torch.int32)
+            for given in (plan, garbage):
+                torch.testing.assert_close(paged_attn.paged_attention(*case, shared_plan=given.cuda()),
+                                           reference.paged_attention(*case), **tolerance)
 
         # query_start_loc: a prompt, a chunk after a prefix, a decode, a sequence without rows; packed K|V cache
         specs = [(150, 150), (200, 70), (90, 1), (30, 0)]
