@@ -10,6 +10,8 @@
 //       and the tensor-core kernel (varlen_attention_kernels.cuh) for those with more (not launched when
 //       max_query_len <= 1).
 //   query_start_loc otherwise (float32, other head dims): the decode kernels for every query row (kEveryRow).
+// shared_plan (a shared-blocks plan of paged_attn.plan_shared_blocks, on the device): decode on tensor cores takes
+//   split-KV and one more thread block per task (shared_blocks.cuh); the other paths do not read it.
 // fp8 caches (float8_e4m3fn, float8_e5m2): float32, float16 and bfloat16 queries, head dims of
 // Fp8AttentionHeadDims; the scales stay on the device (read by the kernels), so the op stays capturable.
 //

@@ -29,7 +29,7 @@
 // partition's record in split-KV.
 // Shared blocks (shared_blocks.cuh, split-KV): the thread blocks past num_seqs serve the tasks of a shared-blocks
 // plan, their head slots holding several rows' heads; a row's own thread blocks skip the partitions a task computes
-// for it. Only a head slot's row, position and head differ: the loop is the same.
+// for it. Only a head slot's row and head differ (with ALiBi a task's rows have one length): the loop is the same.
 #pragma once
 
 #include "attention_kernels.cuh"
