@@ -329,19 +329,21 @@ def plan_shared_blocks(
     num_seqs, width = block_tables.shape
     if rows_per_task < 2 or num_seqs < 2 or width == 0:
         return empty
-    tables = block_tables.numpy().astype(np.int64)
+    tables = block_tables.contiguous().numpy()
     full = np.clip(seq_lens.numpy().astype(np.int64), 0, width * block_size) // block_size
     min_blocks = -(-min_shared_tokens // block_size)
     candidates = np.nonzero(full >= min_blocks)[0]
     if candidates.size < 2:
         return empty
-    # Each candidate's entries up to its full blocks, -1 after (every real entry is >= 0 where a sequence reads it).
-    keyed = np.where(np.arange(width)[None, :] < full[candidates, None], tables[candidates], -1)
-    order = candidates[np.lexsort(keyed.T[::-1])]
-    sorted_keys = np.where(np.arange(width)[None, :] < full[order, None], tables[order], -1)
-    # lcp[i]: the entries sorted rows i - 1 and i agree on, within both rows' full blocks.
-    differ = (sorted_keys[1:] != sorted_keys[:-1]) | (np.arange(width)[None, :] >= np.minimum(full[order[1:]],
-                                                                                               full[order[:-1]])[:, None])
+    # The candidates sorted by their full blocks' entries as byte strings: any lexicographic order puts the rows
+    # that share a prefix next to each other (a row that is a prefix of another sorts just before it); sorting the
+    # raw bytes compares each pair up to its first difference (np.lexsort would sort once per column).
+    order = np.array(sorted(candidates.tolist(), key=lambda r: tables[r, :full[r]].tobytes()))
+    width = int(full[candidates].max())
+    columns = np.arange(width)[None, :]
+    sorted_keys = tables[order, :width]
+    # lcp[i]: the entries sorted rows i and i + 1 agree on, within both rows' full blocks.
+    differ = (sorted_keys[1:] != sorted_keys[:-1]) | (columns >= np.minimum(full[order[1:]], full[order[:-1]])[:, None])
     lcp = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
     # The prefix tree's nodes: the lcp intervals [lb, rb] of sorted rows with their depth n and their parent's.
     tasks = []
