@@ -237,7 +237,7 @@ template <int kHeads, typename cache_t>
 PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t num_tokens,
                                           int64_t offset, int64_t head_dim, float* acc,
                                           Prefetcher<cache_t>* prefetcher) {
-  constexpr int C = kHeads >= 3 ? 1 : 4 / kHeads;  // at least 8 accumulators, at most 16
+  constexpr int C = kHeads >= 3 ? 2 : 4 / kHeads;  // at least 8 accumulators, at most 16
   const int64_t main = head_dim / (C * kChunk) * (C * kChunk);
   tile_values_avx512_chunks<kHeads, C>(p_pairs, rows, num_tokens, offset, head_dim, 0, main, acc, prefetcher);
   tile_values_avx512_chunks<kHeads, 1>(p_pairs, rows, num_tokens, offset, head_dim, main, head_dim, acc,
