@@ -331,6 +331,22 @@ __device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
 
 // NOTE: the query row is not kept here: it is live only at the start and the end, and ptxas spilled registers when
 // it was held through the token loop. query_row(p) finds it again.
+// The query heads of this thread block's grid row blockIdx.y: kv head blockIdx.y / head_chunks, and its chunk
+// (blockIdx.y % head_chunks) of the group's heads, [first_head, first_head + num_heads), 1 <= num_heads <=
+// heads_per_block. Every kernel of the decode and prefill grids maps blockIdx.y so.
+struct BlockHeads {
+  int kv_head, first_head, num_heads;
+};
+template <typename T, typename C>
+__device__ __forceinline__ BlockHeads block_heads(const AttentionParams<T, C>& p) {
+  BlockHeads heads;
+  heads.kv_head = blockIdx.y / p.head_chunks;
+  const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
+  heads.first_head = heads.kv_head * p.group_size + first_in_group;
+  heads.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
+  return heads;
+}
+
 struct AttentionTask {
   int seq, kv_head;
   bool active;                // false: not this launch's row (kSingleTokenSeqs), nothing to do
@@ -367,10 +383,8 @@ __device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T,
   AttentionTask task;
   const QueryItem item = query_item(p, blockIdx.x);
   task.seq = item.seq, task.active = item.active;
-  task.kv_head = blockIdx.y / p.head_chunks;
-  const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
-  task.first_head = task.kv_head * p.group_size + first_in_group;
-  task.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
+  const BlockHeads heads = block_heads(p);
+  task.kv_head = heads.kv_head, task.first_head = heads.first_head, task.num_heads = heads.num_heads;
   task.seq_len = item.seq_len;
   set_partition(task, p, static_cast<int>(blockIdx.z));
   return task;

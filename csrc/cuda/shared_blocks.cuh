@@ -129,10 +129,8 @@ __device__ __forceinline__ AttentionTask shared_blocks_task(const AttentionParam
   const SharedRange range = shared_range(p, shared_task);
   task.seq = ref >= 0 && ref < p.num_seqs ? ref : 0;  // (read only if a row is listed validly: then ref is valid)
   task.active = range.begin < range.end;
-  task.kv_head = blockIdx.y / p.head_chunks;
-  const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
-  task.first_head = task.kv_head * p.group_size + first_in_group;
-  task.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
+  const BlockHeads heads = block_heads(p);
+  task.kv_head = heads.kv_head, task.first_head = heads.first_head, task.num_heads = heads.num_heads;
   task.partition = static_cast<int>(blockIdx.z);
   task.begin = range.begin * p.partition_size;  // range.end * ps <= num_partitions * ps: within int32 (the plan)
   const int64_t range_end = static_cast<int64_t>(range.end) * p.partition_size;

@@ -110,10 +110,8 @@ __device__ __forceinline__ VarlenTile varlen_tile(const AttentionParams<T, C>& p
   tile.active = range.count() >= 2 && first_token >= 0 && first_token < range.count();
   if (!tile.active) return tile;
   tile.seq = seq;
-  tile.kv_head = blockIdx.y / p.head_chunks;
-  const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
-  tile.first_head = tile.kv_head * p.group_size + first_in_group;
-  tile.heads = min(p.heads_per_block, p.group_size - first_in_group);
+  const BlockHeads heads = block_heads(p);
+  tile.kv_head = heads.kv_head, tile.first_head = heads.first_head, tile.heads = heads.num_heads;
   tile.first_row = range.first + first_token;
   tile.tokens = min(tokens_per_tile, range.count() - first_token);
   tile.first_pos = clamped_seq_len(p, seq) - range.count() + first_token;
