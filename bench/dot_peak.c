@@ -21,6 +21,11 @@ static double now(void) {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+static void update(double* best, double start) {  // the best time so far of a loop that began at start
+  const double elapsed = now() - start;
+  if (elapsed < *best) *best = elapsed;
+}
+
 #define DP(i) "vdpbf16ps %%zmm20, %%zmm21, %%zmm" #i "\n\t"
 #define FMA(i) "vfmadd231ps %%zmm20, %%zmm21, %%zmm" #i "\n\t"
 #define TWELVE(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) OP(10) OP(11)
@@ -40,16 +45,16 @@ int main(void) {
                                                   "add $1, %%rax\n\tadd $1, %%rax\n\tadd $1, %%rax\n\t"
                                                   "add $1, %%rax\n\tadd $1, %%rax\n\tadd $1, %%rax\n\t"
                                                   "add $1, %%rax\n\tadd $1, %%rax\n\tadd $1, %%rax\n\t" ::: "rax");
-    if (now() - t < best[0]) best[0] = now() - t;
+    update(&best[0], t);
     t = now();
     for (long k = 0; k < n; ++k) __asm__ volatile(TWELVE(DP)::: "memory");
-    if (now() - t < best[1]) best[1] = now() - t;
+    update(&best[1], t);
     t = now();
     for (long k = 0; k < n; ++k) __asm__ volatile(TWELVE(FMA)::: "memory");
-    if (now() - t < best[2]) best[2] = now() - t;
+    update(&best[2], t);
     t = now();
     for (long k = 0; k < n; ++k) __asm__ volatile(CHAIN(DP)::: "memory");
-    if (now() - t < best[3]) best[3] = now() - t;
+    update(&best[3], t);
   }
   const double count = 12.0 * n, ghz = count / best[0] / 1e9;
   printf("clock (dependent integer adds): %.2f GHz\n", ghz);

@@ -329,8 +329,6 @@ __device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
   return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
 }
 
-// NOTE: the query row is not kept here: it is live only at the start and the end, and ptxas spilled registers when
-// it was held through the token loop. query_row(p) finds it again.
 // The query heads of this thread block's grid row blockIdx.y: kv head blockIdx.y / head_chunks, and its chunk
 // (blockIdx.y % head_chunks) of the group's heads, [first_head, first_head + num_heads), 1 <= num_heads <=
 // heads_per_block. Every kernel of the decode and prefill grids maps blockIdx.y so.
@@ -347,6 +345,8 @@ __device__ __forceinline__ BlockHeads block_heads(const AttentionParams<T, C>& p
   return heads;
 }
 
+// NOTE: the query row is not kept here: it is live only at the start and the end, and ptxas spilled registers when
+// it was held through the token loop. query_row(p) finds it again.
 struct AttentionTask {
   int seq, kv_head;
   bool active;                // false: not this launch's row (kSingleTokenSeqs), nothing to do
