@@ -1,10 +1,12 @@
 """Builds paged_attn._C with torch.utils.cpp_extension.
 
-CPU kernels are always built. CUDA kernels are built when torch has CUDA and a CUDA toolkit is found; no GPU is
-needed. Environment switches:
+CPU kernels are always built. CUDA kernels are built where they can run, or when asked: torch has CUDA, a CUDA
+toolkit is found, and a GPU is visible (for its architecture) or PAGED_ATTN_FORCE_CUDA=1 (no GPU needed; CI and
+the GPU check build them so). A machine with the toolkit but no GPU builds the CPU kernels only: the CUDA kernels
+cost minutes of compiling there, for code that machine cannot run. Environment switches:
   PAGED_ATTN_NO_CUDA=1      skip the CUDA kernels
-  PAGED_ATTN_FORCE_CUDA=1   fail unless the CUDA kernels can be built
-  TORCH_CUDA_ARCH_LIST      GPU architectures; without a visible GPU it defaults to DEFAULT_ARCH_LIST
+  PAGED_ATTN_FORCE_CUDA=1   build the CUDA kernels without a GPU, and fail unless they can be built
+  TORCH_CUDA_ARCH_LIST      GPU architectures; a visible GPU's by default, else DEFAULT_ARCH_LIST
   MAX_JOBS                  parallel compile jobs (ninja)
 """
 
@@ -39,11 +41,16 @@ def want_cuda():
 
     cuda_home = find_cuda_home()
     ok = torch.version.cuda is not None and cuda_home is not None
-    if os.environ.get("PAGED_ATTN_FORCE_CUDA", "0") == "1" and not ok:
+    forced = os.environ.get("PAGED_ATTN_FORCE_CUDA", "0") == "1"
+    if forced and not ok:
         raise RuntimeError(
             f"PAGED_ATTN_FORCE_CUDA=1 but the CUDA kernels cannot be built: torch.version.cuda={torch.version.cuda}, "
             f"CUDA toolkit={cuda_home} (set CUDA_HOME)"
         )
+    if ok and not forced and not torch.cuda.is_available():
+        print("paged_attn: a CUDA toolkit but no GPU: the CUDA kernels are not built (PAGED_ATTN_FORCE_CUDA=1 "
+              "builds them)")
+        return False
     if ok:
         os.environ["CUDA_HOME"] = cuda_home  # read when torch.utils.cpp_extension is imported
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():

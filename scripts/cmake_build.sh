@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Configures and builds the C++ library with CMakeLists.txt against the virtualenv's libtorch (scripts/setup.sh
-# makes it), then runs the C++ test with ctest. Build tree: build-cmake/.
+# makes it), then runs the C++ test with ctest. Build tree: build-cmake/. The CUDA kernels are built as setup.py
+# builds them: with a CUDA build of torch and the toolkit, where a GPU is visible or PAGED_ATTN_FORCE_CUDA=1, and
+# never with PAGED_ATTN_NO_CUDA=1 (CI's CMake stage: the main build already compiled and checked the CUDA objects).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -10,7 +12,9 @@ SITE="$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 ARGS=(-S . -B build-cmake -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX")
 
 # A CUDA build of torch: point CMake at the toolkit, and at the NVRTC library that the pip wheel ships.
-if [ "$($PY -c 'import torch; print(torch.version.cuda is not None)')" = True ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+WANT_CUDA="$($PY -c 'import os, torch; print(torch.version.cuda is not None and os.environ.get("PAGED_ATTN_NO_CUDA") != "1"
+  and (torch.cuda.is_available() or os.environ.get("PAGED_ATTN_FORCE_CUDA") == "1"))')"
+if [ "$WANT_CUDA" = True ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
   CUDA_ROOT="${CUDA_HOME:-/usr/local/cuda}"
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"  # no GPU to probe here
   ARGS+=(-DPAGED_ATTN_CUDA=ON -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_ROOT" -DCMAKE_CUDA_COMPILER="$CUDA_ROOT/bin/nvcc")

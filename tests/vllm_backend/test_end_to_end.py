@@ -6,12 +6,17 @@ Runs only where vLLM is installed (``bash scripts/check_vllm.sh``). Two processe
 greedy tokens equal, the top-5 token sets equal and their logprobs within ``LOGPROB_ATOL``, our backend's forward
 counted in every worker; for gptoss also the attention sinks vLLM loaded, and that they change the outputs.
 SmolLM2-135M in vLLM with our backend is compared with our own engine and with transformers.
+
+vLLM's own runs come from ``vllm_reference.json`` (recorded by ``bash scripts/check_vllm.sh --record``) while its
+key matches this vLLM, torch, transformers, gguf and ``vllm_runs.py``; otherwise they run again here, with a
+warning to record them anew. ``PAGED_ATTN_VLLM_RECORD=PATH`` makes them run and writes the record to PATH.
 """
 
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -51,6 +56,26 @@ def run_vllm(ours: bool, scenarios: list[str], folder: Path, smollm2: str | None
     return json.loads(out.read_text())
 
 
+def run_vllm_own(scenarios: list[str], folder: Path, gemma3: str | None = None) -> dict:
+    """vLLM's own runs of ``scenarios``: from the record while its key matches, else run here (and recorded where
+    PAGED_ATTN_VLLM_RECORD names a file)."""
+    record_to = os.environ.get("PAGED_ATTN_VLLM_RECORD")
+    key = vllm_runs.reference_key()
+    record = json.loads(Path(vllm_runs.REFERENCE).read_text()) if os.path.exists(vllm_runs.REFERENCE) else {}
+    if not record_to and record.get("key") == key and all(name in record["runs"] for name in scenarios):
+        return {name: record["runs"][name] for name in scenarios}
+    if not record_to:
+        warnings.warn(f"{vllm_runs.REFERENCE} was not recorded with {key} (it has {record.get('key')}): vLLM's own "
+                      "backend runs again; record it with bash scripts/check_vllm.sh --record")
+    runs = run_vllm(False, scenarios, folder, gemma3=gemma3)
+    if record_to:
+        kept = json.loads(Path(record_to).read_text()) if os.path.exists(record_to) else {}
+        kept = kept["runs"] if kept.get("key") == key else {}
+        runs_lines = ",\n".join(f" {json.dumps(name)}: {json.dumps(run)}" for name, run in {**kept, **runs}.items())
+        Path(record_to).write_text(f'{{"key": {json.dumps(key)}, "runs": {{\n{runs_lines}}}}}\n')  # a line a run
+    return runs
+
+
 @pytest.fixture(scope="module")
 def smollm2_hf(tmp_path_factory) -> str | None:
     """SmolLM2-135M as a Hugging Face folder converted from the GGUF our engine loads (as bench/bench_vs_vllm.py
@@ -82,8 +107,7 @@ def runs(tmp_path_factory, smollm2_hf) -> tuple[dict, dict]:
     # cache_dtype last: an engine that failed to start is not followed by another in that process.
     ours = run_vllm(True, COMPARED + ["tp2"] + ["smollm2", "smollm2_fp8"] * bool(smollm2_hf) + ["cache_dtype"], folder,
                     smollm2_hf)
-    theirs = run_vllm(False, COMPARED, folder)
-    return ours, theirs
+    return ours, run_vllm_own(COMPARED, folder)
 
 
 def assert_close_top5(ours: list, theirs: list, where: str) -> None:
@@ -218,7 +242,7 @@ def gemma3_runs(tmp_path_factory, gemma3_hf) -> tuple[dict, dict, dict]:
     """The gemma3 scenario with our backend and with vLLM's own (~35 s each on 2 cores), and vLLM's own without
     the window (~30 s)."""
     folder = tmp_path_factory.mktemp("vllm_gemma3")
-    theirs = run_vllm(False, ["gemma3", "gemma3_nowindow"], folder, gemma3=gemma3_hf)
+    theirs = run_vllm_own(["gemma3", "gemma3_nowindow"], folder, gemma3=gemma3_hf)
     return run_vllm(True, ["gemma3"], folder, gemma3=gemma3_hf)["gemma3"], theirs["gemma3"], theirs["gemma3_nowindow"]
 
 

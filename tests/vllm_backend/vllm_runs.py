@@ -28,6 +28,10 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
 
 The result records, per scenario, each request's tokens, top-5 logprobs and cached tokens, and for each worker
 process the number of calls of our backend's ``forward`` (0 everywhere in vLLM's own runs).
+
+vLLM's own runs are recorded in ``vllm_reference.json`` beside this file (``bash scripts/check_vllm.sh --record``
+writes it), under ``reference_key()``: what they depend on. test_end_to_end.py reads the record while the key
+matches and runs vLLM's own backend again when it does not.
 """
 
 from __future__ import annotations
@@ -68,6 +72,26 @@ GEMMA3_PROMPTS = [
     _STORY + " Question: where is the treasure buried? Answer: the treasure is buried",
     _STORY + " Question: what did the owl do on day 59? Answer:",
 ]
+
+
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_reference.json")
+
+
+def reference_key() -> dict:
+    """What vLLM's own outputs here depend on: vLLM, torch (the tiny models are drawn with its generator),
+    transformers (it builds the tiny models and converts the Gemma 3 GGUF), gguf, and this file (the scenarios, the
+    prompts, the models' shapes)."""
+    import hashlib
+    from importlib.metadata import version
+
+    import torch
+    import transformers
+    import vllm
+
+    with open(os.path.abspath(__file__), "rb") as f:
+        runs = hashlib.sha256(f.read()).hexdigest()[:16]
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "gguf": version("gguf"), "vllm_runs.py": runs}
 
 
 def convert_gemma3_gguf_to_hf(gguf_path: str, hf_dir: str) -> None:
