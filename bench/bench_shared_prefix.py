@@ -19,7 +19,7 @@ over those the shared one needs read once.
 
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py --quick
-    python bench/bench_shared_prefix.py --device cuda        # on a GPU (bench/gpu_check.sh)
+    python bench/bench_shared_prefix.py --device cuda        # on a GPU (scripts/gpu_check.sh)
 
 On CUDA (``--device cuda``) ``shared`` passes the plan of ``paged_attn.plan_shared_blocks`` (made on the host,
 outside the timing) and ``off`` is the shared batch without it; the outputs are checked against the reference and
