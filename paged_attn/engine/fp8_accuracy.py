@@ -16,14 +16,16 @@ Variants: fp8 e4m3 and e5m2, scales 1.0 (vLLM's default) and calibrated (from th
 Then the format alone, without the fp8 kernels: a float32 cache holding keys and values rounded to a narrower
 format before they are written (``rounded_kv``), teacher-forced the same way: e4m3 keys and values, keys only,
 values only, e5m2, and bfloat16 for scale. Where e4m3 in the fp32 cache agrees as often as the fp8 cache, the
-loss is the format's, not the kernels'. tests/engine/test_fp8_engine.py asserts the bounds::
+loss is the format's, not the kernels'.
+
+``measure`` and ``measure_format_alone`` return the figures; bench/fp8_accuracy.py prints them as tables (~4 min),
+tests/engine/test_fp8_engine.py asserts their bounds::
 
     GOMP_SPINCOUNT=0 .venv/bin/python bench/fp8_accuracy.py [--max-tokens 64]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 from dataclasses import dataclass
@@ -181,31 +183,3 @@ def measure(model, max_tokens: int = 64, variants=VARIANTS) -> tuple[list[Accura
                                 float(diffs.max()), margin, sum(a == b for a, b in zip(free, outputs)),
                                 len(prompt_ids)))
     return results, outputs
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args()
-    from paged_attn.engine import LlamaModel
-
-    model = LlamaModel.from_gguf(dtype=torch.float32)
-    results, _ = measure(model, args.max_tokens)
-    print(f"SmolLM2-135M-Instruct, float32 weights, {results[0].num_prompts} prompts x {args.max_tokens} greedy "
-          f"tokens; against the float32 KV cache\n")
-    print("| cache | scales | top-1 agreement (teacher-forced) | mean / max abs diff of the chosen token's logprob | "
-          "largest float32 top-1 margin where they disagree | free-running outputs equal |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in results:
-        print(f"| {r.kv_cache_dtype} | {'calibrated' if r.calibrated else '1.0'} | {r.top1_agreement:.2%} of "
-              f"{r.steps} | {r.mean_abs_logprob_diff:.4f} / {r.max_abs_logprob_diff:.3f} | "
-              f"{r.max_margin_at_disagreement:.3f} | {r.same_outputs}/{r.num_prompts} |")
-    print("\nThe format alone: a float32 cache holding rounded keys and values (scale 1.0), teacher-forced\n")
-    print("| float32 cache holding | top-1 agreement | mean abs diff of the chosen token's logprob |")
-    print("|---|---:|---:|")
-    for name, top1, diff in measure_format_alone(model, args.max_tokens):
-        print(f"| {name} | {top1:.2%} | {diff:.4f} |")
-
-
-if __name__ == "__main__":
-    main()
