@@ -57,6 +57,8 @@ import subprocess
 import sys
 import time
 
+from common import describe_host, in_turns, timed_call
+
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 # ours: paged_attn.engine; vllm: vLLM with its own CPU attention; vllm+paged_attn: vLLM with our attention backend
@@ -191,12 +193,11 @@ def worker_main(args) -> None:
     with open(args.worker_spec) as f:
         spec = json.load(f)
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
-    start = time.perf_counter()
     if args.worker == "ours":
-        engine = OursEngine(spec["dtype"], spec["torch_compile"])
+        engine, load_s = timed_call(OursEngine, spec["dtype"], spec["torch_compile"])
     else:
-        engine = VllmEngine(spec["dtype"], spec["hf_dir"], spec["max_num_seqs"], spec.get("time_attention", False))
-    load_s = time.perf_counter() - start
+        engine, load_s = timed_call(VllmEngine, spec["dtype"], spec["hf_dir"], spec["max_num_seqs"],
+                                    spec.get("time_attention", False))
     for batch_size in spec["batch_sizes"]:  # warm-up: every batch size once, a few tokens
         engine.generate(prompts[:batch_size], 4)
     import torch
@@ -207,16 +208,13 @@ def worker_main(args) -> None:
         command = line.split()
         if command[0] == "profile":
             batch = prompts[:int(command[1])]
-            start = time.perf_counter()
-            table = profile_table(engine, batch, max_tokens)
-            result = {"table": table, "seconds": time.perf_counter() - start}
+            table, seconds = timed_call(profile_table, engine, batch, max_tokens)
+            result = {"table": table, "seconds": seconds}
         else:
             batch = prompts[:int(command[0])]
             attention_before = getattr(engine, "attention_seconds", 0.0)
             decode_before = getattr(engine, "decode_forward_seconds", 0.0)
-            start = time.perf_counter()
-            token_ids = engine.generate(batch, max_tokens)
-            seconds = time.perf_counter() - start
+            token_ids, seconds = timed_call(engine.generate, batch, max_tokens)
             result = {"seconds": seconds, "tokens": sum(map(len, token_ids)), "token_ids": token_ids,
                       "attention_seconds": getattr(engine, "attention_seconds", 0.0) - attention_before,
                       "decode_forward_seconds": getattr(engine, "decode_forward_seconds", 0.0) - decode_before}
@@ -305,7 +303,7 @@ def run_dtype(args, dtype: str, prompts, spec_path: str) -> dict:
         rates = {(name, b): [] for name in engines for b in args.batch_sizes}
         token_ids = {}
         for repeat in range(args.repeats):
-            order = engines if repeat % 2 == 0 else engines[::-1]
+            order = in_turns(engines, repeat)
             for batch_size in args.batch_sizes:
                 for name in order:
                     result = workers[name].ask(str(batch_size))
@@ -354,7 +352,7 @@ def run_attention(args, dtype: str, prompts, spec_path: str) -> None:
     try:
         for repeat in range(args.repeats):
             for batch_size in args.batch_sizes:
-                for name in engines if repeat % 2 == 0 else engines[::-1]:
+                for name in in_turns(engines, repeat):
                     result = workers[name].ask(str(batch_size))
                     seconds[name, batch_size].append((result["attention_seconds"], result["seconds"],
                                                       result["decode_forward_seconds"]))
@@ -411,6 +409,7 @@ def main():
     if not os.path.exists(args.vllm_python):
         raise FileNotFoundError(f"no vllm-cpu Python at {args.vllm_python}: see the setup in --help, or give "
                                 f"--vllm-python")
+    print(describe_host(), flush=True)
     num_params = prepare_hf_dir(args.hf_dir)
     print(f"{args.hf_dir}: the same {num_params:,} float32 weights as our GGUF loader's", flush=True)
     with open(os.path.join(args.hf_dir, "config.json")) as f:
