@@ -41,24 +41,20 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import statistics
-import time
-from typing import Callable, Dict, List, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from common import COPY, FP8_DTYPES, READ, describe_host, memory_yardsticks, quantize_fp8_caches, time_interleaved
 
 import paged_attn
 from paged_attn import reference
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 OURS = "paged_attn.paged_attention (ours)"
 REFERENCE = "(a) paged_attn.reference.paged_attention"
 SDPA = "(b) F.scaled_dot_product_attention, contiguous KV"
-READ = "(c) memory read: x.sum(), float32"
-COPY = "(c) memory copy: y.copy_(x), bytes read"
 
 
 def parse_args() -> argparse.Namespace:
@@ -154,9 +150,8 @@ def bench_layouts(args: argparse.Namespace, names: Sequence[str], query, key_cac
     print(f"## CPU paged decode attention by cache layout: {args.num_seqs} seqs x {args.seq_len} tokens, "
           f"{args.num_heads} query heads / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, "
           f"block {args.block_size}, {args.dtype}")
-    print(f"\n{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, torch {torch.__version__}; KV cache "
-          f"{kv_bytes / 2**20:.0f} MiB per layout; medians of {args.repeats} repeats; every layout gives the "
-          f"contiguous cache's bits\n")
+    print(f"\n{describe_host()}\n\nKV cache {kv_bytes / 2**20:.0f} MiB per layout; medians of {args.repeats} "
+          f"repeats; every layout gives the contiguous cache's bits\n")
     print("| layout | strides (key cache, elements) | time (ms) | GB/s | time / contiguous |")
     print("|---|---|---:|---:|---:|")
     for name in names:
@@ -171,27 +166,6 @@ def dense_layout(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) 
     gathered = cache[block_tables.long()]  # [num_seqs, blocks_per_seq, block_size, num_kv_heads, head_dim]
     gathered = gathered.flatten(1, 2)[:, :seq_len]  # [num_seqs, seq_len, num_kv_heads, head_dim]
     return gathered.transpose(1, 2).contiguous().view(num_seqs, cache.shape[2], seq_len, cache.shape[3])
-
-
-def time_interleaved(methods: Dict[str, Callable[[], object]], repeats: Dict[str, int], warmup: int,
-                     settle: Sequence[str] = ()):
-    """Median seconds of each method. The methods take turns within each round, so that a change in machine load
-    hits them all alike; a method named in `settle` runs once untimed right before each timed run, so that it is
-    not timed in the wake of the previous method (e.g. SDPA slows the next few milliseconds of work down)."""
-    for fn in methods.values():
-        for _ in range(warmup):
-            fn()
-    times: Dict[str, List[float]] = {name: [] for name in methods}
-    for round_index in range(max(repeats.values())):
-        for name, fn in methods.items():
-            if round_index >= repeats[name]:
-                continue
-            if name in settle:
-                fn()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items() if ts}
 
 
 def check_close(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> float:
@@ -235,11 +209,7 @@ def main() -> None:
     if args.kv_dtype != "auto":
         fp8 = FP8_DTYPES[args.kv_dtype]
         fp8_name = f"paged_attn.paged_attention, {args.kv_dtype} cache (ours)"
-        max_finite = torch.finfo(fp8).max
-        k_scale = (key_cache.float().nan_to_num().abs().amax() / max_finite).reshape(1)
-        v_scale = (value_cache.float().nan_to_num().abs().amax() / max_finite).reshape(1)
-        key_fp8 = reference.quantize_fp8(key_cache, fp8, k_scale)
-        value_fp8 = reference.quantize_fp8(value_cache, fp8, v_scale)
+        (key_fp8, value_fp8), (k_scale, v_scale) = quantize_fp8_caches(key_cache, value_cache, fp8)
         out_fp8 = torch.empty_like(query)
         fp8_bytes = kv_bytes // key_cache.element_size()
         ours_fp8 = paged_attn.paged_attention(query, key_fp8, value_fp8, block_tables, seq_lens, out=out_fp8,
@@ -248,9 +218,7 @@ def main() -> None:
                                                  seq_lens[check], k_scale=k_scale, v_scale=v_scale)
         err_fp8 = check_close(fp8_name, ours_fp8[check], expected_fp8, dtype)
 
-    numel = int(args.bandwidth_gib * 2**30) // 4
-    big = torch.randn(numel, generator=generator)
-    big_copy = torch.empty_like(big)
+    yardsticks, yardstick_bytes = memory_yardsticks(args.bandwidth_gib, generator)
     methods = {
         OURS: lambda: paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out),
         **({fp8_name: lambda: paged_attn.paged_attention(query, key_fp8, value_fp8, block_tables, seq_lens,
@@ -258,8 +226,7 @@ def main() -> None:
            if fp8_name else {}),
         REFERENCE: lambda: reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens),
         SDPA: lambda: F.scaled_dot_product_attention(query_4d, keys, values, enable_gqa=True),
-        READ: lambda: big.sum(),
-        COPY: lambda: big_copy.copy_(big),
+        **yardsticks,
     }
     repeats = {name: args.repeats for name in methods}
     repeats[REFERENCE] = args.reference_repeats
@@ -268,15 +235,15 @@ def main() -> None:
     seconds = time_interleaved(methods, repeats, args.warmup, settle=[name for name in methods if name != REFERENCE])
 
     bytes_read = {name: kv_bytes for name in methods}
-    bytes_read[READ] = bytes_read[COPY] = numel * 4
+    bytes_read[READ] = bytes_read[COPY] = yardstick_bytes
     if fp8_name:
         bytes_read[fp8_name] = fp8_bytes
     bandwidth = {name: bytes_read[name] / seconds[name] / 1e9 for name in seconds}
 
     print(f"## CPU paged decode attention: {args.num_seqs} seqs x {args.seq_len} tokens, {args.num_heads} query heads"
           f" / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, block {args.block_size}, {args.dtype}")
-    print(f"\n{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, torch {torch.__version__}; "
-          f"KV cache {kv_bytes / 2**20:.0f} MiB, bandwidth tensor {numel * 4 / 2**20:.0f} MiB; "
+    print(f"\n{describe_host()}\n\nKV cache {kv_bytes / 2**20:.0f} MiB, bandwidth tensor "
+          f"{yardstick_bytes / 2**20:.0f} MiB; "
           f"medians of {args.repeats} repeats ({args.reference_repeats} for the reference); "
           f"max abs error vs reference {err_ref:.2g}, vs SDPA {err_sdpa:.2g}"
           + (f", fp8 cache vs reference on its dequantized values {err_fp8:.2g}" if fp8_name else "") + "\n")

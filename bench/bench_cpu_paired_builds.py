@@ -25,7 +25,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+
+from common import describe_host, in_turns, median_time  # bench/ is on the path of the workers too
 
 
 def serve(num_seqs: int, seq_len: int, dtype_name: str, threads: int) -> None:
@@ -47,16 +48,15 @@ def serve(num_seqs: int, seq_len: int, dtype_name: str, threads: int) -> None:
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     query = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
     out = torch.empty_like(query)
-    for _ in range(3):
+
+    def call():
         paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out)
+
+    for _ in range(3):
+        call()
     print("ready", flush=True)
     for line in sys.stdin:
-        times = []
-        for _ in range(int(line)):
-            start = time.perf_counter()
-            paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, out=out)
-            times.append(time.perf_counter() - start)
-        print(statistics.median(times), flush=True)
+        print(median_time(call, int(line), warmup=0), flush=True)
 
 
 def main() -> None:
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in the workers (0: default)")
     args = parser.parse_args()
     builds = {"old": os.path.abspath(args.old), "new": os.path.abspath(args.new)}
+    print(describe_host(), flush=True)
     for case in args.cases.split(","):
         seqs, length, dtype = case.split("x")
         kv_bytes = int(seqs) * int(length) * 8 * 128 * 2 * (4 if dtype == "float32" else 2)
@@ -86,7 +87,7 @@ def main() -> None:
                     raise SystemExit(f"the {name} worker ({path}) did not start")
             times = {"old": [], "new": []}
             for r in range(args.rounds):
-                for name in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
+                for name in in_turns(["old", "new"], r):
                     procs[name].stdin.write(f"{args.calls}\n")
                     procs[name].stdin.flush()
                     times[name].append(float(procs[name].stdout.readline()))

@@ -22,24 +22,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from common import FP8_DTYPES, Timer, describe_host, device_copy_bandwidth, quantize_fp8_caches
+
 import paged_attn
 from paged_attn import reference
-
-
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # --kv-dtype
-
-
-def quantize_caches(key_cache, value_cache, fp8):
-    """The caches quantized into fp8 with the scales amax / max finite: ([key_cache, value_cache], [k_scale,
-    v_scale]), the scales float32 [1]."""
-    scales = [(c.float().abs().amax() / torch.finfo(fp8).max).reshape(1) for c in (key_cache, value_cache)]
-    return [reference.quantize_fp8(c, fp8, s) for c, s in zip((key_cache, value_cache), scales)], scales
 
 
 def parse_args():
@@ -63,42 +53,6 @@ def parse_args():
     return args
 
 
-class Timer:
-    """Median wall time of a callable, flushing the L2 cache (CUDA) before each repeat."""
-
-    def __init__(self, device: torch.device, warmup: int = 1):
-        self.device, self.warmup = device, warmup  # untimed calls first (a second one also after lazy initialization)
-        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-
-    def __call__(self, fn, repeats: int) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if self.device.type == "cuda":
-                self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                begin = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - begin)
-        return statistics.median(times)
-
-
-def copy_bandwidth(timer: Timer, device: torch.device, repeats: int) -> float:
-    """Device-to-device copy of 2 GiB (1 GiB on the CPU), counted as bytes read + bytes written per second."""
-    size = (2 if device.type == "cuda" else 1) * 2**30
-    src = torch.empty(size, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = timer(lambda: dst.copy_(src), repeats)
-    return 2 * size / seconds
-
-
 def make_case(batch, context, args, device, dtype):
     blocks_per_seq = math.ceil(context / args.block_size)
     num_blocks = batch * blocks_per_seq
@@ -117,10 +71,11 @@ def main():
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
     timer = Timer(device)
-    copy_bw = copy_bandwidth(timer, device, args.repeats)
+    copy_bw = device_copy_bandwidth(timer, device, args.repeats)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# paged_attention on {name}: {args.num_heads} heads, {args.num_kv_heads} kv heads, head dim "
           f"{args.head_dim}, block {args.block_size}, {args.dtype}")
+    print(f"# {describe_host()}")
     print(f"# device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s\n")
     fp8 = FP8_DTYPES.get(args.kv_dtype)
     fp8_header = (f" {args.kv_dtype} us | GB/s (fp8 bytes) | % of copy | {args.kv_dtype} vs {args.dtype} |"
@@ -143,7 +98,7 @@ def main():
             seconds = timer(lambda: paged_attn.paged_attention(*case, out=out), args.repeats)
             fp8_columns = ""
             if fp8:
-                caches, scales = quantize_caches(case[1], case[2], fp8)
+                caches, scales = quantize_fp8_caches(case[1], case[2], fp8)
                 fp8_case = (case[0], *caches, case[3], case[4])
                 fp8_kwargs = dict(k_scale=scales[0], v_scale=scales[1])
                 few8 = tuple(t[:2] if i in (0, 3, 4) else t for i, t in enumerate(fp8_case))

@@ -26,10 +26,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from common import FP8_DTYPES, Timer, describe_host, quantize_fp8_caches
+
 import paged_attn
 from paged_attn import reference
-# the L2-flushing CUDA-event timer and the fp8 quantization (bench/ is on sys.path when run as a script)
-from bench_cuda_attention import FP8_DTYPES, Timer, quantize_caches
 
 
 def parse_args():
@@ -90,7 +90,7 @@ def fp8_case(case, fp8):
     """The case with its caches quantized into fp8 (scales amax / max finite), the scales, and the case with the
     dequantized caches (what SDPA gets for the check)."""
     query, key_cache, value_cache, block_tables, seq_lens, starts = case
-    caches, scales = quantize_caches(key_cache, value_cache, fp8)
+    caches, scales = quantize_fp8_caches(key_cache, value_cache, fp8)
     dequantized = [reference.dequantize_fp8(c, s, query.dtype) for c, s in zip(caches, scales)]
     return ((query, *caches, block_tables, seq_lens, starts), scales,
             (query, *dequantized, block_tables, seq_lens, starts))
@@ -118,6 +118,7 @@ def main():
     peak = matmul_tflops(timer, dtype, args.repeats)
     print(f"# paged_attention prefill on {torch.cuda.get_device_name()}: {args.num_heads} heads, {args.num_kv_heads} "
           f"kv heads, head dim {args.head_dim}, block {args.block_size}, {args.dtype}")
+    print(f"# {describe_host()}")
     print(f"# torch.matmul {args.dtype} throughput in this run: {peak:.0f} TFLOP/s\n")
     fp8 = FP8_DTYPES.get(args.kv_dtype)
     fp8_header = f" {args.kv_dtype} cache ms | TFLOP/s | {args.kv_dtype} vs {args.dtype} |" if fp8 else ""

@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+
+from common import describe_host, in_turns, timed_call
 
 from paged_attn.engine import LLM, LlamaModel, SamplingParams, default_model_path, load_gguf
 
@@ -81,9 +82,7 @@ def main():
     params = SamplingParams(max_tokens=args.max_tokens)
 
     def run_engine(llm, batch):
-        start = time.perf_counter()
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        outputs, elapsed = timed_call(llm.generate, batch, params, use_tqdm=False)
         rows = [output.outputs[0].token_ids for output in outputs]
         return rows, elapsed
 
@@ -91,16 +90,14 @@ def main():
         length = max(map(len, batch))
         input_ids = torch.tensor([[eos] * (length - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in batch], device=device)
-        start = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(input_ids, attention_mask=mask, max_new_tokens=args.max_tokens, do_sample=False,
-                              pad_token_id=eos, eos_token_id=eos)
-        elapsed = time.perf_counter() - start
+            out, elapsed = timed_call(hf.generate, input_ids, attention_mask=mask, max_new_tokens=args.max_tokens,
+                                      do_sample=False, pad_token_id=eos, eos_token_id=eos)
         rows = [row[: row.index(eos) + 1] if eos in row else row for row in out[:, length:].tolist()]
         return rows, elapsed
 
-    print(f"model {os.path.basename(path)}, {device}, float32, {torch.get_num_threads()} threads, "
-          f"max_tokens {args.max_tokens}, greedy, {args.repeats} repeats (medians)\n")
+    print(f"{describe_host()}\nmodel {os.path.basename(path)}, {device}, float32, max_tokens {args.max_tokens}, "
+          f"greedy, {args.repeats} repeats (medians)\n")
     names = list(systems) + ["transformers"]
     header = ["batch", "output tokens"] + [f"{name} tok/s" for name in names] + \
         ["speedup"] + (["speedup (F.linear)"] if len(systems) > 1 else []) + ["same tokens as transformers"]
@@ -114,8 +111,7 @@ def main():
         rates = {name: [] for name in names}
         num_tokens = count_output_tokens(hf_rows, eos)
         for repeat in range(args.repeats):
-            order = names if repeat % 2 == 0 else names[::-1]
-            for name in order:
+            for name in in_turns(names, repeat):
                 rows, elapsed = run_hf(batch) if name == "transformers" else run_engine(systems[name], batch)
                 rates[name].append(count_output_tokens(rows, eos) / elapsed)
         medians = {name: statistics.median(values) for name, values in rates.items()}

@@ -13,11 +13,11 @@ TFLOP/s (4 * L^2 / 2 * heads * head_dim causal FLOPs). Outputs are compared befo
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from common import describe_host, time_interleaved
 
 import paged_attn
 
@@ -52,12 +52,6 @@ def make_case(seq_len: int, dtype: torch.dtype):
     return ours, sdpa
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="128,256,512,1024,2048,4096")
@@ -67,8 +61,7 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.repeats = "128,1024", 2
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {NUM_HEADS}/{NUM_KV_HEADS} heads, "
-          f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}")
+    print(f"{describe_host()}; {NUM_HEADS}/{NUM_KV_HEADS} heads, head_dim {HEAD_DIM}, block {BLOCK_SIZE}")
     print(f"{'dtype':>9} {'L':>5} {'ours ms':>9} {'sdpa ms':>9} {'sdpa/ours':>9} {'ours TFLOP/s':>12}")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -76,12 +69,8 @@ def main():
             ours, sdpa = make_case(seq_len, dtype)
             tolerance = 1e-4 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(ours(), sdpa(), rtol=tolerance, atol=tolerance)
-            ours(), sdpa()  # warm-up
-            ours_times, sdpa_times = [], []
-            for repeat in range(args.repeats):
-                for name in (("ours", "sdpa") if repeat % 2 == 0 else ("sdpa", "ours")):
-                    (ours_times if name == "ours" else sdpa_times).append(timed(ours if name == "ours" else sdpa))
-            t_ours, t_sdpa = statistics.median(ours_times), statistics.median(sdpa_times)
+            seconds = time_interleaved({"ours": ours, "sdpa": sdpa}, args.repeats, warmup=1, alternate=True)
+            t_ours, t_sdpa = seconds["ours"], seconds["sdpa"]
             flops = 4 * seq_len * (seq_len + 1) / 2 * NUM_HEADS * HEAD_DIM
             print(f"{dtype_name:>9} {seq_len:>5} {t_ours * 1e3:9.2f} {t_sdpa * 1e3:9.2f} {t_sdpa / t_ours:9.2f} "
                   f"{flops / t_ours / 1e12:12.3f}", flush=True)

@@ -15,12 +15,12 @@ alternate within each repeat and the table gives medians and chunk / decode.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from common import describe_host, time_interleaved
+
 import paged_attn
-from bench_prefill import timed  # bench/, the script's folder, is on the path
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -54,20 +54,16 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chunk", type=int, default=2, help="query rows of the chunk")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {NUM_HEADS}/{NUM_KV_HEADS} heads, "
-          f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, bfloat16, chunk of {args.chunk} rows")
+    print(f"{describe_host()}; {NUM_HEADS}/{NUM_KV_HEADS} heads, head_dim {HEAD_DIM}, block {BLOCK_SIZE}, "
+          f"bfloat16, chunk of {args.chunk} rows")
     print(f"{'prefix':>7} {'window':>6} {'chunk ms':>9} {f'{args.chunk} decode ms':>11} {'chunk/decode':>12}")
     for prefix in map(int, args.prefixes.split(",")):
         for window_name in args.windows.split(","):
             window = None if window_name == "none" else int(window_name)
             chunk, decode = make_calls(prefix, window, args.chunk)
-            torch.testing.assert_close(chunk(), decode(), rtol=2e-2, atol=2e-2)
-            chunk_times, decode_times = [], []
-            for repeat in range(args.repeats):
-                for name in (("chunk", "decode") if repeat % 2 == 0 else ("decode", "chunk")):
-                    (chunk_times if name == "chunk" else decode_times).append(
-                        timed(chunk if name == "chunk" else decode))
-            t_chunk, t_decode = statistics.median(chunk_times), statistics.median(decode_times)
+            torch.testing.assert_close(chunk(), decode(), rtol=2e-2, atol=2e-2)  # (and the warm-up)
+            seconds = time_interleaved({"chunk": chunk, "decode": decode}, args.repeats, warmup=0, alternate=True)
+            t_chunk, t_decode = seconds["chunk"], seconds["decode"]
             print(f"{prefix:>7} {window_name:>6} {t_chunk * 1e3:9.2f} {t_decode * 1e3:11.2f} {t_chunk / t_decode:12.2f}",
                   flush=True)
 

@@ -1,5 +1,5 @@
 """Time ``ModelRunner.prepare`` (a step's paged metadata: token ids, positions, slot mapping, block tables) for a
-decode step and a prefill step, on the CPU: median of repeats, in microseconds.
+decode step and a prefill step, on the CPU: median of repeats (after an untimed one), in microseconds.
 
     GOMP_SPINCOUNT=0 python bench/bench_prepare.py [--batch 64] [--repeats 7] [--iters 200]
 """
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 from types import SimpleNamespace
 
 import torch
+
+from common import describe_host, median_time
 
 from paged_attn.engine.model_runner import ModelRunner
 from paged_attn.engine.scheduler import ScheduledStep, Sequence
@@ -35,13 +35,12 @@ def make_step(batch: int, block_size: int, decode: bool, rng: random.Random) -> 
 
 def time_prepare(step: ScheduledStep, block_size: int, repeats: int, iters: int) -> float:
     runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def prepare_iters():
         for _ in range(iters):
             ModelRunner.prepare(runner, step)
-        times.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(times)
+
+    return median_time(prepare_iters, repeats) / iters * 1e6
 
 
 def main() -> None:
@@ -52,6 +51,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(describe_host())
     for kind, decode, iters in (("decode", True, args.iters), ("prefill", False, max(1, args.iters // 20))):
         step = make_step(args.batch, args.block_size, decode, random.Random(0))
         print(f"prepare, {kind} step of {args.batch} sequences ({sum(step.num_new_tokens)} tokens): "

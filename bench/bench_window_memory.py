@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+from common import describe_host, in_turns, timed_call  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from paged_attn.engine import LLM, SamplingParams, model_path  # noqa: E402
@@ -80,12 +80,10 @@ def throughput(model, dtype, num_requests, prompt_len, new_tokens, budget_reques
     pool = {True: 6 * budget_requests * blocks_per_request, False: budget_requests * blocks_per_request}
     times, tokens, stats = {True: [], False: []}, {}, {}
     for rep in range(repeats + 1):
-        for on in ((True, False) if rep % 2 == 0 else (False, True)):
+        for on in in_turns((True, False), rep):
             llm = LLM(model, dtype=dtype, block_size=BLOCK_SIZE, window_kv_memory=on, num_gpu_blocks=pool[on],
                       max_model_len=prompt_len + new_tokens + 1)
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
+            outputs, elapsed = timed_call(llm.generate, prompts, params, use_tqdm=False)
             got = [output.outputs[0].token_ids for output in outputs]
             if tokens.setdefault(on, got) != got:
                 raise SystemExit(f"two runs with window_kv_memory={on} gave different tokens")
@@ -113,10 +111,7 @@ def main() -> None:
         args.lengths, args.repeats = "4096", 1
     dtype = getattr(torch, args.dtype)
     model = load_model(model_path("gemma3-270m"), torch.device("cpu"), dtype)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    print(f"# Gemma 3 270M, {args.dtype} KV, block size {BLOCK_SIZE}; {cpu}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
+    print(f"# Gemma 3 270M, {args.dtype} KV, block size {BLOCK_SIZE}; {describe_host()}")
 
     print("\n| prompt tokens | held at first decode, on (global + windowed) | off | on / off | ideal "
           "| peak on / peak off |")

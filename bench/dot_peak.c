@@ -5,7 +5,7 @@
 //
 //     gcc -O2 -o /tmp/dot_peak bench/dot_peak.c && /tmp/dot_peak
 //
-// What the figures bound (bench/RESULTS.md, issue 24 §3): a bfloat16 decode row on the AVX-512 bf16 path costs
+// What the figures bound (bench/LOG.md, issue 24 §3): a bfloat16 decode row on the AVX-512 bf16 path costs
 // 3 * head_dim / 32 vdpbf16ps per (query head, key token): head_dim / 32 for q . k, and 2 * head_dim / 32 for
 // p * v (two bf16 terms of p, hi and lo, per token pair; see csrc/cpu/avx512_kernels.h). Reading a shared block
 // once saves its loads, not these products: every row still multiplies its own query by the shared keys. So a

@@ -32,32 +32,16 @@ import argparse
 import bisect
 import math
 import os
-import random
 from collections import deque
 
 from tqdm import tqdm
 
+from common import DATASETS, FIGURES, pyplot, sample_requests, save_figure
+
 from paged_attn import BlockManager
 
-DATASETS = {"sharegpt-like": (161, 338), "alpaca-like": (19, 58)}  # mean input, mean output tokens
 CATEGORIES = ["token states", "reserved", "internal frag.", "external frag.", "free"]
 COLORS = ["#2b8a3e", "#f59f00", "#e8590c", "#c92a2a", "#ced4da"]
-FIGURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
-
-
-def lognormal_int(rng: random.Random, mean: float, sigma: float, high: int) -> int:
-    return min(high, max(1, round(rng.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma))))
-
-
-def sample_requests(dataset: str, num: int, seed: int, sigma: float = 1.0, max_len: int = 2048):
-    """``num`` (prompt_len, output_len) pairs with prompt + output <= max_len."""
-    rng = random.Random(f"{dataset}-{seed}")
-    mean_in, mean_out = DATASETS[dataset]
-    requests = []
-    for _ in range(num):
-        prompt = lognormal_int(rng, mean_in, sigma, max_len - 1)
-        requests.append((prompt, lognormal_int(rng, mean_out, sigma, max_len - prompt)))
-    return requests
 
 
 class FirstFit:
@@ -170,23 +154,6 @@ def run_paged(requests, pool: int, block_size: int, watermark: float = 0.01) -> 
                 del running[rid]
         step += 1
     return meter.result(step, preemptions)
-
-
-def pyplot():
-    """matplotlib's pyplot, drawing to files (no display needed)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, name: str, **tight_layout) -> None:
-    """Lay out `fig`, write it to bench/figures/`name` and close it."""
-    fig.tight_layout(**tight_layout)
-    os.makedirs(FIGURES, exist_ok=True)
-    fig.savefig(os.path.join(FIGURES, name), dpi=120, bbox_inches="tight")
-    pyplot().close(fig)
 
 
 def plot(results: dict, datasets: list[str]):

@@ -34,7 +34,7 @@ from collections import deque
 
 from tqdm import tqdm
 
-from memory_study import DATASETS, FIGURES, lognormal_int, pyplot, sample_requests, save_figure
+from common import DATASETS, FIGURES, lognormal_int, pyplot, sample_requests, save_figure
 from paged_attn import BlockManager
 
 PAPER = {  # memory saved, Fig. 15 and §6.3 of the paper (OPT-13B; parallel n = 2, 4, 6; beam width 2, 4, 6)

@@ -17,7 +17,8 @@ promised to requests (``LLM(kv_reservation=...)``):
 The baselines keep their reservation for their whole life, so fewer requests run at once; their blocks are still
 paged, so they suffer no external fragmentation: a kind emulation of a contiguous allocator. All requests arrive
 at once (offline serving); prompts are random token ids with log-normal lengths (sigma 1, the dataset's means,
-as in memory_study.py) and each request generates exactly its sampled output length (greedy, ``ignore_eos``).
+as in memory_study.py; both draw them with bench/common.py) and each request generates exactly its sampled output
+length (greedy, ``ignore_eos``).
 Throughput is requests and output tokens per second of wall time, prefill included. Each policy runs once after
 a short warm-up; the runs are long (tens of seconds), so their ratio is stable on a noisy machine.
 
@@ -30,15 +31,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
-import time
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from memory_study import DATASETS, FIGURES, pyplot, sample_requests, save_figure  # noqa: E402
+from common import DATASETS, FIGURES, describe_host, pyplot, sample_requests, save_figure, timed_call  # noqa: E402
 
 from paged_attn.engine import LLM, LlamaModel, SamplingParams  # noqa: E402
 
@@ -88,9 +86,7 @@ def run(model, args, policy: str, prompts, params, use_tqdm=True) -> dict:
         kwargs["num_cpu_blocks"] = num_blocks
     llm = LLM(model, device=args.device, block_size=args.block_size, num_gpu_blocks=num_blocks,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **kwargs)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    seconds = time.perf_counter() - start
+    outputs, seconds = timed_call(llm.generate, prompts, params, use_tqdm=use_tqdm)
     stats = llm.stats()
     tokens = [output.outputs[0].token_ids for output in outputs]
     return dict(
@@ -132,6 +128,7 @@ def main():
         if name not in POLICIES:
             raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     model = LlamaModel.from_gguf(args.model, args.device, getattr(torch, args.dtype))
+    print(describe_host(), flush=True)
     # warm-up: first calls into oneDNN and the kernels, not timed
     run(model, args, "paged", [[1000 + i for i in range(40)]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)
 

@@ -8,7 +8,7 @@
 #   bash scripts/check_vllm.sh --venv     # only make the venv (CI starts this early, in the background)
 #   bash scripts/check_vllm.sh --record   # run vLLM's own backend again and record its outputs in
 #                                         # tests/vllm_backend/vllm_reference.json (after a change of vLLM, torch,
-#                                         # transformers, gguf or vllm_runs.py; the tests say when), then test
+#                                         # transformers, gguf, vllm_runs.py or hf_export.py: the tests warn), then test
 #   bash scripts/check_vllm.sh ARGS...    # pytest ARGS instead of tests/vllm_backend (e.g. -k gemma3 tests/vllm_backend)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -5,7 +5,7 @@
     python scripts/sass_report.py --check-decode FILE          # exit 1 unless the decode targets below are met
     python scripts/sass_report.py --check-prefill FILE         # the same for the prefill targets
     python scripts/sass_report.py --kernels 'decode_mma_kernel<bf16' FILE   # only these kernels (faster)
-    python scripts/sass_report.py --baseline bench/sass_baseline.json FILE      # before -> after; exit 1 if worse
+    python scripts/sass_report.py --baseline scripts/sass_baseline.json FILE      # before -> after; exit 1 if worse
     (FILE may also be a report saved with --json or --json-out: nothing is disassembled then)
 
 For every kernel of the binary (a shared library or a cubin): registers, local memory (stack frame and local

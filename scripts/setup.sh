@@ -53,10 +53,10 @@ if [ -n "$SO" ] && grep -q "sm_90" build/registers.txt; then
   fi
   if [ -f build/sass_report.txt ]; then
     sed -n '/^Decode targets/,$p' build/sass_report.txt
-    # against the kernels of bench/sass_baseline.json (the report of an earlier build): which got worse
-    if .venv/bin/python scripts/sass_report.py --baseline bench/sass_baseline.json build/sass_report.json \
+    # against the kernels of scripts/sass_baseline.json (the report of an earlier build): which got worse
+    if .venv/bin/python scripts/sass_report.py --baseline scripts/sass_baseline.json build/sass_report.json \
         > build/sass_baseline.txt 2>&1; then
-      echo "no kernel worse than bench/sass_baseline.json"
+      echo "no kernel worse than scripts/sass_baseline.json"
     else
       tail -n 1 build/sass_baseline.txt | cut -c1-300
     fi

@@ -658,7 +658,7 @@ __device__ __forceinline__ void write_empty(const AttentionParams<T, C>& p, cons
 // Registers: the loop over partitions (around the tile loop) made ptxas keep more values live than a block of one
 // partition did (fp8 cache, head dim 256, one head: 118 registers instead of 80), spills in some variants, a
 // resident block fewer per SM. decode_min_blocks<C, HEAD_DIM, GROUP>() is, per variant, the blocks per SM it held
-// with one partition per block (a5ad90d, bench/sass_baseline.json); as __launch_bounds__'s minimum it caps the
+// with one partition per block (a5ad90d, scripts/sass_baseline.json); as __launch_bounds__'s minimum it caps the
 // registers at what those blocks allow, which the variants meet with no local memory (sm_90, ptxas 13.0:
 // scripts/sass_report.py --baseline compares every variant). One exception: float16/bfloat16 at head dim 192 with
 // one head holds 7 (at 8, ptxas spilled ~40 bytes); it runs only below sm_80, where the tensor-core decode does not.

@@ -1,10 +1,9 @@
 """The serving engine with an fp8 KV cache (``LLM(kv_cache_dtype=...)``) on the real model (SmolLM2-135M-Instruct,
-float32 weights, CPU): capacity, scales, preemption, and accuracy against the float32 cache (bench/fp8_accuracy.py
-measures; here its bounds are asserted)."""
+float32 weights, CPU): capacity, scales, preemption, and accuracy against the float32 cache
+(paged_attn/engine/fp8_accuracy.py measures, bench/fp8_accuracy.py prints the figures; here its bounds are
+asserted)."""
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +13,8 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"engine tests need {', '
                                                         f"(pip install -r requirements-dev.txt)")
 
 if not _MISSING:
-    from paged_attn.engine import LLM, LlamaModel, SamplingParams
+    from paged_attn.engine import LLM, LlamaModel, SamplingParams, fp8_accuracy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 
 
@@ -27,8 +25,6 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts(model):
-    import fp8_accuracy
-
     return fp8_accuracy.prompts(model)
 
 
@@ -117,8 +113,6 @@ def test_fp8_accuracy_against_the_float32_cache(model):
     """Teacher-forced along the float32 cache's greedy output (16 prompts x 64 tokens). Measured 2026-12-01: e4m3
     95.0% top-1 agreement (scales 1.0), mean |d logprob| 0.056; e5m2 91.6%, 0.114; every disagreement at a step
     where the float32 cache's top two tokens were within 0.45 nats (a near-tie; 25% of steps are within 0.5)."""
-    import fp8_accuracy
-
     results, outputs = fp8_accuracy.measure(model, max_tokens=64,
                                             variants=[("fp8_e4m3", False), ("fp8_e5m2", False)])
     assert len(set(map(tuple, outputs))) == len(outputs)  # not degenerate
@@ -138,8 +132,6 @@ def test_fp8_cache_loses_nothing_beyond_the_formats_rounding(model, prompts, kv_
     the same argmax at every step and the same log-probabilities (measured: bit-identical), i.e. the accuracy lost
     above is the format's, not the kernels' (2026-12-01, bench/fp8_accuracy.py: a float32 cache of e4m3-rounded
     keys and values agrees with the float32 cache at 95.02% of steps, as the fp8 cache does)."""
-    import fp8_accuracy
-
     prompt_ids = prompts[:4]
     outputs = greedy(LLM(model), prompt_ids, max_tokens=32)
     rounded = LLM(model)

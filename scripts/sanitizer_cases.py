@@ -1,4 +1,4 @@
-"""Small CUDA cases of every op, for compute-sanitizer (bench/gpu_check.sh runs it under memcheck and racecheck).
+"""Small CUDA cases of every op, for compute-sanitizer (scripts/gpu_check.sh runs it under memcheck and racecheck).
 
 Each case is checked against paged_attn.reference, so the run also fails on a wrong result. Covers both
 paged_attention decode paths (single pass: many sequences; split-KV: one long sequence), GQA groups above and below

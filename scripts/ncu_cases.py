@@ -1,4 +1,4 @@
-"""Two CUDA paged_attention launches for Nsight Compute (bench/gpu_check.sh profiles them with ncu).
+"""Two CUDA paged_attention launches for Nsight Compute (scripts/gpu_check.sh profiles them with ncu).
 
 Llama-3-8B-like shapes (32 query heads, 8 kv heads, head dim 128, bfloat16, block 16, shuffled blocks):
   * batch 128 x 4,096 tokens: the single-pass kernel (1,024 thread blocks, one per sequence and kv head: two
@@ -7,7 +7,7 @@ Llama-3-8B-like shapes (32 query heads, 8 kv heads, head dim 128, bfloat16, bloc
     and the reduce kernel.
 Each case runs twice (the first launch of a kernel includes its module load); ncu records every launch.
 
-    ncu --clock-control none -k regex:paged_attention python bench/ncu_cases.py
+    ncu --clock-control none -k regex:paged_attention python scripts/ncu_cases.py
 """
 
 import torch

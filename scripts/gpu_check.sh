@@ -7,12 +7,12 @@
 # of the attention kernels, and the engine on CUDA (SmolLM2-135M too when its packages are installed), and writes a
 # short summary plus the full logs into the folder given as its argument.
 #
-#   bash bench/gpu_check.sh OUT_DIR
+#   bash scripts/gpu_check.sh OUT_DIR
 #
 # It uses the python3 on the PATH as it is (no virtualenv, no downloads), so it runs on an offline GPU machine
 # whose image already has torch and pytest. Exit status: non-zero when the build or the tests fail.
 set -uo pipefail
-OUT="${1:?usage: bash bench/gpu_check.sh OUT_DIR}"
+OUT="${1:?usage: bash scripts/gpu_check.sh OUT_DIR}"
 mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -52,9 +52,9 @@ step "tests: emulated tensor-core kernel against the GPU" tests_emulated_varlen.
 step "tests: fp8 caches on CUDA, and the emulated fp8 kernels against the GPU" tests_fp8.log \
   "$PY" -m pytest tests/ops/test_fp8.py tests/emulated/test_emulated_kernels.py -q -ra -p no:cacheprovider -k fp8
 step "compute-sanitizer (memcheck) on small cases" sanitizer.log \
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" scripts/sanitizer_cases.py
 step "compute-sanitizer (racecheck) on small cases" racecheck.log \
-  compute-sanitizer --tool racecheck --error-exitcode 3 "$PY" bench/sanitizer_cases.py
+  compute-sanitizer --tool racecheck --error-exitcode 3 "$PY" scripts/sanitizer_cases.py
 step "benchmark: paged_attention on CUDA" bench_cuda_attention.log "$PY" bench/bench_cuda_attention.py
 step "benchmark: fp8 e4m3 against bf16 cache, decode at batch 64/256 x context 2k/8k (target >= 1.6x)" \
   bench_cuda_fp8.log "$PY" bench/bench_cuda_attention.py --kv-dtype fp8_e4m3 --batch-sizes 64,256 \
@@ -67,11 +67,11 @@ step "tests: shared blocks (the plan on the GPU, and the emulated kernels agains
   "$PY" -m pytest tests/ops/test_plan_shared_blocks.py tests/emulated/test_emulated_kernels.py -q -ra \
   -p no:cacheprovider -k "cuda or shared_blocks"
 # Hardware counters of the attention kernels, for tuning (where the runtime lets ncu read counters): every
-# launch of bench/ncu_cases.py (each case twice; which path runs shows in the kernel name and grid size).
+# launch of scripts/ncu_cases.py (each case twice; which path runs shows in the kernel name and grid size).
 step "ncu: paged_attention kernels (batch 128 x 4k single pass, batch 1 x 32k split-KV)" ncu.log \
   ncu --clock-control none -k regex:paged_attention --launch-count 12 \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,launch__grid_size,launch__waves_per_multiprocessor \
-      "$PY" bench/ncu_cases.py
+      "$PY" scripts/ncu_cases.py
 step "ncu: the tensor-core prefill kernel (4096-token prompt)" ncu_varlen.log \
   ncu --clock-control none -k regex:varlen_attention --launch-count 2 \
       --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_shared_mem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \

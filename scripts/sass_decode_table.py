@@ -1,10 +1,12 @@
 """The before/after table of the CUDA decode kernels by the SASS report (scripts/sass_report.py), as markdown.
 
-    .venv/bin/python bench/sass_decode_table.py [--baseline bench/sass_baseline.json] [--report build/sass_report.json]
+    .venv/bin/python scripts/sass_decode_table.py [--baseline scripts/sass_baseline.json] \
+        [--report build/sass_report.json]
 
-The table in bench/RESULTS.md (2026-12-03) compares with the baseline of a5ad90d, before the tensor-core decode:
+The table in bench/LOG.md (2026-12-03) compares with the baseline of a5ad90d, before the tensor-core decode (the
+baseline was then bench/sass_baseline.json):
     git show f5cdf9b:bench/sass_baseline.json > /tmp/a5ad90d.json
-    .venv/bin/python bench/sass_decode_table.py --baseline /tmp/a5ad90d.json
+    .venv/bin/python scripts/sass_decode_table.py --baseline /tmp/a5ad90d.json
 
 One row per decode variant of the baseline (query dtype, cache dtype, head dim, query heads per thread block):
 the kernel that served it then (paged_attention_kernel<T, C, D, G>) against the one that serves it now, which is
@@ -53,7 +55,7 @@ def table(baseline, report, groups=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default=ROOT / "bench" / "sass_baseline.json")
+    parser.add_argument("--baseline", default=ROOT / "scripts" / "sass_baseline.json")
     parser.add_argument("--report", default=ROOT / "build" / "sass_report.json",
                         help="scripts/sass_report.py --json-out of the build (scripts/setup.sh writes this one)")
     parser.add_argument("--groups", default="", help="only these heads per block, e.g. 1,4,8")
