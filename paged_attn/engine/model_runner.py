@@ -12,7 +12,7 @@ swap in, swap out, copy (copy-on-write), which is the order the scheduler decide
 frees may be a copy's destination in the same step, and a swap-out may send back a request swapped in earlier in
 the same step.
 
-The cache is laid out by KV-cache groups (``model.KVCacheGroups``): ``layers_per_group`` (key, value) tensor pairs of
+The cache is laid out by KV-cache groups (``KVCacheGroups``): ``layers_per_group`` (key, value) tensor pairs of
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, a block id (a page) naming ``block_size`` tokens of one group's
 layers in each pair; layer ``i`` uses pair ``layer_slot[i]`` with its group's slots and block tables. With one group
 (every layer global) a block holds every layer.
@@ -23,13 +23,17 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import ops
 from ..block_manager import block_tables_tensor, token_slots
-from .model import Batch, CompiledElementwise, KVCacheGroups, LlamaModel, ModelConfig, kv_cache_groups
+from .batch import Batch
+from .layers import CompiledElementwise
+from .loader import ModelConfig
+from .model import LlamaModel
 from .scheduler import ScheduledStep
 from .sequence import Sequence
 
@@ -45,6 +49,45 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
                          f"{kv_cache_dtype!r}")
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """How the layers share the paged KV cache (window-aware memory; design: ``WINDOW_MEMORY.md``): the layers are
+    split into groups of ``layers_per_group`` layers of one attention type, and every group keeps its own block
+    tables and slot mapping over one pool of pages; a page holds ``block_size`` tokens of a group's layers, so a
+    windowed group can release the pages that have fallen out of its window while a global one keeps them."""
+
+    windows: tuple[Optional[int], ...]  # per group: None (global) or its sliding window; global groups first
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_slot: tuple[int, ...]  # per layer: which of the layers_per_group (key, value) cache tensors it uses
+    layers_per_group: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+
+def kv_cache_groups(config: ModelConfig, window_aware: bool = True,
+                    enable_prefix_caching: bool = False) -> KVCacheGroups:
+    """The KV-cache groups of a model: one global group of every layer when all layers are global (Llama), when
+    ``window_aware`` is off, or when prefix caching needs a global group and there is none; else, per attention
+    type (global, then each window), the type's layers in order, cut into groups of the greatest common divisor of
+    the types' layer counts (Gemma 3 270M: 3 global and 15 windowed layers make 6 groups of 3)."""
+    num_layers = config.num_layers
+    windows = config.sliding_windows or (None,) * num_layers
+    kinds = sorted(set(windows), key=lambda window: (window is not None, window or 0))
+    if not window_aware or kinds == [None] or (enable_prefix_caching and None not in kinds):
+        return KVCacheGroups((None,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+    layers = {kind: [i for i, window in enumerate(windows) if window == kind] for kind in kinds}
+    size = math.gcd(*(len(indices) for indices in layers.values()))
+    group_windows, layer_group, layer_slot = [], [0] * num_layers, [0] * num_layers
+    for kind in kinds:
+        for start in range(0, len(layers[kind]), size):
+            for slot, layer in enumerate(layers[kind][start:start + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(kind)
+    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
 
 
 class ModelRunner:

@@ -77,7 +77,7 @@ class Scheduler:
         self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        # one block table per KV-cache group (None: global, or the group's sliding window; model.kv_cache_groups)
+        # one block table per KV-cache group (None: global, or the group's sliding window; model_runner.kv_cache_groups)
         self.block_manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                           enable_prefix_caching=enable_prefix_caching, group_windows=group_windows)
         self.num_groups = self.block_manager.num_groups
