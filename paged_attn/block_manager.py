@@ -53,31 +53,10 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import numpy as np
 import torch
 
-from paged_attn.prefix_cache import PrefixCache
-
-PAD_BLOCK_ID = -1  # fills the rows of block_tables_tensor past a sequence's last block
-
-
-# ---- paged metadata: the one place that turns block tables into what the kernels read ----
-
-def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Cache slots of token positions ``[start, end)`` of a sequence with this block table: token ``i`` lives at
-    ``block_table[i // block_size] * block_size + i % block_size`` (the ``slot_mapping`` of ``reshape_and_cache``)."""
-    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
-
-
-def block_tables_tensor(tables: list[list[int]]) -> torch.Tensor:
-    """int32 ``[len(tables), max_blocks]`` block tables on the CPU, each row padded with ``PAD_BLOCK_ID`` (the
-    ``block_tables`` of ``paged_attention``). Filled row by row through NumPy: converting a nested list with
-    ``torch.tensor`` costs several times more."""
-    max_blocks = max(map(len, tables), default=0)
-    rows = np.full((len(tables), max_blocks), PAD_BLOCK_ID, dtype=np.int32)
-    for row, table in zip(rows, tables):
-        row[:len(table)] = table
-    return torch.from_numpy(rows)
+from .metadata import PAD_BLOCK_ID, block_tables_tensor, token_slots
+from .prefix_cache import PrefixCache
 
 
 class OutOfBlocksError(RuntimeError):

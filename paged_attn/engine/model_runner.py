@@ -20,16 +20,14 @@ layers in each pair; layer ``i`` uses pair ``layer_slot[i]`` with its group's sl
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import ops
-from ..block_manager import block_tables_tensor, token_slots
+from ..metadata import paged_metadata
 from .batch import Batch
 from .layers import CompiledElementwise
 from .loader import ModelConfig
@@ -113,8 +111,8 @@ class ModelRunner:
                           for _ in range(model.config.num_layers)] if fp8 else None
         self.calibrate_pending = calibrate_kv_scales  # until calibrate_kv_scales has run (LLM refuses it without fp8)
         # Shared blocks: on the CPU the attention op finds them itself; on CUDA a decode step passes a plan per
-        # KV-cache group (ops.plan_shared_blocks, from the host-side tables). PAGED_ATTN_NO_SHARED_BLOCKS set (read
-        # every step, as the op reads it): neither.
+        # KV-cache group (from the host-side tables: metadata.paged_metadata). PAGED_ATTN_NO_SHARED_BLOCKS set:
+        # neither.
         self.plan_shared_blocks = self.device.type == "cuda"
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
@@ -162,6 +160,7 @@ class ModelRunner:
             step.seqs.append(Sequence(list(prompt), len(prompt)))
             step.num_new_tokens.append(len(prompt))
             step.block_tables.append([list(range(num_blocks, num_blocks + blocks))] * self.groups.num_groups)
+            step.reserved_slots.append(None)
             num_blocks += blocks
         cfg = self.model.config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -194,47 +193,37 @@ class ModelRunner:
             ops.swap_blocks(src[1], dst[1], mapping)
 
     def prepare(self, step: ScheduledStep) -> Batch:
-        """The step's paged metadata: sequence ``s`` computes its tokens ``[num_computed_tokens, + num_new_tokens)``
-        and attends over all its tokens up to each one, in every KV-cache group through the group's block table."""
-        block_size, num_groups = self.block_size, self.groups.num_groups
-        input_ids, positions, query_lens, seq_lens, logits_indices = [], [], [], [], []
-        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        """The step's tensors on the device: sequence ``s`` computes its tokens ``[num_computed_tokens,
+        + num_new_tokens)`` and attends over all its tokens up to each one, in every KV-cache group through the
+        group's block table (the paged metadata: ``metadata.paged_metadata``, built once here)."""
+        input_ids, positions, logits_indices = [], [], []
         num_tokens = 0
-        for seq, num_new_tokens, tables in zip(step.seqs, step.num_new_tokens, step.block_tables):
+        for seq, num_new_tokens in zip(step.seqs, step.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            for group_slots, table in zip(slots, tables):
-                group_slots += token_slots(table, block_size, start, end)
-            query_lens.append(num_new_tokens)
-            seq_lens.append(end)
             num_tokens += num_new_tokens
             if end == len(seq.token_ids):  # its last token: the logits of the next one
                 logits_indices.append(num_tokens - 1)
+        config = self.model.config
+        paged = paged_metadata(step.block_tables, [seq.num_computed_tokens for seq in step.seqs],
+                               step.num_new_tokens, step.reserved_slots, self.block_size, self.groups.num_groups,
+                               config.num_heads // config.num_kv_heads if self.plan_shared_blocks else None)
 
-        def tensor(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        def on_device(tensor):
+            return tensor.to(self.device, non_blocking=True)
 
-        tables = [block_tables_tensor([tables[group] for tables in step.block_tables]) for group in range(num_groups)]
-        shared_plans = None
-        if (self.plan_shared_blocks and max(step.num_new_tokens, default=0) == 1  # a decode step
-                and "PAGED_ATTN_NO_SHARED_BLOCKS" not in os.environ):
-            config, lens = self.model.config, torch.tensor(seq_lens, dtype=torch.int32)
-            shared_plans = tuple(
-                ops.plan_shared_blocks(table, lens, block_size,
-                                       num_queries_per_kv=config.num_heads // config.num_kv_heads)
-                .to(self.device, non_blocking=True) for table in tables)
         return Batch(
-            input_ids=tensor(input_ids),
-            positions=tensor(positions),
-            slot_mapping=tensor(list(itertools.chain.from_iterable(slots))).view(num_groups, num_tokens),
-            block_tables=torch.stack(tables).to(self.device, non_blocking=True),
+            input_ids=on_device(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=on_device(torch.tensor(positions, dtype=torch.int64)),
+            slot_mapping=on_device(paged.slot_mapping),
+            block_tables=on_device(paged.block_tables),
             layer_groups=self.groups.layer_group,
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor([0, *itertools.accumulate(query_lens)], torch.int32),
-            max_query_len=max(query_lens, default=0),
-            logits_indices=tensor(logits_indices),
-            shared_plans=shared_plans,
+            seq_lens=on_device(paged.seq_lens),
+            query_start_loc=on_device(paged.query_start_loc),
+            max_query_len=paged.max_query_len,
+            logits_indices=on_device(torch.tensor(logits_indices, dtype=torch.int64)),
+            shared_plans=None if paged.shared_plans is None else tuple(map(on_device, paged.shared_plans)),
         )
 
 

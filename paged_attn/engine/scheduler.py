@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..block_manager import BlockManager
 from .sampling import SamplingParams
@@ -51,6 +52,9 @@ class ScheduledStep:
     seqs: list[Sequence] = field(default_factory=list)  # a request's sequences are adjacent
     num_new_tokens: list[int] = field(default_factory=list)  # per sequence, from its num_computed_tokens on
     block_tables: list[list[list[int]]] = field(default_factory=list)  # per sequence, per KV-cache group
+    # per sequence: the slot of its new token in each KV-cache group as the block manager reserved it (decodes),
+    # or None (prefill chunks: the runner's paged metadata computes them from block_tables)
+    reserved_slots: list[Optional[list[int]]] = field(default_factory=list)
     sampling_requests: list[Request] = field(default_factory=list)  # those whose every last token is computed
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
@@ -227,10 +231,12 @@ class Scheduler:
                     self._preempt(request, step)
                     continue
                 # (alone, a request always fits: LLM rejects any request the whole pool could not hold)
+                reserved_slots = []
                 for seq in request.seqs:
-                    _, cows = self.block_manager.append_slots(seq.seq_id, seq.token_ids[-1])
+                    slots, cows = self.block_manager.append_slots(seq.seq_id, seq.token_ids[-1])
                     step.blocks_to_copy += cows
-                self._add_to_step(step, request, [1] * len(request.seqs))
+                    reserved_slots.append(slots)
+                self._add_to_step(step, request, [1] * len(request.seqs), reserved_slots)
                 step.num_decode_tokens += len(request.seqs)
             self.running.append(request)
 
@@ -249,12 +255,16 @@ class Scheduler:
         self._add_to_step(step, request, chunk)
         step.num_prefill_tokens += sum(chunk)
 
-    def _add_to_step(self, step: ScheduledStep, request: Request, num_new_tokens: list[int]) -> None:
-        for seq, num_tokens in zip(request.seqs, num_new_tokens):
+    def _add_to_step(self, step: ScheduledStep, request: Request, num_new_tokens: list[int],
+                     reserved_slots: Optional[list[list[int]]] = None) -> None:
+        """Schedule the request's sequences for these numbers of new tokens (``reserved_slots``: per sequence, its
+        decode token's slots that ``append_slots`` reserved)."""
+        for index, (seq, num_tokens) in enumerate(zip(request.seqs, num_new_tokens)):
             if num_tokens:
                 step.seqs.append(seq)
                 step.num_new_tokens.append(num_tokens)
                 step.block_tables.append(self.block_manager.block_tables(seq.seq_id))
+                step.reserved_slots.append(None if reserved_slots is None else reserved_slots[index])
         if all(seq.num_computed_tokens + num_tokens == len(seq.token_ids)
                for seq, num_tokens in zip(request.seqs, num_new_tokens)):
             step.sampling_requests.append(request)
