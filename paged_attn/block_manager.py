@@ -40,14 +40,14 @@ Vocabulary:
   are registered under group 0's entry for the same token block; a hit of ``H`` blocks needs, in each group, the
   blocks its first query (position ``H * block_size``) can still see.
 
-Allocating, freeing and copying-on-write a block is O(1): free ids sit in a deque, evictable ones in an
-``OrderedDict`` kept in LRU order; no operation scans the pool of blocks.
+The physical blocks and their reference counts live in a ``BlockPool`` per device (``block_pool.py``), the prefix
+cache's entries in its ``PrefixCache`` (``prefix_cache.py``), the paged-metadata arithmetic in ``metadata.py``.
+Allocating, freeing and copying-on-write a block is O(1); no operation scans the pool of blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 import operator
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -55,25 +55,13 @@ from typing import Optional, Union
 
 import torch
 
+from .block_pool import BlockPool
 from .metadata import PAD_BLOCK_ID, block_tables_tensor, token_slots
 from .prefix_cache import PrefixCache
 
 
 class OutOfBlocksError(RuntimeError):
     """Not enough free blocks for a request. The manager is left exactly as it was."""
-
-
-@dataclass(eq=False)
-class Block:
-    """One physical block of ``block_size`` slots, on the GPU or on the CPU."""
-
-    block_id: int
-    ref_count: int = 0
-    # Prefix cache (GPU blocks only); set exactly while the block is registered in the PrefixCache.
-    hash: Optional[Hashable] = None  # the PrefixCache key: an int (group 0) or a group key tuple
-    token_ids: tuple[int, ...] = ()
-    content_id: Optional[int] = None  # never reused, so a child entry can name its exact parent
-    parent_content_id: Optional[int] = None
 
 
 @dataclass(eq=False)
@@ -157,11 +145,9 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = group_windows
-        self.gpu_blocks = [Block(i) for i in range(num_gpu_blocks)]
-        self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
-        self.free_gpu_block_ids: deque[int] = deque(range(num_gpu_blocks))  # free and holding nothing cached
-        self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
-        self.prefix_cache = PrefixCache(self.gpu_blocks, block_size)  # also holds the evictable free blocks
+        self.prefix_cache = PrefixCache(block_size)  # also holds the evictable free GPU blocks
+        self.gpu_pool = BlockPool(num_gpu_blocks, self.prefix_cache)
+        self.cpu_pool = BlockPool(num_cpu_blocks)
         self.seqs: dict[Hashable, SeqState] = {}
 
     @property
@@ -173,11 +159,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """GPU blocks an allocation could use now: free ones plus evictable cached ones."""
-        return len(self.free_gpu_block_ids) + self.prefix_cache.num_evictable
+        return self.gpu_pool.num_free
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return len(self.free_cpu_block_ids)
+        return self.cpu_pool.num_free
 
     # ---- new sequences ----
 
@@ -207,18 +193,16 @@ class BlockManager:
         token_ids = self._prompt(token_ids)
         hits = self._prefix_hits(token_ids)
         self._check_gpu_capacity(self._blocks_needed(token_ids, hits), f"allocating sequence {seq_id!r}")
-        for group_hits in hits:
-            for block in group_hits:
-                if block is not None:
-                    self.prefix_cache.hold(block)
+        for block_id in _held(hits):
+            self.gpu_pool.hold(block_id)
         num_hits, num_blocks = len(hits[0]), -(-len(token_ids) // self.block_size)
-        tables = [[PAD_BLOCK_ID if block is None else block.block_id for block in group_hits] +
-                  [self._take_gpu_block() for _ in range(num_blocks - num_hits)] for group_hits in hits]
+        tables = [group_hits + [self.gpu_pool.take() for _ in range(num_blocks - num_hits)] for group_hits in hits]
         cached = num_hits * self.block_size
         seq = SeqState(token_ids, tables, num_published_blocks=num_hits, window_floor=cached,
                        released_below=[self._first_visible_block(g, cached) for g in range(self.num_groups)])
         if num_hits:
-            seq.prefix_hash, seq.prefix_content_id = hits[0][-1].hash, hits[0][-1].content_id
+            entry = self.prefix_cache.entries[hits[0][-1]]
+            seq.prefix_hash, seq.prefix_content_id = entry.key, entry.content_id
         self.seqs[seq_id] = seq
         return cached
 
@@ -227,9 +211,9 @@ class BlockManager:
         parent = self._seq(parent_seq_id)
         if child_seq_id in self.seqs:
             raise ValueError(f"cannot fork onto sequence {child_seq_id!r}: it already exists")
-        blocks = self.cpu_blocks if parent.swapped_out else self.gpu_blocks
+        pool = self.cpu_pool if parent.swapped_out else self.gpu_pool
         for block_id in _held(parent.block_tables):
-            blocks[block_id].ref_count += 1
+            pool.hold(block_id)
         self.seqs[child_seq_id] = dataclasses.replace(
             parent, token_ids=list(parent.token_ids), block_tables=[list(t) for t in parent.block_tables],
             released_below=list(parent.released_below))
@@ -265,10 +249,10 @@ class BlockManager:
         cows = []
         for table in seq.block_tables:
             if position % self.block_size == 0:
-                table.append(self._take_gpu_block())
-            elif self.gpu_blocks[table[-1]].ref_count > 1:
-                src_block_id, dst_block_id = table[-1], self._take_gpu_block()
-                self.gpu_blocks[src_block_id].ref_count -= 1  # still >= 1: others hold it
+                table.append(self.gpu_pool.take())
+            elif self.gpu_pool.blocks[table[-1]].ref_count > 1:
+                src_block_id, dst_block_id = table[-1], self.gpu_pool.take()
+                self.gpu_pool.release(src_block_id)  # still held by others
                 table[-1] = dst_block_id
                 cows.append((src_block_id, dst_block_id))
         seq.token_ids.append(token_id)
@@ -296,18 +280,14 @@ class BlockManager:
             end = self._first_visible_block(group, seq.window_floor)
             for index in range(seq.released_below[group], end):  # oldest first: the LRU evicts them first
                 if table[index] != PAD_BLOCK_ID:
-                    self._release_gpu_block(table[index])
+                    self.gpu_pool.release(table[index])
                     table[index] = PAD_BLOCK_ID
             seq.released_below[group] = max(seq.released_below[group], end)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence (on the GPU or swapped out) and release its blocks."""
         seq = self._seq(seq_id)
-        release = self._release_cpu_block if seq.swapped_out else self._release_gpu_block
-        for table in seq.block_tables:
-            for block_id in reversed(table):  # tail first, so a prefix outlives its suffix in the LRU
-                if block_id != PAD_BLOCK_ID:
-                    release(block_id)
+        self._release_tables(seq, self.cpu_pool if seq.swapped_out else self.gpu_pool)
         del self.seqs[seq_id]
 
     # ---- paged metadata for the kernels ----
@@ -366,9 +346,7 @@ class BlockManager:
         if len(gpu_block_ids) > self.num_free_cpu_blocks:
             raise OutOfBlocksError(f"swapping out {len(group)} sequences needs {len(gpu_block_ids)} free CPU "
                                    f"blocks, but only {self.num_free_cpu_blocks} are free")
-        mapping = {gpu_block_id: self.free_cpu_block_ids.popleft() for gpu_block_id in gpu_block_ids}
-        self._move_group(group, mapping, self._release_gpu_block, self.cpu_blocks, swapped_out=True)
-        return list(mapping.items())
+        return self._move(group, self.gpu_pool, self.cpu_pool, swapped_out=True)
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
         group = self._group(seq_ids, swapped_out=True)
@@ -383,12 +361,11 @@ class BlockManager:
         group = self._group(seq_ids, swapped_out=True)
         cpu_block_ids = self._distinct_block_ids(group)
         self._check_gpu_capacity(len(cpu_block_ids), f"swapping in {len(group)} sequences")
-        mapping = {cpu_block_id: self._take_gpu_block(ref_count=0) for cpu_block_id in cpu_block_ids}
-        self._move_group(group, mapping, self._release_cpu_block, self.gpu_blocks, swapped_out=False)
+        mapping = self._move(group, self.cpu_pool, self.gpu_pool, swapped_out=False)
         for seq in group:
             seq.prefix_hash = seq.prefix_content_id = None
             seq.num_published_blocks = 0
-        return list(mapping.items())
+        return mapping
 
     # ---- accounting ----
 
@@ -399,7 +376,7 @@ class BlockManager:
                            for table in seq.block_tables if table[-1] != PAD_BLOCK_ID}
         fragmentation = sum(block_size - fill for fill in last_block_fill.values())
         used = self.num_gpu_blocks - self.num_free_blocks
-        logical = sum(1 for seq in gpu_seqs for _ in _held(seq.block_tables))
+        logical = self.gpu_pool.num_refs  # (each table entry of a GPU sequence holds one reference)
         by_type: dict[str, set[int]] = {}
         for group, window in enumerate(self.group_windows):
             held = by_type.setdefault("global" if window is None else "sliding_window", set())
@@ -455,20 +432,26 @@ class BlockManager:
                 raise ValueError(f"sequence {seq_id!r} is {where}")
         return group
 
-    @staticmethod
-    def _move_group(group: list[SeqState], mapping: dict[int, int], release, to_blocks: list[Block],
-                    swapped_out: bool) -> None:
-        """Point a swapped group's block tables at the blocks of the other device (``mapping``: old id -> new id)."""
+    def _move(self, group: list[SeqState], source: BlockPool, target: BlockPool,
+              swapped_out: bool) -> list[tuple[int, int]]:
+        """Point a swapped group's block tables at fresh blocks of the other pool (a block shared inside the group
+        moves once); return the ``(old, new)`` block pairs to copy."""
+        mapping = {block_id: target.take(ref_count=0) for block_id in self._distinct_block_ids(group)}
         for seq in group:
-            for table in seq.block_tables:
-                for block_id in reversed(table):
-                    if block_id != PAD_BLOCK_ID:
-                        release(block_id)
+            self._release_tables(seq, source)
             seq.block_tables = [[PAD_BLOCK_ID if block_id == PAD_BLOCK_ID else mapping[block_id] for block_id in t]
                                 for t in seq.block_tables]
             for block_id in _held(seq.block_tables):
-                to_blocks[block_id].ref_count += 1
+                target.hold(block_id)
             seq.swapped_out = swapped_out
+        return list(mapping.items())
+
+    @staticmethod
+    def _release_tables(seq: SeqState, pool: BlockPool) -> None:
+        for table in seq.block_tables:
+            for block_id in reversed(table):  # tail first, so a prefix outlives its suffix in the LRU
+                if block_id != PAD_BLOCK_ID:
+                    pool.release(block_id)
 
     @staticmethod
     def _distinct_block_ids(group: list[SeqState]) -> list[int]:
@@ -488,50 +471,28 @@ class BlockManager:
             raise OutOfBlocksError(f"{action} needs {needed} free GPU blocks, but only {self.num_free_blocks} "
                                    f"are free ({self.prefix_cache.num_evictable} of them evictable cached blocks)")
 
-    def _blocks_needed(self, token_ids: list[int], hits: list[list[Optional[Block]]]) -> int:
+    def _blocks_needed(self, token_ids: list[int], hits: list[list[int]]) -> int:
         """Free blocks an allocation takes: fresh blocks plus the hits that are now evictable, in every group."""
         num_blocks = -(-len(token_ids) // self.block_size)
         return self.num_groups * (num_blocks - len(hits[0])) + sum(
-            block is not None and block.ref_count == 0 for group_hits in hits for block in group_hits)
+            self.gpu_pool.blocks[block_id].ref_count == 0 for block_id in _held(hits))
 
     def _append_blocks_needed(self, seq: SeqState) -> int:
         """Blocks an append_slots takes: in each group a new last block, or a copy of a shared one."""
         if len(seq.token_ids) % self.block_size == 0:
             return self.num_groups
-        return sum(self.gpu_blocks[table[-1]].ref_count > 1 for table in seq.block_tables)
+        return sum(self.gpu_pool.blocks[table[-1]].ref_count > 1 for table in seq.block_tables)
 
-    def _take_gpu_block(self, ref_count: int = 1) -> int:
-        if self.free_gpu_block_ids:
-            block = self.gpu_blocks[self.free_gpu_block_ids.popleft()]
-        else:  # recycle the least recently used cached block
-            block = self.prefix_cache.evict()
-        block.ref_count = ref_count
-        return block.block_id
-
-    def _release_gpu_block(self, block_id: int) -> None:
-        block = self.gpu_blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            if block.hash is None:
-                self.free_gpu_block_ids.append(block_id)
-            else:
-                self.prefix_cache.make_evictable(block)
-
-    def _release_cpu_block(self, block_id: int) -> None:
-        block = self.cpu_blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_cpu_block_ids.append(block_id)
-
-    def _prefix_hits(self, token_ids: list[int]) -> list[list[Optional[Block]]]:
-        """Per group, the cached blocks of the longest prefix every group can serve (None: a windowed group's
-        block that the first query after the prefix cannot see). Group 0's chain gives the candidates; the
+    def _prefix_hits(self, token_ids: list[int]) -> list[list[int]]:
+        """Per group, the ids of the cached blocks of the longest prefix every group can serve (PAD_BLOCK_ID: a
+        windowed group's block that the first query after the prefix cannot see). Group 0's chain gives the candidates; the
         longest prefix of H blocks for which each other group holds cached blocks from its first visible block
         to H wins."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.group_windows]
         chain = self.prefix_cache.longest_prefix(token_ids)
-        groups = [chain] + [[self.prefix_cache.group_block(group, block.content_id) for block in chain]
+        content_ids = [self.prefix_cache.entries[block_id].content_id for block_id in chain]
+        groups = [chain] + [[self.prefix_cache.group_block(group, content_id) for content_id in content_ids]
                             for group in range(1, self.num_groups)]
         # last_missing[g][h]: the last index < h whose group-g block is not cached (-1: none)
         last_missing = []
@@ -544,7 +505,7 @@ class BlockManager:
         num_hits = next(h for h in range(len(chain), -1, -1)
                         if all(marks[h] < self._first_visible_block(group, h * self.block_size)
                                for group, marks in enumerate(last_missing)))
-        return [[block if index >= self._first_visible_block(group, num_hits * self.block_size) else None
+        return [[block if index >= self._first_visible_block(group, num_hits * self.block_size) else PAD_BLOCK_ID
                  for index, block in enumerate(blocks[:num_hits])] for group, blocks in enumerate(groups)]
 
     def _cache_full_block(self, seq: SeqState, index: int) -> None:
@@ -553,12 +514,11 @@ class BlockManager:
         seq.num_published_blocks = index + 1
         block_tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
         seq.prefix_hash, seq.prefix_content_id = self.prefix_cache.publish(
-            self.gpu_blocks[seq.block_tables[0][index]], block_tokens, seq.prefix_hash, seq.prefix_content_id)
+            seq.block_tables[0][index], block_tokens, seq.prefix_hash, seq.prefix_content_id)
         for group in range(1, self.num_groups):
             block_id = seq.block_tables[group][index]
             if block_id != PAD_BLOCK_ID:
-                self.prefix_cache.publish_group_block(self.gpu_blocks[block_id], group, block_tokens,
-                                                      seq.prefix_content_id)
+                self.prefix_cache.publish_group_block(block_id, group, block_tokens, seq.prefix_content_id)
 
 
 def _held(tables: list[list[int]]):

@@ -275,7 +275,7 @@ class LLM:
         """Schedule one step, run it, and sample for the requests whose prefill is complete; return the requests
         that finished."""
         step = self.scheduler.schedule()
-        self.stats_collector.record_step(step, self.scheduler.block_manager.stats())
+        self.stats_collector.record_step(step, self.scheduler.block_manager)
         logits = self.runner.run(step)  # [num_sampling_seqs, vocab_size]
         self.scheduler.mark_computed(step)  # the step's KV is written: its full blocks may now be hit
         return self.output_processor.process(step, logits)
