@@ -1,4 +1,5 @@
-"""The block pool: the physical blocks of one device (GPU or CPU), their reference counts, and the free ones.
+"""The block pool: the physical blocks of one device (GPU or CPU), their reference counts, and the free ones; and
+moving block tables from one pool to the other (swapping).
 
 A block's reference count is the number of block-table entries pointing at it; a block is free exactly when it is
 0. On the GPU with prefix caching, a free block the prefix cache still holds is *evictable*: it counts as free,
@@ -13,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from .metadata import PAD_BLOCK_ID
 from .prefix_cache import PrefixCache
 
 
@@ -68,3 +70,37 @@ class BlockPool:
                 self.prefix_cache.make_evictable(block_id)
             else:
                 self.free_block_ids.append(block_id)
+
+    def hold_tables(self, tables: list[list[int]]) -> None:
+        for block_id in held(tables):
+            self.hold(block_id)
+
+    def release_tables(self, tables: list[list[int]]) -> None:
+        for table in tables:
+            for block_id in reversed(table):  # tail first, so a prefix outlives its suffix in the LRU
+                if block_id != PAD_BLOCK_ID:
+                    self.release(block_id)
+
+
+def held(tables: list[list[int]]):
+    """The block ids the tables hold (released entries, ``PAD_BLOCK_ID``, skipped), table after table."""
+    return (block_id for table in tables for block_id in table if block_id != PAD_BLOCK_ID)
+
+
+def distinct_block_ids(tables_of_seqs: list[list[list[int]]]) -> list[int]:
+    """The block ids that the sequences' tables hold, each once, in order of first appearance."""
+    return list(dict.fromkeys(block_id for tables in tables_of_seqs for block_id in held(tables)))
+
+
+def move_tables(tables_of_seqs: list[list[list[int]]], source: BlockPool,
+                target: BlockPool) -> tuple[list[list[list[int]]], list[tuple[int, int]]]:
+    """Swapping: the sequences' tables pointed at fresh blocks of ``target`` (a block shared among them moves once;
+    released entries stay released), their ``source`` blocks released; and the ``(old, new)`` pairs to copy."""
+    mapping = {block_id: target.take(ref_count=0) for block_id in distinct_block_ids(tables_of_seqs)}
+    moved = []
+    for tables in tables_of_seqs:
+        source.release_tables(tables)
+        moved.append([[PAD_BLOCK_ID if block_id == PAD_BLOCK_ID else mapping[block_id] for block_id in table]
+                      for table in tables])
+        target.hold_tables(moved[-1])
+    return moved, list(mapping.items())

@@ -11,7 +11,9 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
+
+from .metadata import PAD_BLOCK_ID
 
 GROUP_KEY = "group"  # first element of the keys of groups other than 0 (group 0's keys are ints)
 
@@ -84,6 +86,31 @@ class PrefixCache:
             parent_hash, parent_content_id = self.entries[block_id].key, self.entries[block_id].content_id
         return hits
 
+    def hits(self, token_ids: list[int], num_groups: int,
+             first_visible_block: Callable[[int, int], int]) -> list[list[int]]:
+        """Per KV-cache group, the ids of the cached blocks of the longest prefix of ``token_ids`` every group can
+        serve (``PAD_BLOCK_ID``: a windowed group's block that the first query after the prefix cannot see;
+        ``first_visible_block(group, position)``: the first block a query at ``position`` sees). Group 0's chain
+        gives the candidates; the longest prefix of H blocks for which each other group holds cached blocks from
+        its first visible block to H wins."""
+        chain = self.longest_prefix(token_ids)
+        content_ids = [self.entries[block_id].content_id for block_id in chain]
+        groups = [chain] + [[self.group_block(group, content_id) for content_id in content_ids]
+                            for group in range(1, num_groups)]
+        # last_missing[g][h]: the last index < h whose group-g block is not cached (-1: none)
+        last_missing = []
+        for blocks in groups:
+            marks, last = [-1], -1
+            for index, block in enumerate(blocks):
+                last = index if block is None else last
+                marks.append(last)
+            last_missing.append(marks)
+        num_hits = next(h for h in range(len(chain), -1, -1)
+                        if all(marks[h] < first_visible_block(group, h * self.block_size)
+                               for group, marks in enumerate(last_missing)))
+        return [[block if index >= first_visible_block(group, num_hits * self.block_size) else PAD_BLOCK_ID
+                 for index, block in enumerate(blocks[:num_hits])] for group, blocks in enumerate(groups)]
+
     def publish(self, block_id: int, token_ids: tuple[int, ...], parent_hash: Optional[int],
                 parent_content_id: Optional[int]) -> tuple[int, int]:
         """Register the full block ``block_id`` holding ``token_ids`` after the entry (parent_hash,
@@ -97,6 +124,16 @@ class PrefixCache:
         if block_hash not in self.hash_to_block_id:
             self.entries[block_id] = CacheEntry(block_hash, token_ids, content_id, parent_content_id)
             self.hash_to_block_id[block_hash] = block_id
+        return block_hash, content_id
+
+    def publish_blocks(self, block_ids: dict[int, int], token_ids: tuple[int, ...], parent_hash: Optional[int],
+                       parent_content_id: Optional[int]) -> tuple[int, int]:
+        """Register one full token block's blocks, ``block_ids``: group -> block id, group 0's first (``publish``),
+        then every other group's that holds it (``publish_group_block``); return group 0's chain end."""
+        groups = iter(block_ids.items())
+        block_hash, content_id = self.publish(next(groups)[1], token_ids, parent_hash, parent_content_id)
+        for group, block_id in groups:
+            self.publish_group_block(block_id, group, token_ids, content_id)
         return block_hash, content_id
 
     def group_block(self, group: int, content_id: int) -> Optional[int]:
