@@ -32,8 +32,8 @@ from .batch import Batch
 from .layers import CompiledElementwise
 from .loader import ModelConfig
 from .model import LlamaModel
-from .scheduler import ScheduledStep
 from .sequence import Sequence
+from .step import ScheduledStep
 
 
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -33,7 +33,7 @@ class EngineStats:
     num_mixed_steps: int  # steps that decoded and computed prefill tokens together
     peak_running_seqs: int  # sequences in one step, at most
     kv_cache_dtype: str = ""  # the cache tensors' dtype, e.g. "bfloat16" or "float8_e4m3fn"
-    num_kv_cache_groups: int = 1  # block tables per sequence (model_runner.kv_cache_groups); a block: one group's layers
+    num_kv_cache_groups: int = 1  # block tables per sequence (model_runner.kv_cache_groups); a block: a group's layers
     # KV bytes held per attention type ("global", "sliding_window"), now and at the peak of gpu_blocks_used
     kv_bytes_by_attention_type: dict = field(default_factory=dict)
     peak_kv_bytes_by_attention_type: dict = field(default_factory=dict)
