@@ -9,8 +9,10 @@ One job per module, as in nano-vllm:
 
 - ``llm``: the front door (``LLM``: construction, ``generate``, ``stats``); ``prompts``: what counts as a prompt;
 - ``sequence``: ``Sequence`` and ``Request``; ``sampling``: ``SamplingParams`` and the token sampler;
-- ``scheduler``: the policy (``Scheduler`` decides each ``ScheduledStep``);
-- ``model_runner``: owns the KV cache, applies a step's cache operations, builds its paged metadata, runs the model;
+- ``scheduler``: the policy (``Scheduler`` decides each step); ``reservation``: the ``kv_reservation`` policy;
+  ``step``: ``ScheduledStep``, the step as the scheduler hands it over;
+- ``model_runner``: owns the KV cache (laid out by ``KVCacheGroups``), applies a step's cache operations, builds
+  its tensors (the paged metadata: ``paged_attn.metadata``), runs the model;
 - ``registry``: the model class of a checkpoint and ``load_model``; ``model``: ``LlamaModel`` and its forward
   pass; ``gemma3``: ``Gemma3Model``, Gemma 3's layer on the same machinery; ``layers``: the elementwise work the
   models share (norms, RoPE, SiLU, compiled versions); ``batch``: ``Batch``, a step's inputs as a model reads them;
