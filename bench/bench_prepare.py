@@ -15,7 +15,8 @@ import torch
 from common import describe_host, median_time
 
 from paged_attn.engine.model_runner import ModelRunner
-from paged_attn.engine.scheduler import ScheduledStep, Sequence
+from paged_attn.engine.sequence import Sequence
+from paged_attn.engine.step import ScheduledStep
 
 
 def make_step(batch: int, block_size: int, decode: bool, rng: random.Random) -> ScheduledStep:

@@ -2,9 +2,10 @@
 
 The KV cache is cut into *blocks* of ``block_size`` token *slots*. Each sequence keeps a *block table*, the
 list of physical block ids that hold its tokens in order, so token ``i`` (prompt and generated alike) lives at
-slot ``block_table[i // block_size] * block_size + i % block_size`` (cache layout: see ``paged_attn/ops.py``). Only the last block of a sequence is ever
-partly empty. The manager does the bookkeeping only; the caller moves the data with the cache ops
-(``reshape_and_cache``, ``copy_blocks``, ``swap_blocks``) using the slots and block pairs it returns.
+slot ``block_table[i // block_size] * block_size + i % block_size`` (``metadata.py``; cache layout: ``ops.py``).
+Only the last block of a sequence is ever partly empty. The manager does the bookkeeping only; the caller moves
+the data with the cache ops (``reshape_and_cache``, ``copy_blocks``, ``swap_blocks``) using the slots and block
+pairs it returns.
 
 Vocabulary:
 
@@ -15,13 +16,11 @@ Vocabulary:
 - *copy-on-write*: before a sequence writes into a shared block, ``append_slot`` moves it onto a private copy
   and returns the ``(src_block, dst_block)`` pair the caller must copy first. A block being written to always
   has exactly one owner.
-- *prefix cache* (``enable_prefix_caching``): every full GPU block is registered under a hash chained over its
-  parent block's hash and its own tokens, whether it was filled by a prompt or by generated tokens. A new
-  sequence reuses the cached blocks of its longest cached prefix. A hit is accepted only if the candidate's
-  tokens are equal and it was registered right after the very cache entry matched one block earlier (a
-  ``content_id`` that is never reused), so no hash collision can hand out wrong KV. A cached block whose
-  reference count drops to 0 stays *evictable*: it counts as free, keeps its content for later hits, and is
-  recycled least recently used first, only once no plain free block is left.
+- *prefix cache* (``enable_prefix_caching``; ``prefix_cache.py``): every full GPU block, filled by a prompt or by
+  generated tokens, is registered under a hash chained over its parent block's and its own tokens; a new
+  sequence reuses the cached blocks of its longest cached prefix (a hash collision misses). A cached block whose
+  reference count drops to 0 stays *evictable*: it counts as free and keeps its content for later hits until
+  it is recycled, least recently used first, once no plain free block is left.
 - *published*: a full block enters the prefix cache only when the caller says its KV is written
   (``mark_computed``, after the step that wrote it completed), never when its slots are handed out. A step
   that fails before that leaves nothing behind: freeing its sequences frees their unpublished blocks, so no
@@ -40,61 +39,28 @@ Vocabulary:
   are registered under group 0's entry for the same token block; a hit of ``H`` blocks needs, in each group, the
   blocks its first query (position ``H * block_size``) can still see.
 
-Allocating, freeing and copying-on-write a block is O(1): free ids sit in a deque, evictable ones in an
-``OrderedDict`` kept in LRU order; no operation scans the pool of blocks.
+The blocks and their reference counts live in a ``BlockPool`` per device (``block_pool.py``), the accounting in
+``block_stats.py``. Allocating, freeing and copying-on-write a block is O(1); no operation scans the pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 import operator
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import numpy as np
 import torch
 
-from paged_attn.prefix_cache import PrefixCache
-
-PAD_BLOCK_ID = -1  # fills the rows of block_tables_tensor past a sequence's last block
-
-
-# ---- paged metadata: the one place that turns block tables into what the kernels read ----
-
-def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """Cache slots of token positions ``[start, end)`` of a sequence with this block table: token ``i`` lives at
-    ``block_table[i // block_size] * block_size + i % block_size`` (the ``slot_mapping`` of ``reshape_and_cache``)."""
-    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
-
-
-def block_tables_tensor(tables: list[list[int]]) -> torch.Tensor:
-    """int32 ``[len(tables), max_blocks]`` block tables on the CPU, each row padded with ``PAD_BLOCK_ID`` (the
-    ``block_tables`` of ``paged_attention``). Filled row by row through NumPy: converting a nested list with
-    ``torch.tensor`` costs several times more."""
-    max_blocks = max(map(len, tables), default=0)
-    rows = np.full((len(tables), max_blocks), PAD_BLOCK_ID, dtype=np.int32)
-    for row, table in zip(rows, tables):
-        row[:len(table)] = table
-    return torch.from_numpy(rows)
+from .block_pool import BlockPool, distinct_block_ids, held, move_tables
+from .block_stats import BlockManagerStats, measure
+from .metadata import PAD_BLOCK_ID, block_tables_tensor, token_slots
+from .prefix_cache import PrefixCache
 
 
 class OutOfBlocksError(RuntimeError):
     """Not enough free blocks for a request. The manager is left exactly as it was."""
-
-
-@dataclass(eq=False)
-class Block:
-    """One physical block of ``block_size`` slots, on the GPU or on the CPU."""
-
-    block_id: int
-    ref_count: int = 0
-    # Prefix cache (GPU blocks only); set exactly while the block is registered in the PrefixCache.
-    hash: Optional[Hashable] = None  # the PrefixCache key: an int (group 0) or a group key tuple
-    token_ids: tuple[int, ...] = ()
-    content_id: Optional[int] = None  # never reused, so a child entry can name its exact parent
-    parent_content_id: Optional[int] = None
 
 
 @dataclass(eq=False)
@@ -112,25 +78,6 @@ class SeqState:
     prefix_hash: Optional[int] = None
     prefix_content_id: Optional[int] = None
     num_published_blocks: int = 0  # leading full blocks that the chain covers (hits, or published by this seq)
-
-
-@dataclass(frozen=True)
-class BlockManagerStats:
-    """Memory accounting; the token and block counts cover the sequences resident on the GPU."""
-
-    num_gpu_blocks: int  # GPU blocks in total
-    gpu_blocks_used: int  # physical GPU blocks referenced by at least one sequence
-    gpu_blocks_free: int  # blocks an allocation could use now: free + evictable cached (= num_free_blocks)
-    gpu_blocks_cached: int  # free blocks still holding a cached prefix block (part of gpu_blocks_free)
-    cpu_blocks_used: int  # CPU blocks holding swapped-out sequences
-    num_tokens: int  # tokens stored, summed over sequences (a shared token counts once per sequence)
-    logical_blocks: int  # block-table entries, summed over sequences
-    blocks_saved_by_sharing: int  # logical_blocks - gpu_blocks_used: blocks that fork / prefix hits saved
-    internal_fragmentation: int  # empty slots in the (distinct) last blocks: the only wasted slots
-    utilization: float  # slots holding a token / slots in used blocks (0.0 when nothing is stored)
-    # GPU blocks held by the resident sequences per attention type: "global" and, with windowed groups,
-    # "sliding_window" (a block of either holds block_size tokens of one group's layers)
-    gpu_blocks_by_attention_type: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class BlockManager:
@@ -178,11 +125,9 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = group_windows
-        self.gpu_blocks = [Block(i) for i in range(num_gpu_blocks)]
-        self.cpu_blocks = [Block(i) for i in range(num_cpu_blocks)]
-        self.free_gpu_block_ids: deque[int] = deque(range(num_gpu_blocks))  # free and holding nothing cached
-        self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
-        self.prefix_cache = PrefixCache(self.gpu_blocks, block_size)  # also holds the evictable free blocks
+        self.prefix_cache = PrefixCache(block_size)  # also holds the evictable free GPU blocks
+        self.gpu_pool = BlockPool(num_gpu_blocks, self.prefix_cache)
+        self.cpu_pool = BlockPool(num_cpu_blocks)
         self.seqs: dict[Hashable, SeqState] = {}
 
     @property
@@ -194,11 +139,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """GPU blocks an allocation could use now: free ones plus evictable cached ones."""
-        return len(self.free_gpu_block_ids) + self.prefix_cache.num_evictable
+        return self.gpu_pool.num_free
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return len(self.free_cpu_block_ids)
+        return self.cpu_pool.num_free
 
     # ---- new sequences ----
 
@@ -228,18 +173,15 @@ class BlockManager:
         token_ids = self._prompt(token_ids)
         hits = self._prefix_hits(token_ids)
         self._check_gpu_capacity(self._blocks_needed(token_ids, hits), f"allocating sequence {seq_id!r}")
-        for group_hits in hits:
-            for block in group_hits:
-                if block is not None:
-                    self.prefix_cache.hold(block)
+        self.gpu_pool.hold_tables(hits)
         num_hits, num_blocks = len(hits[0]), -(-len(token_ids) // self.block_size)
-        tables = [[PAD_BLOCK_ID if block is None else block.block_id for block in group_hits] +
-                  [self._take_gpu_block() for _ in range(num_blocks - num_hits)] for group_hits in hits]
+        tables = [group_hits + [self.gpu_pool.take() for _ in range(num_blocks - num_hits)] for group_hits in hits]
         cached = num_hits * self.block_size
         seq = SeqState(token_ids, tables, num_published_blocks=num_hits, window_floor=cached,
                        released_below=[self._first_visible_block(g, cached) for g in range(self.num_groups)])
         if num_hits:
-            seq.prefix_hash, seq.prefix_content_id = hits[0][-1].hash, hits[0][-1].content_id
+            entry = self.prefix_cache.entries[hits[0][-1]]
+            seq.prefix_hash, seq.prefix_content_id = entry.key, entry.content_id
         self.seqs[seq_id] = seq
         return cached
 
@@ -248,9 +190,7 @@ class BlockManager:
         parent = self._seq(parent_seq_id)
         if child_seq_id in self.seqs:
             raise ValueError(f"cannot fork onto sequence {child_seq_id!r}: it already exists")
-        blocks = self.cpu_blocks if parent.swapped_out else self.gpu_blocks
-        for block_id in _held(parent.block_tables):
-            blocks[block_id].ref_count += 1
+        (self.cpu_pool if parent.swapped_out else self.gpu_pool).hold_tables(parent.block_tables)
         self.seqs[child_seq_id] = dataclasses.replace(
             parent, token_ids=list(parent.token_ids), block_tables=[list(t) for t in parent.block_tables],
             released_below=list(parent.released_below))
@@ -286,10 +226,10 @@ class BlockManager:
         cows = []
         for table in seq.block_tables:
             if position % self.block_size == 0:
-                table.append(self._take_gpu_block())
-            elif self.gpu_blocks[table[-1]].ref_count > 1:
-                src_block_id, dst_block_id = table[-1], self._take_gpu_block()
-                self.gpu_blocks[src_block_id].ref_count -= 1  # still >= 1: others hold it
+                table.append(self.gpu_pool.take())
+            elif self.gpu_pool.blocks[table[-1]].ref_count > 1:
+                src_block_id, dst_block_id = table[-1], self.gpu_pool.take()
+                self.gpu_pool.release(src_block_id)  # still held by others
                 table[-1] = dst_block_id
                 cows.append((src_block_id, dst_block_id))
         seq.token_ids.append(token_id)
@@ -310,25 +250,26 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} holds {len(seq.token_ids)} tokens, cannot mark {num_tokens} "
                              f"computed")
         if self.enable_prefix_caching:
-            for index in range(seq.num_published_blocks, num_tokens // self.block_size):
-                self._cache_full_block(seq, index)
+            for index in range(seq.num_published_blocks, num_tokens // self.block_size):  # extend the chain
+                block_ids = {group: table[index] for group, table in enumerate(seq.block_tables)
+                             if table[index] != PAD_BLOCK_ID}  # (group 0 is global: it holds every block)
+                seq.prefix_hash, seq.prefix_content_id = self.prefix_cache.publish_blocks(
+                    block_ids, tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size]),
+                    seq.prefix_hash, seq.prefix_content_id)
+                seq.num_published_blocks = index + 1
         seq.window_floor = max(seq.window_floor, num_tokens)
         for group, table in enumerate(seq.block_tables):
             end = self._first_visible_block(group, seq.window_floor)
             for index in range(seq.released_below[group], end):  # oldest first: the LRU evicts them first
                 if table[index] != PAD_BLOCK_ID:
-                    self._release_gpu_block(table[index])
+                    self.gpu_pool.release(table[index])
                     table[index] = PAD_BLOCK_ID
             seq.released_below[group] = max(seq.released_below[group], end)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence (on the GPU or swapped out) and release its blocks."""
         seq = self._seq(seq_id)
-        release = self._release_cpu_block if seq.swapped_out else self._release_gpu_block
-        for table in seq.block_tables:
-            for block_id in reversed(table):  # tail first, so a prefix outlives its suffix in the LRU
-                if block_id != PAD_BLOCK_ID:
-                    release(block_id)
+        (self.cpu_pool if seq.swapped_out else self.gpu_pool).release_tables(seq.block_tables)
         del self.seqs[seq_id]
 
     # ---- paged metadata for the kernels ----
@@ -367,13 +308,13 @@ class BlockManager:
 
     def num_blocks_held(self, seq_ids: Iterable[Hashable]) -> int:
         """Distinct blocks (of every group) that these sequences hold, a block shared among them counted once."""
-        return len(self._distinct_block_ids([self._seq(seq_id) for seq_id in seq_ids]))
+        return len(distinct_block_ids([self._seq(seq_id).block_tables for seq_id in seq_ids]))
 
     # ---- swapping ----
 
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         group = self._group(seq_ids, swapped_out=False)
-        return len(self._distinct_block_ids(group)) <= self.num_free_cpu_blocks
+        return len(distinct_block_ids([seq.block_tables for seq in group])) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a group of GPU sequences to CPU blocks; return the ``(gpu_block, cpu_block)`` copies to make.
@@ -383,17 +324,15 @@ class BlockManager:
         cache as an evictable block, so other sequences can still hit it until its memory is needed.
         """
         group = self._group(seq_ids, swapped_out=False)
-        gpu_block_ids = self._distinct_block_ids(group)
+        gpu_block_ids = distinct_block_ids([seq.block_tables for seq in group])
         if len(gpu_block_ids) > self.num_free_cpu_blocks:
             raise OutOfBlocksError(f"swapping out {len(group)} sequences needs {len(gpu_block_ids)} free CPU "
                                    f"blocks, but only {self.num_free_cpu_blocks} are free")
-        mapping = {gpu_block_id: self.free_cpu_block_ids.popleft() for gpu_block_id in gpu_block_ids}
-        self._move_group(group, mapping, self._release_gpu_block, self.cpu_blocks, swapped_out=True)
-        return list(mapping.items())
+        return self._move(group, self.gpu_pool, self.cpu_pool, swapped_out=True)
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
         group = self._group(seq_ids, swapped_out=True)
-        return len(self._distinct_block_ids(group)) <= self.num_free_blocks
+        return len(distinct_block_ids([seq.block_tables for seq in group])) <= self.num_free_blocks
 
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move a swapped-out group back to fresh GPU blocks; return the ``(cpu_block, gpu_block)`` copies.
@@ -402,43 +341,19 @@ class BlockManager:
         by ``mark_computed``, once the caller has copied them in.
         """
         group = self._group(seq_ids, swapped_out=True)
-        cpu_block_ids = self._distinct_block_ids(group)
+        cpu_block_ids = distinct_block_ids([seq.block_tables for seq in group])
         self._check_gpu_capacity(len(cpu_block_ids), f"swapping in {len(group)} sequences")
-        mapping = {cpu_block_id: self._take_gpu_block(ref_count=0) for cpu_block_id in cpu_block_ids}
-        self._move_group(group, mapping, self._release_cpu_block, self.gpu_blocks, swapped_out=False)
+        mapping = self._move(group, self.cpu_pool, self.gpu_pool, swapped_out=False)
         for seq in group:
             seq.prefix_hash = seq.prefix_content_id = None
             seq.num_published_blocks = 0
-        return list(mapping.items())
+        return mapping
 
     # ---- accounting ----
 
     def stats(self) -> BlockManagerStats:
-        gpu_seqs = [seq for seq in self.seqs.values() if not seq.swapped_out]
-        block_size = self.block_size
-        last_block_fill = {table[-1]: (len(seq.token_ids) - 1) % block_size + 1 for seq in gpu_seqs
-                           for table in seq.block_tables if table[-1] != PAD_BLOCK_ID}
-        fragmentation = sum(block_size - fill for fill in last_block_fill.values())
-        used = self.num_gpu_blocks - self.num_free_blocks
-        logical = sum(1 for seq in gpu_seqs for _ in _held(seq.block_tables))
-        by_type: dict[str, set[int]] = {}
-        for group, window in enumerate(self.group_windows):
-            held = by_type.setdefault("global" if window is None else "sliding_window", set())
-            held.update(block_id for seq in gpu_seqs for block_id in seq.block_tables[group]
-                        if block_id != PAD_BLOCK_ID)
-        return BlockManagerStats(
-            num_gpu_blocks=self.num_gpu_blocks,
-            gpu_blocks_used=used,
-            gpu_blocks_free=self.num_free_blocks,
-            gpu_blocks_cached=self.prefix_cache.num_evictable,
-            cpu_blocks_used=self.num_cpu_blocks - self.num_free_cpu_blocks,
-            num_tokens=sum(len(seq.token_ids) for seq in gpu_seqs),
-            logical_blocks=logical,
-            blocks_saved_by_sharing=logical - used,
-            internal_fragmentation=fragmentation,
-            utilization=(used * block_size - fragmentation) / (used * block_size) if used else 0.0,
-            gpu_blocks_by_attention_type={kind: len(held) for kind, held in by_type.items()},
-        )
+        gpu_seqs = [(len(seq.token_ids), seq.block_tables) for seq in self.seqs.values() if not seq.swapped_out]
+        return measure(gpu_seqs, self.group_windows, self.block_size, self.gpu_pool, self.cpu_pool)
 
     # ---- helpers ----
 
@@ -477,23 +392,11 @@ class BlockManager:
         return group
 
     @staticmethod
-    def _move_group(group: list[SeqState], mapping: dict[int, int], release, to_blocks: list[Block],
-                    swapped_out: bool) -> None:
-        """Point a swapped group's block tables at the blocks of the other device (``mapping``: old id -> new id)."""
-        for seq in group:
-            for table in seq.block_tables:
-                for block_id in reversed(table):
-                    if block_id != PAD_BLOCK_ID:
-                        release(block_id)
-            seq.block_tables = [[PAD_BLOCK_ID if block_id == PAD_BLOCK_ID else mapping[block_id] for block_id in t]
-                                for t in seq.block_tables]
-            for block_id in _held(seq.block_tables):
-                to_blocks[block_id].ref_count += 1
-            seq.swapped_out = swapped_out
-
-    @staticmethod
-    def _distinct_block_ids(group: list[SeqState]) -> list[int]:
-        return list(dict.fromkeys(block_id for seq in group for block_id in _held(seq.block_tables)))
+    def _move(group: list[SeqState], source: BlockPool, target: BlockPool, swapped_out: bool) -> list[tuple[int, int]]:
+        tables, mapping = move_tables([seq.block_tables for seq in group], source, target)
+        for seq, seq_tables in zip(group, tables):
+            seq.block_tables, seq.swapped_out = seq_tables, swapped_out
+        return mapping
 
     @staticmethod
     def _prompt(token_ids: Iterable[int]) -> list[int]:
@@ -509,82 +412,23 @@ class BlockManager:
             raise OutOfBlocksError(f"{action} needs {needed} free GPU blocks, but only {self.num_free_blocks} "
                                    f"are free ({self.prefix_cache.num_evictable} of them evictable cached blocks)")
 
-    def _blocks_needed(self, token_ids: list[int], hits: list[list[Optional[Block]]]) -> int:
+    def _blocks_needed(self, token_ids: list[int], hits: list[list[int]]) -> int:
         """Free blocks an allocation takes: fresh blocks plus the hits that are now evictable, in every group."""
         num_blocks = -(-len(token_ids) // self.block_size)
         return self.num_groups * (num_blocks - len(hits[0])) + sum(
-            block is not None and block.ref_count == 0 for group_hits in hits for block in group_hits)
+            self.gpu_pool.blocks[block_id].ref_count == 0 for block_id in held(hits))
 
     def _append_blocks_needed(self, seq: SeqState) -> int:
         """Blocks an append_slots takes: in each group a new last block, or a copy of a shared one."""
         if len(seq.token_ids) % self.block_size == 0:
             return self.num_groups
-        return sum(self.gpu_blocks[table[-1]].ref_count > 1 for table in seq.block_tables)
+        return sum(self.gpu_pool.blocks[table[-1]].ref_count > 1 for table in seq.block_tables)
 
-    def _take_gpu_block(self, ref_count: int = 1) -> int:
-        if self.free_gpu_block_ids:
-            block = self.gpu_blocks[self.free_gpu_block_ids.popleft()]
-        else:  # recycle the least recently used cached block
-            block = self.prefix_cache.evict()
-        block.ref_count = ref_count
-        return block.block_id
-
-    def _release_gpu_block(self, block_id: int) -> None:
-        block = self.gpu_blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            if block.hash is None:
-                self.free_gpu_block_ids.append(block_id)
-            else:
-                self.prefix_cache.make_evictable(block)
-
-    def _release_cpu_block(self, block_id: int) -> None:
-        block = self.cpu_blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_cpu_block_ids.append(block_id)
-
-    def _prefix_hits(self, token_ids: list[int]) -> list[list[Optional[Block]]]:
-        """Per group, the cached blocks of the longest prefix every group can serve (None: a windowed group's
-        block that the first query after the prefix cannot see). Group 0's chain gives the candidates; the
-        longest prefix of H blocks for which each other group holds cached blocks from its first visible block
-        to H wins."""
+    def _prefix_hits(self, token_ids: list[int]) -> list[list[int]]:
+        """Per group, the cached blocks of the longest prefix every group can serve (``PrefixCache.hits``)."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.group_windows]
-        chain = self.prefix_cache.longest_prefix(token_ids)
-        groups = [chain] + [[self.prefix_cache.group_block(group, block.content_id) for block in chain]
-                            for group in range(1, self.num_groups)]
-        # last_missing[g][h]: the last index < h whose group-g block is not cached (-1: none)
-        last_missing = []
-        for blocks in groups:
-            marks, last = [-1], -1
-            for index, block in enumerate(blocks):
-                last = index if block is None else last
-                marks.append(last)
-            last_missing.append(marks)
-        num_hits = next(h for h in range(len(chain), -1, -1)
-                        if all(marks[h] < self._first_visible_block(group, h * self.block_size)
-                               for group, marks in enumerate(last_missing)))
-        return [[block if index >= self._first_visible_block(group, num_hits * self.block_size) else None
-                 for index, block in enumerate(blocks[:num_hits])] for group, blocks in enumerate(groups)]
-
-    def _cache_full_block(self, seq: SeqState, index: int) -> None:
-        """Publish the full block ``index`` (the next one after the chain) of ``seq`` in every group that holds it,
-        and extend its chain."""
-        seq.num_published_blocks = index + 1
-        block_tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
-        seq.prefix_hash, seq.prefix_content_id = self.prefix_cache.publish(
-            self.gpu_blocks[seq.block_tables[0][index]], block_tokens, seq.prefix_hash, seq.prefix_content_id)
-        for group in range(1, self.num_groups):
-            block_id = seq.block_tables[group][index]
-            if block_id != PAD_BLOCK_ID:
-                self.prefix_cache.publish_group_block(self.gpu_blocks[block_id], group, block_tokens,
-                                                      seq.prefix_content_id)
-
-
-def _held(tables: list[list[int]]):
-    """The block ids the tables hold (released entries skipped), group after group."""
-    return (block_id for table in tables for block_id in table if block_id != PAD_BLOCK_ID)
+        return self.prefix_cache.hits(token_ids, self.num_groups, self._first_visible_block)
 
 
 def _count(value, name: str, minimum: Optional[int] = 0) -> int:

@@ -112,12 +112,13 @@ def make_llm(model):
 
 def snapshot(bm):
     """Everything the manager holds, to compare before and after a call that must fail."""
-    blocks = [(b.ref_count, b.hash, b.token_ids, b.content_id, b.parent_content_id) for b in bm.gpu_blocks]
+    blocks = [b.ref_count for b in bm.gpu_pool.blocks]
     seqs = {seq_id: (list(s.token_ids), [list(t) for t in s.block_tables], s.swapped_out, s.prefix_hash,
                      s.prefix_content_id, s.window_floor, list(s.released_below))
             for seq_id, s in bm.seqs.items()}
-    return (bm.stats(), blocks, [b.ref_count for b in bm.cpu_blocks], list(bm.free_gpu_block_ids),
-            list(bm.prefix_cache.evictable_block_ids), list(bm.free_cpu_block_ids), dict(bm.prefix_cache.hash_to_block_id), seqs)
+    return (bm.stats(), blocks, [b.ref_count for b in bm.cpu_pool.blocks], list(bm.gpu_pool.free_block_ids),
+            list(bm.prefix_cache.evictable_block_ids), list(bm.cpu_pool.free_block_ids),
+            dict(bm.prefix_cache.hash_to_block_id), dict(bm.prefix_cache.entries), seqs)
 
 
 def run_on_portable_path(script: str, switch: str = "PAGED_ATTN_NO_AVX512") -> None:

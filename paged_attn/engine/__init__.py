@@ -9,10 +9,14 @@ One job per module, as in nano-vllm:
 
 - ``llm``: the front door (``LLM``: construction, ``generate``, ``stats``); ``prompts``: what counts as a prompt;
 - ``sequence``: ``Sequence`` and ``Request``; ``sampling``: ``SamplingParams`` and the token sampler;
-- ``scheduler``: the policy (``Scheduler`` decides each ``ScheduledStep``);
-- ``model_runner``: owns the KV cache, applies a step's cache operations, builds its paged metadata, runs the model;
-- ``model``: ``LlamaModel`` and its forward pass; ``gemma3``: ``Gemma3Model``, Gemma 3's layer on the same
-  machinery; ``loader``: GGUF / transformers checkpoints, the ``Tokenizer``, the models served by name;
+- ``scheduler``: the policy (``Scheduler`` decides each step); ``reservation``: the ``kv_reservation`` policy;
+  ``step``: ``ScheduledStep``, the step as the scheduler hands it over;
+- ``model_runner``: owns the KV cache (laid out by ``KVCacheGroups``), applies a step's cache operations, builds
+  its tensors (the paged metadata: ``paged_attn.metadata``), runs the model;
+- ``registry``: the model class of a checkpoint and ``load_model``; ``model``: ``LlamaModel`` and its forward
+  pass; ``gemma3``: ``Gemma3Model``, Gemma 3's layer on the same machinery; ``layers``: the elementwise work the
+  models share (norms, RoPE, SiLU, compiled versions); ``batch``: ``Batch``, a step's inputs as a model reads them;
+  ``loader``: GGUF / transformers checkpoints, the ``Tokenizer``, the models served by name;
 - ``output_processor``: sampling and beam-search steps, stop and length, ``RequestOutput``;
 - ``stats``: ``EngineStats`` and the ``StatsCollector`` the engine feeds with every step.
 """
@@ -20,8 +24,9 @@ One job per module, as in nano-vllm:
 from .llm import LLM
 from .gemma3 import Gemma3Model
 from .loader import MODELS, ModelConfig, Tokenizer, default_model_path, load_gguf, model_path
-from .model import LlamaModel, load_model
+from .model import LlamaModel
 from .output_processor import CompletionOutput, RequestOutput
+from .registry import load_model
 from .sampling import SamplingParams
 from .stats import EngineStats
 

@@ -84,7 +84,7 @@ def teacher_forced_logprobs(llm, token_ids: list[int], num_prompt_tokens: int) -
     """float32 log-probabilities ``[len(token_ids) - num_prompt_tokens, vocab]`` of the tokens after the prompt,
     from one pass over all of ``token_ids`` through ``llm``'s KV cache (its blocks from 0 on; ``llm`` must be idle
     and without prefix caching) and its current fp8 scales."""
-    from paged_attn.engine.model import Batch
+    from paged_attn.engine.batch import Batch
 
     runner, n = llm.runner, len(token_ids)
     num_blocks = math.ceil(n / runner.block_size)

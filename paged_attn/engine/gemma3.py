@@ -7,8 +7,9 @@ before and after the MLP; each head's query and key RMS-normed before RoPE; GELU
 ``query_pre_attn_scalar ** -0.5``. Layers take turns: most attend over a sliding window (``paged_attention``'s
 ``sliding_window``: the query at position p sees positions p - window + 1 .. p, as transformers' sliding mask) with
 RoPE of base ``local_rope_theta``, every 6th attends globally with base ``rope_theta`` (``config.sliding_windows``).
-The engine's KV cache puts the windowed layers in KV-cache groups of their own (``model.kv_cache_groups``), whose
-pages are released once they fall out of the window of every query still to come.
+The engine's KV cache puts the windowed layers in KV-cache groups of their own
+(``model_runner.kv_cache_groups``), whose pages are released once they fall out of the window of every query still
+to come.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .model import SERIAL_ELEMENTWISE_TOKENS, Batch, LlamaModel, _normalized, _rotate, _Serial
+from .batch import Batch
+from .layers import normalized, rotate, serial_elementwise
+from .model import LlamaModel
 
 __all__ = ["Gemma3Model"]
 
@@ -57,7 +60,7 @@ class Gemma3Model(LlamaModel):
                  True: (self.local_rope_cos[positions].unsqueeze(1),
                         self.local_rope_signed_sin[positions].unsqueeze(1))}
         eps, heads, windows = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cfg.sliding_windows
-        serial = _Serial(self.device.type == "cpu" and num_tokens < SERIAL_ELEMENTWISE_TOKENS)
+        serial = serial_elementwise(self.device, num_tokens)
         hidden = F.embedding(batch.input_ids, self.embed_tokens) * self.embed_scale
         for i, (layer, window) in enumerate(zip(self.layers, windows)):
             with serial:
@@ -87,7 +90,7 @@ class Gemma3Model(LlamaModel):
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: the weight is an offset from 1, applied in float32 before the cast back."""
-    return (_normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
+    return (normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
 
 
 def _qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
@@ -96,6 +99,6 @@ def _qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
     """The fused projection's output as q, k (each head RMS-normed, then rotated) and v (a view of qkv)."""
     num_tokens = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = _rotate(_rms_norm(q.view(num_tokens, num_heads, head_dim), q_norm, eps), cos, signed_sin)
-    k = _rotate(_rms_norm(k.view(num_tokens, num_kv_heads, head_dim), k_norm, eps), cos, signed_sin)
+    q = rotate(_rms_norm(q.view(num_tokens, num_heads, head_dim), q_norm, eps), cos, signed_sin)
+    k = rotate(_rms_norm(k.view(num_tokens, num_kv_heads, head_dim), k_norm, eps), cos, signed_sin)
     return q, k, v.view(num_tokens, num_kv_heads, head_dim)

@@ -20,10 +20,13 @@ from typing import Optional, Sequence as SequenceType, Union
 
 import torch
 
-from .model import LlamaModel, Tokenizer, compile_elementwise, kv_cache_groups, load_model, model_class
-from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block
+from .layers import compile_elementwise
+from .loader import Tokenizer
+from .model import LlamaModel
+from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block, kv_cache_groups
 from .output_processor import CompletionOutput, OutputProcessor, RequestOutput, request_output
 from .prompts import prompt_list
+from .registry import MODEL_CLASSES, load_model, model_class
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
@@ -49,7 +52,7 @@ class LLM:
             the CPU, half of the free memory on CUDA. A block holds ``block_size`` tokens of one KV-cache group's
             layers (all layers, unless ``window_kv_memory`` splits them).
         window_kv_memory: for a model with sliding-window layers (Gemma 3), split the layers into KV-cache groups
-            by attention type (``model.kv_cache_groups``), so that a windowed group's blocks are freed as soon as
+            by attention type (``model_runner.kv_cache_groups``), so that a windowed group's blocks are freed as soon as
             no query still to come can see them, while the global layers keep theirs (vLLM's hybrid KV cache
             manager; design: ``engine/WINDOW_MEMORY.md``). Off: a block holds every layer and is kept until its
             sequence ends (the comparison baseline). No effect on models without windows.
@@ -79,7 +82,7 @@ class LLM:
             calibration pass whatever the token budget (see ``ModelRunner.calibrate_kv_scales``), so that small
             values keep their precision and values up to twice those seen still fit.
         torch_compile: run this engine's elementwise work of steps of 128 tokens or more (prefill) as
-            ``torch.compile``'d fused kernels (see ``model.compile_elementwise``; the first such step compiles, for
+            ``torch.compile``'d fused kernels (see ``layers.compile_elementwise``; the first such step compiles, for
             seconds; outputs may then differ from eager ones in the last bits). Other engines on the same model
             stay eager. Needs a C++ compiler on the CPU. Llama models only.
 
@@ -127,7 +130,7 @@ class LLM:
                                             not isinstance(kv_cache_memory, (int, float)) or
                                             not math.isfinite(kv_cache_memory) or kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
-        if isinstance(model, LlamaModel):  # (Gemma3Model included)
+        if isinstance(model, MODEL_CLASSES):
             if model.device != device or (dtype is not None and dtype != model.dtype):
                 model = type(model)(model.config, model.state_dict(), model.tokenizer, device, dtype,
                                     model.use_onednn)
@@ -272,7 +275,7 @@ class LLM:
         """Schedule one step, run it, and sample for the requests whose prefill is complete; return the requests
         that finished."""
         step = self.scheduler.schedule()
-        self.stats_collector.record_step(step, self.scheduler.block_manager.stats())
+        self.stats_collector.record_step(step, self.scheduler.block_manager)
         logits = self.runner.run(step)  # [num_sampling_seqs, vocab_size]
         self.scheduler.mark_computed(step)  # the step's KV is written: its full blocks may now be hit
         return self.output_processor.process(step, logits)

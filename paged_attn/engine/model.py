@@ -1,5 +1,6 @@
 """The model: Llama weights as plain tensors on one device and dtype, and a compact forward pass that keeps its
-keys and values in the paged KV cache (loading the checkpoint and the tokenizer: ``loader.py``).
+keys and values in the paged KV cache (loading the checkpoint and the tokenizer: ``loader.py``; the elementwise
+work of its layers: ``layers.py``; the model class of a checkpoint: ``registry.py``).
 
 The forward pass mirrors transformers' ``LlamaForCausalLM`` operation by operation (RMSNorm in float32, RoPE
 from the same float32 tables, SwiGLU), with the query/key/value and gate/up projections fused. One step may mix
@@ -9,78 +10,17 @@ decodes, prompts and chunks of prompts: each layer writes the new tokens' keys a
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
+from .batch import Batch
+from .layers import CompiledElementwise, rms_norm, rope_qkv, rope_tables, serial_elementwise, silu_mul
 from .loader import ModelConfig, Tokenizer, config_from_transformers, default_model_path, load_gguf
 
-__all__ = ["Batch", "CompiledElementwise", "KVCacheGroups", "LlamaModel", "kv_cache_groups", "SERIAL_ELEMENTWISE_TOKENS", "compile_elementwise",
-           "load_model", "model_class",
-           # loaded by loader.py, named here too for LlamaModel's users
-           "ModelConfig", "Tokenizer", "config_from_transformers", "default_model_path", "load_gguf"]
-
-
-@dataclass(frozen=True)
-class KVCacheGroups:
-    """How the layers share the paged KV cache (window-aware memory; design: ``WINDOW_MEMORY.md``): the layers are
-    split into groups of ``layers_per_group`` layers of one attention type, and every group keeps its own block
-    tables and slot mapping over one pool of pages; a page holds ``block_size`` tokens of a group's layers, so a
-    windowed group can release the pages that have fallen out of its window while a global one keeps them."""
-
-    windows: tuple[Optional[int], ...]  # per group: None (global) or its sliding window; global groups first
-    layer_group: tuple[int, ...]  # per layer: its group
-    layer_slot: tuple[int, ...]  # per layer: which of the layers_per_group (key, value) cache tensors it uses
-    layers_per_group: int
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.windows)
-
-
-def kv_cache_groups(config: ModelConfig, window_aware: bool = True,
-                    enable_prefix_caching: bool = False) -> KVCacheGroups:
-    """The KV-cache groups of a model: one global group of every layer when all layers are global (Llama), when
-    ``window_aware`` is off, or when prefix caching needs a global group and there is none; else, per attention
-    type (global, then each window), the type's layers in order, cut into groups of the greatest common divisor of
-    the types' layer counts (Gemma 3 270M: 3 global and 15 windowed layers make 6 groups of 3)."""
-    num_layers = config.num_layers
-    windows = config.sliding_windows or (None,) * num_layers
-    kinds = sorted(set(windows), key=lambda window: (window is not None, window or 0))
-    if not window_aware or kinds == [None] or (enable_prefix_caching and None not in kinds):
-        return KVCacheGroups((None,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
-    layers = {kind: [i for i, window in enumerate(windows) if window == kind] for kind in kinds}
-    size = math.gcd(*(len(indices) for indices in layers.values()))
-    group_windows, layer_group, layer_slot = [], [0] * num_layers, [0] * num_layers
-    for kind in kinds:
-        for start in range(0, len(layers[kind]), size):
-            for slot, layer in enumerate(layers[kind][start:start + size]):
-                layer_group[layer], layer_slot[layer] = len(group_windows), slot
-            group_windows.append(kind)
-    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
-
-
-@dataclass
-class Batch:
-    """Paged metadata of one step, built by the model runner: sequence ``s`` feeds its last ``q_s`` tokens (rows
-    ``query_start_loc[s]:query_start_loc[s + 1]``, ``q_s`` >= 1) and attends over its first ``seq_lens[s]``.
-    Layer ``i`` writes and reads the cache through its KV-cache group's ``slot_mapping`` and ``block_tables``
-    (``layer_groups[i]``; see ``KVCacheGroups``)."""
-
-    input_ids: torch.Tensor  # int64 [num_tokens]
-    positions: torch.Tensor  # int64 [num_tokens]
-    slot_mapping: torch.Tensor  # int64 [num_groups, num_tokens]
-    block_tables: torch.Tensor  # int32 [num_groups, num_seqs, max_blocks]; -1 (PAD_BLOCK_ID): none or released
-    layer_groups: tuple[int, ...]  # per layer: its KV-cache group
-    seq_lens: torch.Tensor  # int32 [num_seqs]: tokens in the cache once this step's are written
-    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
-    max_query_len: int  # the largest q_s
-    logits_indices: torch.Tensor  # int64 [num_sampling_seqs]: rows whose next-token logits are wanted
-    shared_plans: Optional[tuple[torch.Tensor, ...]] = None  # CUDA decode steps: per group, plan_shared_blocks
+__all__ = ["LlamaModel", "SUPPORTED_DTYPES"]
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -130,17 +70,8 @@ class LlamaModel:
                     layer[name] = torch.ops.mkldnn._reorder_linear_weight(layer[name], None)
 
     def _rope_tables(self, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and signed sin tables ``[max_model_len, head_dim]`` for base ``theta``, computed as
-        transformers does (float32), then cast to the model's dtype."""
-        head_dim = self.config.head_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(self.config.max_model_len).float(), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        # sin with its first half negated: rotate_half(x) * sin == x.roll(head_dim / 2) * signed_sin, exactly
-        sin = emb.sin()
-        signed_sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1)
-        return (emb.cos().to(device=self.device, dtype=self.dtype),
-                signed_sin.to(device=self.device, dtype=self.dtype))
+        """RoPE's cos and signed sin tables ``[max_model_len, head_dim]`` for base ``theta``, in the model's dtype."""
+        return rope_tables(theta, self.config.head_dim, self.config.max_model_len, self.device, self.dtype)
 
     @staticmethod
     def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -173,7 +104,7 @@ class LlamaModel:
 
     @classmethod
     def from_gguf(cls, path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> "LlamaModel":
-        """This class's model from a GGUF (``load_model`` picks the class from the file)."""
+        """This class's model from a GGUF (``registry.load_model`` picks the class from the file)."""
         path = path or default_model_path()
         config, weights, tokenizer = load_gguf(path)
         if config.architecture != cls.ARCHITECTURE:
@@ -218,45 +149,44 @@ class LlamaModel:
     def forward(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 kv_scales: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
                 kv_amax: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
-                elementwise: Optional["CompiledElementwise"] = None) -> torch.Tensor:
+                elementwise: Optional[CompiledElementwise] = None) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(logits_indices), vocab_size]`` of the rows named there.
         ``kv_scales``: per layer (k_scale, v_scale) of fp8 caches (float32 ``[1]``). ``kv_amax``: a list to which
         each layer appends (amax(|k|), amax(|v|)) of this step's keys and values (float32 0-d tensors; the fp8
-        calibration pass, see ``model_runner``). ``elementwise``: compiled elementwise kernels (see
-        ``compile_elementwise``), used for steps of at least their ``min_tokens``; the model itself stays eager."""
+        calibration pass, see ``model_runner``). ``elementwise``: compiled elementwise kernels
+        (``layers.compile_elementwise``), used for steps of at least their ``min_tokens``; the model stays eager."""
         cfg = self.config
         num_tokens = batch.input_ids.shape[0]
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         signed_sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
         if elementwise is not None and num_tokens >= elementwise.min_tokens:
-            rms_norm, rope_qkv, silu_mul = elementwise.rms_norm, elementwise.rope_qkv, elementwise.silu_mul
+            norm, rope, gated = elementwise.rms_norm, elementwise.rope_qkv, elementwise.silu_mul
         else:
-            rms_norm, rope_qkv, silu_mul = _rms_norm, _rope_qkv, _silu_mul
+            norm, rope, gated = rms_norm, rope_qkv, silu_mul
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        serial = _Serial(self.device.type == "cpu" and num_tokens < SERIAL_ELEMENTWISE_TOKENS)
+        serial = serial_elementwise(self.device, num_tokens)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             with serial:
-                x = rms_norm(hidden, layer["input_layernorm"], eps)
+                x = norm(hidden, layer["input_layernorm"], eps)
             qkv = self._linear(x, layer["qkv_proj"])
             with serial:
-                q, k, v = rope_qkv(qkv, cos, signed_sin, *heads)
+                q, k, v = rope(qkv, cos, signed_sin, *heads)
             attn = self._attend(batch, batch.layer_groups[i], q, k, v, kv_caches[i],
                                 kv_scales[i] if kv_scales is not None else None, kv_amax)
             o = self._linear(attn, layer["o_proj"])
             with serial:
                 hidden = hidden + o
-                x = rms_norm(hidden, layer["post_attention_layernorm"], eps)
+                x = norm(hidden, layer["post_attention_layernorm"], eps)
             gate_up = self._linear(x, layer["gate_up_proj"])
             with serial:
-                x = silu_mul(gate_up)
+                x = gated(gate_up)
             down = self._linear(x, layer["down_proj"])
             with serial:
                 hidden = hidden + down
         with serial:
-            hidden = _rms_norm(hidden[batch.logits_indices], self.norm, eps)
+            hidden = rms_norm(hidden[batch.logits_indices], self.norm, eps)
         return self._linear(hidden, self.lm_head).float()
-
 
     @staticmethod
     def _attend(batch: Batch, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -279,101 +209,6 @@ class LlamaModel:
                                    shared_plan=batch.shared_plans[group] if batch.shared_plans and not chunks else None,
                                    **options)
         return attn.flatten(1)
-
-
-# NOTE: a CPU step of fewer tokens than this runs its elementwise work (norms, RoPE, SiLU, residual adds) on the
-# calling thread alone, and only the projections and the cache ops on all of torch's threads. ATen splits an
-# elementwise op over its threads from 32768 elements on (e.g. 57 tokens x 576), and with passive waiting
-# (GOMP_SPINCOUNT=0) waking OpenMP's sleeping workers costs more than such an op does; above this size two threads
-# win again. Figures: bench/RESULTS.md, "Waking OpenMP's threads: a quarter of a large decode step".
-SERIAL_ELEMENTWISE_TOKENS = 256
-
-
-class _Serial:
-    """``with serial:`` runs torch's CPU ops on one intra-op thread, then restores the thread count; a no-op when
-    built inactive."""
-
-    def __init__(self, active: bool):
-        self.threads = torch.get_num_threads()
-        self.active = active and self.threads > 1
-
-    def __enter__(self):
-        if self.active:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        if self.active:
-            torch.set_num_threads(self.threads)
-
-
-@dataclass(frozen=True)
-class CompiledElementwise:
-    """``torch.compile``'d versions of a layer's elementwise work, for steps of at least ``min_tokens`` tokens."""
-
-    rms_norm: Callable
-    rope_qkv: Callable
-    silu_mul: Callable
-    min_tokens: int
-
-
-def compile_elementwise(min_tokens: int = 128) -> CompiledElementwise:
-    """The elementwise work around the projections (RMSNorm, RoPE, SiLU * up) as ``torch.compile``'d kernels
-    (inductor fuses each into one loop), for ``LlamaModel.forward(elementwise=...)``: an engine's own, so that
-    compiling for one engine changes no other engine on the same model. Smaller steps than ``min_tokens`` stay
-    eager, where a compiled call's fixed cost outweighs the fusion (figures: bench/RESULTS.md, "After the engine
-    moved onto the variable-length op"). The first large step compiles (seconds). Results may differ from the eager
-    ones in the last bits (a fused reduction sums in another order)."""
-    return CompiledElementwise(torch.compile(_rms_norm, dynamic=True), torch.compile(_rope_qkv, dynamic=True),
-                               torch.compile(_silu_mul, dynamic=True), min_tokens)
-
-
-# The elementwise work of a layer, as plain functions of tensors (so that torch.compile can take them whole).
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * _normalized(x, eps).to(x.dtype)
-
-
-def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension, in float32."""
-    x32 = x.float()
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused projection's output [num_tokens, (num_heads + 2 num_kv_heads) head_dim] as q, k (rotated: views of
-    one tensor) and v (a view of qkv). Queries and keys are rotated together: x * cos + rotate_half(x) * sin, with
-    rotate_half(x) * sin computed as x.roll(head_dim / 2) * signed_sin (the same products, bit for bit)."""
-    num_tokens, qk_heads = qkv.shape[0], num_heads + num_kv_heads
-    qk = _rotate(qkv[:, : qk_heads * head_dim].view(num_tokens, qk_heads, head_dim), cos, signed_sin)
-    q, k = qk.split([num_heads, num_kv_heads], dim=1)
-    return q, k, qkv[:, qk_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``[num_tokens, heads, head_dim]``: x * cos + rotate_half(x) * sin."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def model_class(name: str) -> type[LlamaModel]:
-    """The model class of a GGUF architecture or a transformers model_type: LlamaModel or Gemma3Model."""
-    from .gemma3 import Gemma3Model  # (which builds on this module)
-
-    for cls in (LlamaModel, Gemma3Model):
-        if name in (cls.ARCHITECTURE, cls.MODEL_TYPE):
-            return cls
-    raise ValueError(f"expected a Llama or Gemma 3 model, got {name!r}")
-
-
-def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> LlamaModel:
-    """The model of a GGUF (default: SmolLM2-135M-Instruct), of the class its architecture needs."""
-    config, weights, tokenizer = load_gguf(path or default_model_path())
-    return model_class(config.architecture)(config, weights, tokenizer, device, dtype, use_onednn)
 
 
 def _names(dtypes) -> str:

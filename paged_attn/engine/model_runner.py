@@ -12,7 +12,7 @@ swap in, swap out, copy (copy-on-write), which is the order the scheduler decide
 frees may be a copy's destination in the same step, and a swap-out may send back a request swapped in earlier in
 the same step.
 
-The cache is laid out by KV-cache groups (``model.KVCacheGroups``): ``layers_per_group`` (key, value) tensor pairs of
+The cache is laid out by KV-cache groups (``KVCacheGroups``): ``layers_per_group`` (key, value) tensor pairs of
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, a block id (a page) naming ``block_size`` tokens of one group's
 layers in each pair; layer ``i`` uses pair ``layer_slot[i]`` with its group's slots and block tables. With one group
 (every layer global) a block holds every layer.
@@ -20,18 +20,20 @@ layers in each pair; layer ``i`` uses pair ``layer_slot[i]`` with its group's sl
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import ops
-from ..block_manager import block_tables_tensor, token_slots
-from .model import Batch, CompiledElementwise, KVCacheGroups, LlamaModel, ModelConfig, kv_cache_groups
-from .scheduler import ScheduledStep
+from ..metadata import paged_metadata
+from .batch import Batch
+from .layers import CompiledElementwise
+from .loader import ModelConfig
+from .model import LlamaModel
 from .sequence import Sequence
+from .step import ScheduledStep
 
 
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -45,6 +47,45 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
                          f"{kv_cache_dtype!r}")
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """How the layers share the paged KV cache (window-aware memory; design: ``WINDOW_MEMORY.md``): the layers are
+    split into groups of ``layers_per_group`` layers of one attention type, and every group keeps its own block
+    tables and slot mapping over one pool of pages; a page holds ``block_size`` tokens of a group's layers, so a
+    windowed group can release the pages that have fallen out of its window while a global one keeps them."""
+
+    windows: tuple[Optional[int], ...]  # per group: None (global) or its sliding window; global groups first
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_slot: tuple[int, ...]  # per layer: which of the layers_per_group (key, value) cache tensors it uses
+    layers_per_group: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+
+def kv_cache_groups(config: ModelConfig, window_aware: bool = True,
+                    enable_prefix_caching: bool = False) -> KVCacheGroups:
+    """The KV-cache groups of a model: one global group of every layer when all layers are global (Llama), when
+    ``window_aware`` is off, or when prefix caching needs a global group and there is none; else, per attention
+    type (global, then each window), the type's layers in order, cut into groups of the greatest common divisor of
+    the types' layer counts (Gemma 3 270M: 3 global and 15 windowed layers make 6 groups of 3)."""
+    num_layers = config.num_layers
+    windows = config.sliding_windows or (None,) * num_layers
+    kinds = sorted(set(windows), key=lambda window: (window is not None, window or 0))
+    if not window_aware or kinds == [None] or (enable_prefix_caching and None not in kinds):
+        return KVCacheGroups((None,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+    layers = {kind: [i for i, window in enumerate(windows) if window == kind] for kind in kinds}
+    size = math.gcd(*(len(indices) for indices in layers.values()))
+    group_windows, layer_group, layer_slot = [], [0] * num_layers, [0] * num_layers
+    for kind in kinds:
+        for start in range(0, len(layers[kind]), size):
+            for slot, layer in enumerate(layers[kind][start:start + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(kind)
+    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
 
 
 class ModelRunner:
@@ -70,8 +111,8 @@ class ModelRunner:
                           for _ in range(model.config.num_layers)] if fp8 else None
         self.calibrate_pending = calibrate_kv_scales  # until calibrate_kv_scales has run (LLM refuses it without fp8)
         # Shared blocks: on the CPU the attention op finds them itself; on CUDA a decode step passes a plan per
-        # KV-cache group (ops.plan_shared_blocks, from the host-side tables). PAGED_ATTN_NO_SHARED_BLOCKS set (read
-        # every step, as the op reads it): neither.
+        # KV-cache group (from the host-side tables: metadata.paged_metadata). PAGED_ATTN_NO_SHARED_BLOCKS set:
+        # neither.
         self.plan_shared_blocks = self.device.type == "cuda"
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
@@ -119,6 +160,7 @@ class ModelRunner:
             step.seqs.append(Sequence(list(prompt), len(prompt)))
             step.num_new_tokens.append(len(prompt))
             step.block_tables.append([list(range(num_blocks, num_blocks + blocks))] * self.groups.num_groups)
+            step.reserved_slots.append(None)
             num_blocks += blocks
         cfg = self.model.config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -151,47 +193,37 @@ class ModelRunner:
             ops.swap_blocks(src[1], dst[1], mapping)
 
     def prepare(self, step: ScheduledStep) -> Batch:
-        """The step's paged metadata: sequence ``s`` computes its tokens ``[num_computed_tokens, + num_new_tokens)``
-        and attends over all its tokens up to each one, in every KV-cache group through the group's block table."""
-        block_size, num_groups = self.block_size, self.groups.num_groups
-        input_ids, positions, query_lens, seq_lens, logits_indices = [], [], [], [], []
-        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        """The step's tensors on the device: sequence ``s`` computes its tokens ``[num_computed_tokens,
+        + num_new_tokens)`` and attends over all its tokens up to each one, in every KV-cache group through the
+        group's block table (the paged metadata: ``metadata.paged_metadata``, built once here)."""
+        input_ids, positions, logits_indices = [], [], []
         num_tokens = 0
-        for seq, num_new_tokens, tables in zip(step.seqs, step.num_new_tokens, step.block_tables):
+        for seq, num_new_tokens in zip(step.seqs, step.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            for group_slots, table in zip(slots, tables):
-                group_slots += token_slots(table, block_size, start, end)
-            query_lens.append(num_new_tokens)
-            seq_lens.append(end)
             num_tokens += num_new_tokens
             if end == len(seq.token_ids):  # its last token: the logits of the next one
                 logits_indices.append(num_tokens - 1)
+        config = self.model.config
+        paged = paged_metadata(step.block_tables, [seq.num_computed_tokens for seq in step.seqs],
+                               step.num_new_tokens, step.reserved_slots, self.block_size, self.groups.num_groups,
+                               config.num_heads // config.num_kv_heads if self.plan_shared_blocks else None)
 
-        def tensor(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        def on_device(tensor):
+            return tensor.to(self.device, non_blocking=True)
 
-        tables = [block_tables_tensor([tables[group] for tables in step.block_tables]) for group in range(num_groups)]
-        shared_plans = None
-        if (self.plan_shared_blocks and max(step.num_new_tokens, default=0) == 1  # a decode step
-                and "PAGED_ATTN_NO_SHARED_BLOCKS" not in os.environ):
-            config, lens = self.model.config, torch.tensor(seq_lens, dtype=torch.int32)
-            shared_plans = tuple(
-                ops.plan_shared_blocks(table, lens, block_size,
-                                       num_queries_per_kv=config.num_heads // config.num_kv_heads)
-                .to(self.device, non_blocking=True) for table in tables)
         return Batch(
-            input_ids=tensor(input_ids),
-            positions=tensor(positions),
-            slot_mapping=tensor(list(itertools.chain.from_iterable(slots))).view(num_groups, num_tokens),
-            block_tables=torch.stack(tables).to(self.device, non_blocking=True),
+            input_ids=on_device(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=on_device(torch.tensor(positions, dtype=torch.int64)),
+            slot_mapping=on_device(paged.slot_mapping),
+            block_tables=on_device(paged.block_tables),
             layer_groups=self.groups.layer_group,
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor([0, *itertools.accumulate(query_lens)], torch.int32),
-            max_query_len=max(query_lens, default=0),
-            logits_indices=tensor(logits_indices),
-            shared_plans=shared_plans,
+            seq_lens=on_device(paged.seq_lens),
+            query_start_loc=on_device(paged.query_start_loc),
+            max_query_len=paged.max_query_len,
+            logits_indices=on_device(torch.tensor(logits_indices, dtype=torch.int64)),
+            shared_plans=None if paged.shared_plans is None else tuple(map(on_device, paged.shared_plans)),
         )
 
 

@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 
 from .sampling import SamplingParams, sample
-from .scheduler import ScheduledStep, Scheduler
+from .scheduler import Scheduler
+from .step import ScheduledStep
 from .sequence import Request, Sequence
 from .stats import StatsCollector
 

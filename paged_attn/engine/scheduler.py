@@ -10,58 +10,26 @@ Admission (or re-admission after preemption by recomputation) allocates blocks f
 prefix-cache hits counted as computed; the request is then in *prefill* until every one of them is computed. It
 samples only in the step that computes the last token of each of its sequences (a chunk that ends earlier gives no
 token); from then on it decodes, and the slots of each newly sampled token are reserved (``append_slots``) when the
-step that writes its KV is scheduled.
+step that writes its KV is scheduled. How much KV memory admission promises a request is ``kv_reservation``'s
+policy (``reservation.py``).
 
-The scheduler decides; ``ModelRunner`` applies the cache operations the step asks for (swap in, swap out,
-copy-on-write) and runs it. Once the forward pass has completed, ``mark_computed`` advances the sequences,
-publishes the blocks written so far to the prefix cache and releases the blocks of windowed KV-cache groups that no
-query still to come can see; if anything fails before that, ``abort_all`` drops every
-request and no unwritten block is ever published.
+The scheduler decides and hands each step over as a ``ScheduledStep`` (``step.py``). Once the step's forward pass
+has completed, ``mark_computed`` advances the sequences, publishes the blocks written so far to the prefix cache
+and releases the blocks of windowed KV-cache groups that no query still to come can see; if anything fails before
+that, ``abort_all`` drops every request and no unwritten block is ever published.
 
-``kv_reservation`` picks how KV memory is promised to requests. ``"paged"`` (the default): blocks are taken
-as tokens arrive and a request holds only what it has written. The other two emulate the contiguous allocators
-the paper compares against (Orca): at admission a request reserves room for its worst case, for every one of its
-sequences (no sharing), and that room stays unavailable to others until it finishes; ``"max_tokens"`` reserves
-prompt + max_tokens tokens (an oracle when max_tokens is the true output length), ``"max_model_len"`` the model's
-whole context. The blocks themselves are still paged and the kernels are the same, so the policies differ only
-in how many requests fit at once; and since reserved room needs no contiguous run here, the emulation is kinder
-to them than a real contiguous allocator (no external fragmentation).
-
-The scheduler keeps no statistics: each ``ScheduledStep`` says what it did (prefill tokens, decodes, preemptions,
-prefix-cache hits), and the engine's ``StatsCollector`` (``stats.py``) counts them.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Optional
 
 from ..block_manager import BlockManager
 from .sampling import SamplingParams
+from .reservation import KVReservation
 from .sequence import Request, Sequence
-
-KV_RESERVATIONS = ("paged", "max_tokens", "max_model_len")
-
-
-@dataclass
-class ScheduledStep:
-    """One step as the scheduler decided it: the cache operations to apply first (swap in, swap out, copy, in
-    that order), then, for each scheduled sequence, its next ``num_new_tokens`` tokens to compute."""
-
-    seqs: list[Sequence] = field(default_factory=list)  # a request's sequences are adjacent
-    num_new_tokens: list[int] = field(default_factory=list)  # per sequence, from its num_computed_tokens on
-    block_tables: list[list[list[int]]] = field(default_factory=list)  # per sequence, per KV-cache group
-    sampling_requests: list[Request] = field(default_factory=list)  # those whose every last token is computed
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src_block, dst_block)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    # what the step did, for the engine's statistics
-    num_swapped_out: int = 0  # requests preempted by swapping out
-    num_recomputed: int = 0  # requests preempted by dropping their KV, to recompute
-    prefix_cache_hit_tokens: int = 0  # tokens of admitted requests found in the prefix cache
-    num_running_seqs: int = 0  # sequences of the running requests once the step is scheduled
+from .step import ScheduledStep
 
 
 class Scheduler:
@@ -71,16 +39,14 @@ class Scheduler:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "paged",
                  admission_headroom: int = 0, group_windows: tuple = (None,)):
-        if kv_reservation not in KV_RESERVATIONS:
-            raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {kv_reservation!r}")
         self.block_size = block_size
-        self.kv_reservation, self.max_model_len = kv_reservation, max_model_len
         self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        # one block table per KV-cache group (None: global, or the group's sliding window; model.kv_cache_groups)
+        # one block table per KV-cache group (None: global, or the group's sliding window; model_runner.kv_cache_groups)
         self.block_manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                           enable_prefix_caching=enable_prefix_caching, group_windows=group_windows)
         self.num_groups = self.block_manager.num_groups
+        self.reservation = KVReservation(kv_reservation, block_size, self.num_groups, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.swapped: list[Request] = []  # oldest first
@@ -90,35 +56,17 @@ class Scheduler:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def max_blocks(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The most blocks a request can ever hold, and what it reserves under a kv_reservation policy. With
-        windowed KV-cache groups this is an upper bound: a (re)admitted prompt holds its blocks in every group until
-        its chunks are computed."""
-        max_len = self.max_model_len if self.kv_reservation == "max_model_len" else \
-            min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        return params.num_seqs * self.num_groups * self.blocks_for(max_len)
-
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError for a request that could never run: too many sequences, or more blocks than the pool."""
         if params.num_seqs > self.max_num_seqs:
             raise ValueError(f"n / beam_width of {params.num_seqs} exceeds max_num_seqs={self.max_num_seqs}")
-        needed = self.max_blocks(num_prompt_tokens, params)
+        needed = self.reservation.max_blocks(num_prompt_tokens, params)
         if needed > self.block_manager.num_gpu_blocks:
             raise ValueError(
                 f"request can never fit in the KV cache: {params.num_seqs} sequence(s) of up to "
                 f"{needed // params.num_seqs} blocks of {self.block_size} tokens (in {self.num_groups} KV-cache "
-                f"group(s), kv_reservation={self.kv_reservation!r}) need {needed} blocks, but the cache has "
+                f"group(s), kv_reservation={self.reservation.policy!r}) need {needed} blocks, but the cache has "
                 f"{self.block_manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
-
-    def _reserved_unused_blocks(self) -> int:
-        """Blocks that running requests have reserved but not yet taken (0 when paged)."""
-        if self.kv_reservation == "paged":
-            return 0
-        unused = 0
-        for request in self.running:
-            held = self.block_manager.num_blocks_held(seq.seq_id for seq in request.seqs)
-            unused += max(0, self.max_blocks(len(request.prompt_token_ids), request.params) - held)
-        return unused
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -227,10 +175,12 @@ class Scheduler:
                     self._preempt(request, step)
                     continue
                 # (alone, a request always fits: LLM rejects any request the whole pool could not hold)
+                reserved_slots = []
                 for seq in request.seqs:
-                    _, cows = self.block_manager.append_slots(seq.seq_id, seq.token_ids[-1])
+                    slots, cows = self.block_manager.append_slots(seq.seq_id, seq.token_ids[-1])
                     step.blocks_to_copy += cows
-                self._add_to_step(step, request, [1] * len(request.seqs))
+                    reserved_slots.append(slots)
+                self._add_to_step(step, request, [1] * len(request.seqs), reserved_slots)
                 step.num_decode_tokens += len(request.seqs)
             self.running.append(request)
 
@@ -249,20 +199,24 @@ class Scheduler:
         self._add_to_step(step, request, chunk)
         step.num_prefill_tokens += sum(chunk)
 
-    def _add_to_step(self, step: ScheduledStep, request: Request, num_new_tokens: list[int]) -> None:
-        for seq, num_tokens in zip(request.seqs, num_new_tokens):
+    def _add_to_step(self, step: ScheduledStep, request: Request, num_new_tokens: list[int],
+                     reserved_slots: Optional[list[list[int]]] = None) -> None:
+        """Schedule the request's sequences for these numbers of new tokens (``reserved_slots``: per sequence, its
+        decode token's slots that ``append_slots`` reserved)."""
+        for index, (seq, num_tokens) in enumerate(zip(request.seqs, num_new_tokens)):
             if num_tokens:
                 step.seqs.append(seq)
                 step.num_new_tokens.append(num_tokens)
                 step.block_tables.append(self.block_manager.block_tables(seq.seq_id))
+                step.reserved_slots.append(None if reserved_slots is None else reserved_slots[index])
         if all(seq.num_computed_tokens + num_tokens == len(seq.token_ids)
                for seq, num_tokens in zip(request.seqs, num_new_tokens)):
             step.sampling_requests.append(request)
 
     def _can_admit(self, request: Request) -> bool:
-        if self.kv_reservation != "paged":
-            free = self.block_manager.num_free_blocks - self._reserved_unused_blocks()
-            return self.max_blocks(len(request.prompt_token_ids), request.params) <= free
+        if self.reservation.policy != "paged":
+            free = self.block_manager.num_free_blocks - self.reservation.unused_blocks(self.running, self.block_manager)
+            return self.reservation.max_blocks(len(request.prompt_token_ids), request.params) <= free
         # While others run, leave admission_headroom free blocks per running sequence (the request's own included)
         # for their next tokens: otherwise new prompts fill the pool, the running sequences soon preempt them
         # again, and each preemption by recomputation redoes a prefill.

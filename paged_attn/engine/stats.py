@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..block_manager import BlockManager, BlockManagerStats
+from ..block_manager import BlockManager
+from ..block_stats import BlockManagerStats
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class EngineStats:
     num_mixed_steps: int  # steps that decoded and computed prefill tokens together
     peak_running_seqs: int  # sequences in one step, at most
     kv_cache_dtype: str = ""  # the cache tensors' dtype, e.g. "bfloat16" or "float8_e4m3fn"
-    num_kv_cache_groups: int = 1  # block tables per sequence (model.kv_cache_groups); a block holds one group's layers
+    num_kv_cache_groups: int = 1  # block tables per sequence (model_runner.kv_cache_groups); a block: a group's layers
     # KV bytes held per attention type ("global", "sliding_window"), now and at the peak of gpu_blocks_used
     kv_bytes_by_attention_type: dict = field(default_factory=dict)
     peak_kv_bytes_by_attention_type: dict = field(default_factory=dict)
@@ -45,7 +46,7 @@ class EngineStats:
 
 class StatsCollector:
     """Counters and peaks of one ``generate`` call: ``reset`` at its start, ``record_step`` after each step is
-    scheduled (with the block manager's figures then), ``record_generated`` for the tokens sampled."""
+    scheduled (with the block manager then), ``record_generated`` for the tokens sampled."""
 
     def __init__(self, now: BlockManagerStats):
         self.reset(now)
@@ -57,8 +58,9 @@ class StatsCollector:
         self.prefix_cache_hit_tokens = self.num_prefill_tokens = self.num_generated_tokens = 0
         self.num_steps = self.num_decode_steps = self.num_mixed_steps = self.peak_running_seqs = 0
 
-    def record_step(self, step, now: BlockManagerStats) -> None:
-        """A ``ScheduledStep`` as the scheduler returned it; ``now``: the block manager's stats after scheduling."""
+    def record_step(self, step, block_manager: BlockManager) -> None:
+        """A ``ScheduledStep`` as the scheduler returned it, and the block manager after scheduling it. The
+        manager's counters give the blocks used and saved; its full stats are taken only at a new peak."""
         self.num_steps += 1
         self.num_prefill_tokens += step.num_prefill_tokens
         self.num_decode_steps += step.num_decode_tokens > 0
@@ -67,9 +69,10 @@ class StatsCollector:
         self.num_recomputed += step.num_recomputed
         self.prefix_cache_hit_tokens += step.prefix_cache_hit_tokens
         self.peak_running_seqs = max(self.peak_running_seqs, step.num_running_seqs)
-        if now.gpu_blocks_used > self.peak.gpu_blocks_used:
-            self.peak = now
-        self.peak_saved = max(self.peak_saved, now.blocks_saved_by_sharing)
+        pool = block_manager.gpu_pool
+        if pool.num_used > self.peak.gpu_blocks_used:
+            self.peak = block_manager.stats()
+        self.peak_saved = max(self.peak_saved, pool.num_refs - pool.num_used)  # blocks_saved_by_sharing
 
     def record_generated(self, num_tokens: int) -> None:
         self.num_generated_tokens += num_tokens

@@ -19,7 +19,7 @@ def raises_unchanged(bm, error, call, *args, match=None):
 
 
 def ref_counts(bm, block_ids):
-    return [bm.gpu_blocks[b].ref_count for b in block_ids]
+    return [bm.gpu_pool.blocks[b].ref_count for b in block_ids]
 
 
 def allocate_computed(bm, seq_id, token_ids):
@@ -501,7 +501,7 @@ def test_fork_and_free_while_swapped_out():
     bm.allocate(0, range(3))
     bm.swap_out([0])
     bm.fork(0, 1)
-    assert bm.is_swapped_out(1) and [bm.cpu_blocks[b].ref_count for b in bm.block_table(1)] == [2, 2]
+    assert bm.is_swapped_out(1) and [bm.cpu_pool.blocks[b].ref_count for b in bm.block_table(1)] == [2, 2]
     bm.free(0)
     bm.free(1)
     assert bm.num_free_cpu_blocks == 2 and bm.num_free_blocks == 2

@@ -93,7 +93,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def write(self, slot, value):
         # Whoever writes a slot must be the only owner of its block.
-        assert self.bm.gpu_blocks[slot // self.bm.block_size].ref_count == 1
+        assert self.bm.gpu_pool.blocks[slot // self.bm.block_size].ref_count == 1
         self.gpu_cache[slot] = value
 
     def copy_block(self, src_cache, src, dst_cache, dst):
@@ -123,7 +123,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             slots, cows = bm.append_slots(seq_id, token)
         assert len(slots) == bm.num_groups
         for src, dst in cows:
-            assert src != dst and bm.gpu_blocks[src].ref_count >= 1
+            assert src != dst and bm.gpu_pool.blocks[src].ref_count >= 1
             self.copy_block(self.gpu_cache, src, self.gpu_cache, dst)
         tokens.append(token)
         return slots
@@ -284,23 +284,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return Counter(b for s in bm.seqs.values() if s.swapped_out == swapped_out for table in s.block_tables
                            for b in table if b != PAD_BLOCK_ID)
         gpu_holders, cpu_holders = holders(False), holders(True)
-        assert [b.ref_count for b in bm.gpu_blocks] == [gpu_holders[i] for i in range(bm.num_gpu_blocks)]
-        assert [b.ref_count for b in bm.cpu_blocks] == [cpu_holders[i] for i in range(bm.num_cpu_blocks)]
+        assert [b.ref_count for b in bm.gpu_pool.blocks] == [gpu_holders[i] for i in range(bm.num_gpu_blocks)]
+        assert [b.ref_count for b in bm.cpu_pool.blocks] == [cpu_holders[i] for i in range(bm.num_cpu_blocks)]
+        assert bm.gpu_pool.num_refs == sum(gpu_holders.values()) and bm.cpu_pool.num_refs == sum(cpu_holders.values())
 
-        free, evictable = list(bm.free_gpu_block_ids), list(bm.prefix_cache.evictable_block_ids)
-        free_cpu = list(bm.free_cpu_block_ids)
+        free, evictable = list(bm.gpu_pool.free_block_ids), list(bm.prefix_cache.evictable_block_ids)
+        free_cpu = list(bm.cpu_pool.free_block_ids)
         assert len(set(free)) == len(free) and len(set(free_cpu)) == len(free_cpu)
         assert not set(free) & set(evictable) and not set(free + evictable) & set(gpu_holders)
         assert not set(free_cpu) & set(cpu_holders)
-        assert len(free) + len(evictable) + len(gpu_holders) == bm.num_gpu_blocks == len(bm.gpu_blocks)
-        assert len(free_cpu) + len(cpu_holders) == bm.num_cpu_blocks == len(bm.cpu_blocks)
+        assert len(free) + len(evictable) + len(gpu_holders) == bm.num_gpu_blocks == len(bm.gpu_pool.blocks)
+        assert len(free_cpu) + len(cpu_holders) == bm.num_cpu_blocks == len(bm.cpu_pool.blocks)
         assert bm.num_free_blocks == len(free) + len(evictable)
 
-        # The prefix cache: the dict and the blocks agree; plain free blocks are uncached, evictable ones cached.
-        assert all(bm.gpu_blocks[b].hash == h for h, b in bm.prefix_cache.hash_to_block_id.items())
-        assert sorted(bm.prefix_cache.hash_to_block_id.values()) == sorted(b.block_id for b in bm.gpu_blocks if b.hash is not None)
-        assert all(bm.gpu_blocks[b].hash is None for b in free)
-        assert all(bm.gpu_blocks[b].hash is not None for b in evictable)
+        # The prefix cache: its dict and its entries agree; plain free blocks are uncached, evictable ones cached.
+        entries = bm.prefix_cache.entries
+        assert all(entries[b].key == h for h, b in bm.prefix_cache.hash_to_block_id.items())
+        assert sorted(bm.prefix_cache.hash_to_block_id.values()) == sorted(entries)
+        assert all(b not in entries for b in free)
+        assert all(b in entries for b in evictable)
         if not bm.enable_prefix_caching:
             assert not bm.prefix_cache.hash_to_block_id
 
@@ -331,22 +333,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def cached_blocks_hold_their_tokens(self):
         """Every cached block holds the KV of its tokens, all after one same prefix (never garbage or nothing)."""
         bs = self.bm.block_size
-        for block in self.bm.gpu_blocks:
-            if block.hash is not None:
-                stored = self.gpu_cache[block.block_id * bs:(block.block_id + 1) * bs]
-                assert all(isinstance(value, tuple) and value != GARBAGE for value in stored), stored
-                prefix = stored[0][:-1]
-                assert stored == [prefix + block.token_ids[:i + 1] for i in range(bs)], stored
+        for block_id, entry in self.bm.prefix_cache.entries.items():
+            stored = self.gpu_cache[block_id * bs:(block_id + 1) * bs]
+            assert all(isinstance(value, tuple) and value != GARBAGE for value in stored), stored
+            prefix = stored[0][:-1]
+            assert stored == [prefix + entry.token_ids[:i + 1] for i in range(bs)], stored
 
     @invariant()
     def stats_agree(self):
         bm, bs = self.bm, self.bm.block_size
         stats = bm.stats()
         gpu_seqs = [s for s in self.expected if not bm.is_swapped_out(s)]
-        used = sum(b.ref_count > 0 for b in bm.gpu_blocks)
+        used = sum(b.ref_count > 0 for b in bm.gpu_pool.blocks)
         assert stats.gpu_blocks_used == used and stats.gpu_blocks_free == bm.num_gpu_blocks - used
         assert stats.gpu_blocks_cached == len(bm.prefix_cache.evictable_block_ids)
-        assert stats.cpu_blocks_used == sum(b.ref_count > 0 for b in bm.cpu_blocks)
+        assert stats.cpu_blocks_used == sum(b.ref_count > 0 for b in bm.cpu_pool.blocks)
         assert stats.num_tokens == sum(len(self.expected[s]) for s in gpu_seqs)
         assert stats.logical_blocks == sum(b != PAD_BLOCK_ID for s in gpu_seqs for t in bm.block_tables(s) for b in t)
         assert stats.blocks_saved_by_sharing == stats.logical_blocks - used >= 0

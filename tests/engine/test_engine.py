@@ -270,7 +270,7 @@ def test_reservation_policies_admit_fewer_requests_and_generate_the_same(make_ll
     in the same pool and none is ever preempted; the tokens stay those of transformers."""
     probe = make_llm(block_size=block_size, num_gpu_blocks=1, kv_reservation=kv_reservation).scheduler
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    reservations = sorted(probe.max_blocks(len(prompt), params) for prompt in prompts)
+    reservations = sorted(probe.reservation.max_blocks(len(prompt), params) for prompt in prompts)
     pool = 2 * reservations[-1]  # any two requests fit
     fit = max(k for k in range(len(prompts) + 1) if sum(reservations[:k]) <= pool)
     assert 2 <= fit < len(prompts)

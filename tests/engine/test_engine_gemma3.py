@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"Gemma 3 engine tests ne
 
 if not _MISSING:
     from paged_attn.engine import LLM, SamplingParams, model_path
-    from paged_attn.engine.model import Batch
+    from paged_attn.engine.batch import Batch
     from paged_attn.engine.output_processor import request_output
 
 MAX_TOKENS = 12

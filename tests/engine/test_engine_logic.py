@@ -57,7 +57,7 @@ def test_kv_reservation_none_is_a_deprecated_spelling_of_paged(tiny_model):
     paged = LLM(tiny_model, block_size=4, num_gpu_blocks=64, kv_reservation="paged")
     with pytest.warns(DeprecationWarning, match='"paged"'):
         none = LLM(tiny_model, block_size=4, num_gpu_blocks=64, kv_reservation="none")
-    assert none.scheduler.kv_reservation == "paged"
+    assert none.scheduler.reservation.policy == "paged"
     assert token_ids(none.generate(prompts, params, use_tqdm=False)) == \
         token_ids(paged.generate(prompts, params, use_tqdm=False))
     assert none.stats() == paged.stats()

@@ -99,7 +99,7 @@ def test_small_cpu_steps_run_elementwise_work_on_one_thread(hf_model, prompts, m
     and the projections on all of torch's; larger steps run everything on all; the outputs are the same bit for bit
     (elementwise ops and row-wise reductions do not depend on the thread count) and the thread count is restored."""
     from paged_attn.engine import LLM, SamplingParams
-    from paged_attn.engine import model as model_module
+    from paged_attn.engine import layers
 
     monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored after the test
     torch.set_num_threads(2)
@@ -107,7 +107,7 @@ def test_small_cpu_steps_run_elementwise_work_on_one_thread(hf_model, prompts, m
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def run(serial_below):
-        monkeypatch.setattr(model_module, "SERIAL_ELEMENTWISE_TOKENS", serial_below)
+        monkeypatch.setattr(layers, "SERIAL_ELEMENTWISE_TOKENS", serial_below)
         llm = LLM(model, dtype=torch.float32, num_gpu_blocks=256)
         steps = []  # per step: (tokens, thread counts seen by set_num_threads, thread counts of the projections)
         set_threads, linear, forward = torch.set_num_threads, llm.model._linear, llm.model.forward

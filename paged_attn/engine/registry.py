@@ -1,0 +1,29 @@
+"""The model registry: which model class serves a checkpoint (by its GGUF architecture or transformers model_type),
+and ``load_model``, a GGUF's model of that class. It sits above the model files, which import only downward (the
+layers, the batch, the loader, and for Gemma 3 the Llama model it builds on)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .gemma3 import Gemma3Model
+from .loader import default_model_path, load_gguf
+from .model import LlamaModel
+
+__all__ = ["MODEL_CLASSES", "load_model", "model_class"]
+
+MODEL_CLASSES = (LlamaModel, Gemma3Model)
+
+
+def model_class(name: str) -> type[LlamaModel]:
+    """The model class of a GGUF architecture or a transformers model_type: LlamaModel or Gemma3Model."""
+    for cls in MODEL_CLASSES:
+        if name in (cls.ARCHITECTURE, cls.MODEL_TYPE):
+            return cls
+    raise ValueError(f"expected a Llama or Gemma 3 model, got {name!r}")
+
+
+def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> LlamaModel:
+    """The model of a GGUF (default: SmolLM2-135M-Instruct), of the class its architecture needs."""
+    config, weights, tokenizer = load_gguf(path or default_model_path())
+    return model_class(config.architecture)(config, weights, tokenizer, device, dtype, use_onednn)
