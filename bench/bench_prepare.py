@@ -30,12 +30,17 @@ def make_step(batch: int, block_size: int, decode: bool, rng: random.Random) -> 
         seq.num_computed_tokens = length - 1 if decode else 0
         step.seqs.append(seq)
         step.num_new_tokens.append(1 if decode else length)
-        step.block_tables.append(table)
+        step.block_tables.append([table])  # one KV-cache group (a Llama)
+        # a decode's slot, reserved by the block manager; a prefill's come from the table
+        step.reserved_slots.append([table[-1] * block_size + (length - 1) % block_size] if decode else None)
     return step
 
 
 def time_prepare(step: ScheduledStep, block_size: int, repeats: int, iters: int) -> float:
-    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"))
+    # what prepare reads of a runner: one KV-cache group of every layer, a model with GQA 32:8, no shared plans
+    config = SimpleNamespace(num_heads=32, num_kv_heads=8)
+    runner = SimpleNamespace(block_size=block_size, device=torch.device("cpu"), model=SimpleNamespace(config=config),
+                             groups=SimpleNamespace(num_groups=1, layer_group=(0,)), plan_shared_blocks=False)
 
     def prepare_iters():
         for _ in range(iters):
