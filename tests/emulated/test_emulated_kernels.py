@@ -4,9 +4,10 @@
 tests/emulated/kernels.cpp is the driver: it computes the launch with the same plan functions as the CUDA launchers
 (csrc/cuda/launch_plan.h), runs the kernels thread by thread on buffers this module writes, and writes the buffers
 back. It is compiled twice into build/emulated/ (AddressSanitizer + UndefinedBehaviorSanitizer, and
-ThreadSanitizer), again only when a source changes. Every case runs under ASan+UBSan in the three thread orders
-(forward, reverse, seeded random) and once under TSan (the four runs as parallel processes: the emulator runs on
-one thread); the outputs must match the reference and be the same bit for bit in every order and build. Unused
+ThreadSanitizer), again only when a source changes. A case runs under ASan+UBSan in the three thread orders
+(forward, reverse, seeded random) and once under TSan (the runs as parallel processes: the emulator runs on one
+thread), or, after the first case of a parametrized test, in two of them (RUNS, SWEEP_RUNS); the outputs must match
+the reference and be the same bit for bit in every order and build. Unused
 cache slots and blocks are NaN, unused block-table entries hold garbage, and every buffer is allocated at its exact
 size, so a read of a slot, row or entry the kernel should not touch shows up as NaN in the output or as a sanitizer
 report.
@@ -39,7 +40,12 @@ SOURCES = [EMULATED / "kernels.cpp", EMULATED / "simt.h", *sorted((ROOT / "csrc"
 # -fno-strict-aliasing: the kernels read 16-byte vectors as uint4 and reinterpret them (as nvcc allows)
 FLAGS = ["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-fno-strict-aliasing"]
 BUILDS = {"asan": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"], "tsan": ["-fsanitize=thread"]}
+# (build, thread order, seed) of every run of a case. A parametrized test runs its first case in all of RUNS and the
+# others in SWEEP_RUNS: a sweep's cases differ in sizes, dtypes, layouts and features, not in how the threads meet,
+# and its first case takes that through all three orders; each of the others still runs under both sanitizers and in
+# two orders (forward, random) that must agree bit for bit. (This halves the suite's time on 2 cores.)
 RUNS = [("asan", "forward", 0), ("asan", "reverse", 0), ("asan", "random", 11), ("tsan", "random", 12)]
+SWEEP_RUNS = [RUNS[0], RUNS[3]]
 DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat16"}
 
 pytestmark = [
@@ -49,9 +55,24 @@ pytestmark = [
 
 
 @pytest.fixture(scope="session")
-def driver():
+def programs():
     """build name -> the driver program (rebuilt when a kernel header, the emulator or the driver changes)."""
     return build_programs("kernels", EMULATED / "kernels.cpp", BUILDS, FLAGS, SOURCES)
+
+
+@dataclass(frozen=True)
+class Driver:
+    programs: dict  # build name -> the driver program
+    runs: list  # the (build, order, seed) runs of each case of this test: RUNS or SWEEP_RUNS
+
+
+@pytest.fixture
+def driver(programs, request):
+    """The driver programs, with the runs this test's cases take: RUNS for a test without parameters or the first
+    case of a parametrized one, SWEEP_RUNS for its other cases."""
+    callspec = getattr(request.node, "callspec", None)
+    first = callspec is None or not any(callspec.indices.values())
+    return Driver(programs, RUNS if first else SWEEP_RUNS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,24 +126,25 @@ def run_directory(tmp_path: Path, build=RUNS[0][0], order=RUNS[0][1]) -> Path:
     return tmp_path / f"{build}-{order}"
 
 
-def run_everywhere(driver, case: Case, tmp_path: Path, names):
-    """Runs the case in every build and order (each run in a directory of its own, as parallel processes); returns
-    the outputs of the first run after checking that every run is clean and gives the same bytes."""
-    directories = [run_directory(tmp_path, build, order) for build, order, _ in RUNS]
+def run_everywhere(driver: Driver, case: Case, tmp_path: Path, names):
+    """Runs the case in the driver's builds and orders (each run in a directory of its own, as parallel processes);
+    returns the outputs of the first run after checking that every run is clean and gives the same bytes."""
+    directories = [run_directory(tmp_path, build, order) for build, order, _ in driver.runs]
     case_files = []
     for directory in directories:
         directory.mkdir(exist_ok=True)
         case_files.append(case.write(directory))
 
     def run(index):
-        build, order, seed = RUNS[index]
-        return subprocess.run([str(driver[build]), str(case_files[index]), order, str(seed)], capture_output=True,
-                              text=True, timeout=600, env={**os.environ, "TSAN_OPTIONS": "atexit_sleep_ms=0"})
+        build, order, seed = driver.runs[index]
+        return subprocess.run([str(driver.programs[build]), str(case_files[index]), order, str(seed)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "TSAN_OPTIONS": "atexit_sleep_ms=0"})
 
-    with ThreadPoolExecutor(max_workers=min(len(RUNS), os.cpu_count() or 1)) as pool:
-        runs = list(pool.map(run, range(len(RUNS))))
+    with ThreadPoolExecutor(max_workers=min(len(driver.runs), os.cpu_count() or 1)) as pool:
+        runs = list(pool.map(run, range(len(driver.runs))))
     results = []
-    for (build, order, _), directory, done in zip(RUNS, directories, runs):
+    for (build, order, _), directory, done in zip(driver.runs, directories, runs):
         report = f"{build}/{order}: exit status {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
         assert done.returncode == 0 and not SANITIZER_REPORT.search(done.stderr), report
         outputs = {name: case.read_output(directory, name) for name in names}
@@ -249,8 +271,8 @@ def test_attention_every_group_size_split_and_strided(driver, tmp_path, num_head
 def decode_kernel_run(driver, case: Case, tmp_path):
     """The driver's report of the decode launch (one run, ASan build): which kernel and plan it took."""
     case_file = case.write(tmp_path)
-    done = subprocess.run([str(driver["asan"]), str(case_file), "forward", "0"], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([str(driver.programs["asan"]), str(case_file), "forward", "0"], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
 
