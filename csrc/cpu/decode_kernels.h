@@ -1,5 +1,8 @@
 // The decode kernel's steps (logits, softmax, values) on the portable path, and the task body that walks a query
-// row's tokens a tile at a time (attend), picking the portable or the AVX-512 bf16 steps (avx512_kernels.h) per call.
+// row's tokens a tile at a time (attend); each unit (a tile and a kv head) goes to one path's steps (attend_unit):
+// portable (attend_tile, below), AVX-512 bf16 (attend_tile_avx512, avx512_kernels.h) or AMX (attend_tile_amx,
+// amx_kernels.h), picked per call (Problem::avx512_bf16, Problem::amx), with each path's set-up in a function of its
+// own (prescale_queries, AmxRows).
 // Cutting the rows into chunks, running them on the threads and merging each row's chunks: attention.cpp.
 //
 // Work mapping: a query row's keys are cut into chunks at fixed token positions (kChunkTokens); a thread walks a
@@ -186,6 +189,99 @@ void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
 // ---------------------------------------------------------------------------------------------------------------
 // Tasks
 
+// The query of row `row`: [num_heads, head_dim] (head stride query_head_stride).
+template <typename scalar_t, typename cache_t>
+const scalar_t* row_query(const Problem<scalar_t, cache_t>& pb, int64_t row) {
+  return pb.query + pb.token(row) * pb.query_row_stride;
+}
+
+// Portable path: each row's queries, pre-scaled, in float32 into its scratch (sc.q). (The AVX-512 and AMX paths
+// read the queries as they are.)
+template <typename scalar_t, typename cache_t>
+void prescale_queries(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n, Scratch* const* scs) {
+  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
+  for (int64_t i = 0; i < n && !pb.avx512_bf16; ++i) {
+    const scalar_t* query = row_query(pb, rows[i]);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t d = 0; d < head_dim; ++d) {
+        scs[i]->q[h * head_dim + d] = pb.scale * static_cast<float>(query[h * pb.query_head_stride + d]);
+      }
+    }
+  }
+}
+
+// AMX path: the arguments of attend_tile_amx for one call's rows (empty unless pb.amx): queries, per kv head the
+// rows' heads of its group stacked (entry i * group + j), padded to a multiple of 16 entries; each row's last token;
+// the tile layout ([head_dim * 24] dwords), logits and p pairs; and the thread's tile configuration (released at
+// the end of the call).
+template <typename scalar_t>
+struct AmxRows {
+#if defined(CPU_CAPABILITY_AVX2)
+  int64_t entries;  // per kv head
+  std::vector<scalar_t> queries;
+  std::vector<int64_t> last_tokens;
+  std::vector<uint32_t> layout, p_pairs;
+  std::vector<float> logits;
+  AmxTiles tiles;
+
+  template <typename cache_t>
+  AmxRows(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n)
+      : entries((n * pb.group_size + kAmxRows - 1) / kAmxRows * kAmxRows) {
+    if (!pb.amx) return;
+    const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
+    queries.assign(pb.num_kv_heads * entries * head_dim, scalar_t(0));
+    for (int64_t i = 0; i < n; ++i) {
+      last_tokens.push_back(pb.row_len(rows[i]) - 1);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const int64_t kv_head = h / pb.group_size, e = i * pb.group_size + h % pb.group_size;
+        std::copy_n(row_query(pb, rows[i]) + h * pb.query_head_stride, head_dim,
+                    queries.begin() + (kv_head * entries + e) * head_dim);
+      }
+    }
+    layout.resize(head_dim * 24);
+    logits.resize(entries * kTileTokens);
+    p_pairs.resize(n * pb.group_size * kTileTokens);
+  }
+#else
+  template <typename cache_t>
+  AmxRows(const Problem<scalar_t, cache_t>&, const int64_t*, int64_t) {}
+#endif
+};
+
+// Steps 1-3 of one unit (kv head `kv_head`'s group over one tile) for the rows rows[0..n), on the call's path: all
+// the rows at once on the AMX path; else row after row, on the AVX-512 bf16 or the portable path (the last row
+// prefetches with `prefetcher`, the others with `idle`).
+template <typename scalar_t, typename cache_t>
+void attend_unit(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Tile<cache_t>& tile,
+                 const int64_t* rows, int64_t n, Scratch* const* scs, AmxRows<scalar_t>& amx,
+                 Prefetcher<cache_t>& prefetcher, Prefetcher<cache_t>& idle) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
+    if (pb.amx) {
+      attend_tile_amx(pb, kv_head, tile, n, amx.queries.data() + kv_head * amx.entries * pb.head_dim,
+                      amx.last_tokens.data(), scs, amx.layout.data(), amx.logits.data(), amx.p_pairs.data(),
+                      amx.tiles, prefetcher);
+      return;
+    }
+  }
+#else
+  (void)amx;
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    Prefetcher<cache_t>& pf = i + 1 == n ? prefetcher : idle;
+    const int64_t last_token = pb.row_len(rows[i]) - 1;
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
+      if (pb.avx512_bf16) {
+        attend_tile_avx512(pb, row_query(pb, rows[i]), kv_head, tile, last_token, *scs[i], pf);
+        continue;
+      }
+    }
+#endif
+    attend_tile(pb, kv_head, tile, last_token, *scs[i], pf);
+  }
+}
+
 // Attends every query head of the query rows rows[0], ..., rows[n - 1] to their sequences' tokens [begin, end),
 // which start at a chunk boundary or at the rows' window start (or, with fresh = false, at a tile boundary where an
 // earlier call left the rows' states in scs: a shared chunk's rest, see attention.cpp) and end at a chunk boundary,
@@ -202,17 +298,7 @@ template <typename scalar_t, typename cache_t, typename ChunkDone>
 void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n, int64_t begin, int64_t end,
             Scratch* const* scs, ChunkDone&& chunk_done, bool fresh = true) {
   const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-  const auto query_of = [&](int64_t i) {  // [num_heads, head_dim]
-    return pb.query + pb.token(rows[i]) * pb.query_row_stride;
-  };
-  for (int64_t i = 0; i < n && !pb.avx512_bf16; ++i) {
-    const scalar_t* query = query_of(i);
-    for (int64_t h = 0; h < num_heads; ++h) {
-      for (int64_t d = 0; d < head_dim; ++d) {
-        scs[i]->q[h * head_dim + d] = pb.scale * static_cast<float>(query[h * pb.query_head_stride + d]);
-      }
-    }
-  }
+  prescale_queries(pb, rows, n, scs);
   const auto reset = [&] {
     for (int64_t i = 0; i < n; ++i) {
       std::fill_n(scs[i]->acc, num_heads * head_dim, 0.f);
@@ -241,30 +327,7 @@ void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n
   for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) load_tile(tiles[k], k);
   // The last row of a unit prefetches (the next unit's rows into L1 as late as they can come); the others not.
   Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim), idle(pb.kv, pb.num_kv_heads, pb.head_dim);
-#if defined(CPU_CAPABILITY_AVX2)
-  // The AMX path's per-row arguments, its tile layout ([head_dim * 24] dwords) and the thread's tile configuration.
-  // queries: per kv head, the rows' heads of its group stacked (entry i * group + j), padded to 16 entries.
-  const int64_t amx_entries = (n * pb.group_size + kAmxRows - 1) / kAmxRows * kAmxRows;
-  std::vector<scalar_t> queries;
-  std::vector<int64_t> last_tokens;
-  std::vector<uint32_t> layout, p_pairs;
-  std::vector<float> logits;
-  AmxTiles amx_tiles;
-  if (pb.amx) {
-    queries.assign(pb.num_kv_heads * amx_entries * head_dim, scalar_t(0));
-    for (int64_t i = 0; i < n; ++i) {
-      last_tokens.push_back(pb.row_len(rows[i]) - 1);
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t kv_head = h / pb.group_size, e = i * pb.group_size + h % pb.group_size;
-        std::copy_n(query_of(i) + h * pb.query_head_stride, head_dim,
-                    queries.begin() + (kv_head * amx_entries + e) * head_dim);
-      }
-    }
-    layout.resize(head_dim * 24);
-    logits.resize(amx_entries * kTileTokens);
-    p_pairs.resize(n * pb.group_size * kTileTokens);
-  }
-#endif
+  AmxRows<scalar_t> amx(pb, rows, n);
   for (int64_t k = 0; k < num_tiles; ++k) {
     const Tile<cache_t>& tile = tiles[k % kRing];
     if (k + kPrefetchTiles < num_tiles) {
@@ -280,29 +343,7 @@ void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n
       prefetcher.unit_tile = !last_head ? &tile : k + 1 < num_tiles ? &tiles[(k + 1) % kRing] : nullptr;
       prefetcher.key_offset = last_head ? 0 : (kv_head + 1) * pb.kv.key.head_stride;
       prefetcher.value_offset = last_head ? 0 : (kv_head + 1) * pb.kv.value.head_stride;
-#if defined(CPU_CAPABILITY_AVX2)
-      if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
-        if (pb.amx) {
-          attend_tile_amx(pb, kv_head, tile, n, queries.data() + kv_head * amx_entries * head_dim,
-                          last_tokens.data(), scs, layout.data(), logits.data(), p_pairs.data(), amx_tiles,
-                          prefetcher);
-          continue;
-        }
-      }
-#endif
-      for (int64_t i = 0; i < n; ++i) {
-        Prefetcher<cache_t>& pf = i + 1 == n ? prefetcher : idle;
-        const int64_t last_token = pb.row_len(rows[i]) - 1;
-#if defined(CPU_CAPABILITY_AVX2)
-        if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
-          if (pb.avx512_bf16) {
-            attend_tile_avx512(pb, query_of(i), kv_head, tile, last_token, *scs[i], pf);
-            continue;
-          }
-        }
-#endif
-        attend_tile(pb, kv_head, tile, last_token, *scs[i], pf);
-      }
+      attend_unit(pb, kv_head, tile, rows, n, scs, amx, prefetcher, idle);
     }
     const int64_t tile_end = tile.first + tile.num_tokens;
     if (tile_end == end || tile_end % kChunkTokens == 0) {

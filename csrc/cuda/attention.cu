@@ -85,7 +85,7 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
   return params;
 }
 
-// The decode kernels over num_items items (see QueryRows in attention_kernels.cuh): decode_mma_kernel where
+// The decode kernels over num_items items (see QueryRows in attention_params.cuh): decode_mma_kernel where
 // decode_on_tensor_cores says so, else paged_attention_kernel.
 // shared_plan: a shared-blocks plan, taken by decode (kLastOfEachSeq) on tensor cores; not read otherwise.
 template <typename T, typename C>

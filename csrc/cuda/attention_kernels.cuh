@@ -1,11 +1,12 @@
-// Paged decode attention on CUDA: the kernels and their parameters. One query row attends to the keys/values of
-// its sequence, which lie in scattered blocks of the paged cache, reached through its block table.
+// Paged decode attention on CUDA cores: the decode kernel (paged_attention_kernel), split-KV's reduce and the dispatch
+// over their instantiations. One query row attends to the keys/values of its sequence, which lie in scattered blocks
+// of the paged cache, reached through its block table.
 // No torch here: csrc/cuda/attention.cu checks the tensors and launches these kernels with the plan of
 // plan_attention (launch_plan.h); the emulated tests launch them with the same plan. (Query rows of sequences with
 // several query tokens have a tensor-core kernel of their own: varlen_attention_kernels.cuh; and on compute
 // capability 8.0+ float16/bfloat16 decode over a cache of the same dtype takes decode_mma_kernels.cuh, which shares
-// this file's parameters, tasks, partitions and reduce. This kernel serves float32 queries, fp8 caches, head dims
-// without a tensor-core instantiation and older GPUs.)
+// the parameters and tasks (attention_params.cuh), the partitions and this file's reduce. This kernel serves float32
+// queries, fp8 caches, head dims without a tensor-core instantiation and older GPUs.)
 //
 // Math, per query row at position P of a sequence (P = L - 1 for the last token of a sequence of length L), query
 // head h (reading kv head h / group_size) and token t in [start, P], start = max(0, P + 1 - sliding_window) (0
@@ -17,14 +18,10 @@
 // never a partition); with lse, the row's log-sum-exp is written too (it counts the sink).
 // A row attends to the first P + 1 tokens: its "length" (seq_len below) is P + 1.
 //
-// Which query rows a launch serves (params.rows, a QueryRows), and so what grid.x counts ("items"):
-//   kLastOfEachSeq    decode without query_start_loc: item = sequence = query row, P = seq_lens[s] - 1.
-//   kSingleTokenSeqs  query_start_loc given: item = sequence; only sequences with exactly one query row take part
-//                     (their row query_start_loc[s], P = seq_lens[s] - 1, so the same bits as decode); the others'
-//                     thread blocks return at once (the tensor-core kernel serves them).
-//   kEveryRow         query_start_loc given: item = query row, for every row (the float32 path, and head dims
-//                     without a tensor-core instantiation); the row's sequence is found by binary search in
-//                     query_start_loc, P = seq_lens[s] - q_s + i for its i-th of q_s rows.
+// Which query rows a launch serves (params.rows, a QueryRows: last of each sequence, single-token sequences, or
+// every row), and so what grid.x counts ("items"): see attention_params.cuh, with the parameters and the task
+// geometry all three kernels share; their shared arithmetic (conversions, reductions, sinks and lse):
+// attention_math.cuh.
 //
 // Grid (plan.grid): (num_items, num_kv_heads * head_chunks, partition slots), kAttentionThreads threads. A thread
 // block serves one item (x), one kv head and up to heads_per_block <= GROUP query heads of its group (y; groups
@@ -69,6 +66,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attention_math.cuh"
+#include "attention_params.cuh"
 #include "device.cuh"
 #include "launch_plan.h"
 #include "paged_cache.cuh"
@@ -78,149 +77,6 @@ namespace paged_attn {
 constexpr int kAttentionWarps = kAttentionThreads / 32;
 constexpr int kTile = 256;         // tokens per tile (their logits are held in shared memory)
 constexpr int kUnroll = 4;         // rows of 16-byte vectors loaded before they are used, per row group
-
-// ---------------------------------------------------------------------------------------------------------------
-// Parameters: one struct, passed by value to every attention kernel (also the tensor-core one).
-
-enum class QueryRows : int { kLastOfEachSeq, kSingleTokenSeqs, kEveryRow };  // see the top of this file
-
-// An fp8 cache element: one byte (float8_e4m3fn or float8_e5m2, AttentionParams::fp8_format says which).
-using Fp8 = __nv_fp8_storage_t;
-
-template <typename T, typename C = T>  // C: the cache's element type (T, or Fp8)
-struct AttentionParams {
-  T* out;               // [num_tokens, num_heads, head_dim], contiguous
-  float* partial_out;   // [num_items, num_heads, num_partitions, head_dim]  split-KV scratch (else unused)
-  float* partial_max;   // [num_items, num_heads, num_partitions]            split-KV: each partition's max logit
-  float* partial_sum;   // [num_items, num_heads, num_partitions]            split-KV: its sum of exp(logit - max)
-  const T* query;       // [num_tokens, num_heads, head_dim], last dim contiguous:
-  int64_t query_row_stride, query_head_stride;  // (t, h, d) at t * query_row_stride + h * query_head_stride + d
-  PagedCache<const C> key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
-  PagedCache<const C> value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
-  const float* k_scale;             // [1] or nullptr (1.0): fp8 caches, keys read as float(stored) * k_scale
-  const float* v_scale;             // [1] or nullptr (1.0): fp8 caches, values read as float(stored) * v_scale
-  __nv_fp8_interpretation_t fp8_format;  // fp8 caches: __NV_E4M3 or __NV_E5M2
-  const int32_t* block_tables;      // [num_seqs, max_blocks_per_seq], contiguous
-  const int32_t* seq_lens;          // [num_seqs]; the kernels clamp them to [0, max_context]
-  const int32_t* query_start_loc;   // [num_seqs + 1], or nullptr (kLastOfEachSeq); clamped to [0, num_tokens]
-  const float* alibi_slopes;        // [num_heads], or nullptr
-  const float* sinks;               // [num_heads], or nullptr: each head's sink logit (row_sum)
-  float* lse;                       // [num_tokens, num_heads], contiguous, or nullptr: each row's log-sum-exp
-  const int32_t* shared_plan;       // [num_shared_tasks, kSharedPlanColumns], or nullptr: shared blocks
-                                    // (shared_blocks.cuh; the tensor-core decode kernel, split-KV only)
-  int num_shared_tasks;             // the plan's (plan.num_shared_tasks: 0 when the launch is not split)
-  QueryRows rows;                   // which query rows the decode kernels serve
-  int num_seqs, num_tokens;
-  int num_heads;
-  int64_t max_blocks_per_seq;  // the block table's width (row stride)
-  float scale;     // logits are scale * (q . k)
-  float logits_soft_cap;  // > 0: logits become logits_soft_cap * tanh(logit / logits_soft_cap), before ALiBi; 0: none
-  // From the plan (set_plan, or set_varlen_plan for the tensor-core kernel).
-  int group_size, head_chunks, heads_per_block;
-  int max_context;     // max_blocks_per_seq * block_size, at most INT32_MAX
-  int sliding_window;  // 0: every token; else the last sliding_window tokens
-  int num_partitions, partition_size;
-  int tokens_per_tile;  // the tensor-core kernel's query tokens per thread block
-
-  void set_plan(const AttentionPlan& plan) {
-    group_size = plan.group_size, head_chunks = plan.head_chunks, heads_per_block = plan.heads_per_block;
-    max_context = static_cast<int>(plan.max_context), sliding_window = plan.sliding_window;
-    num_partitions = plan.num_partitions, partition_size = plan.partition_size;
-    tokens_per_tile = 0;
-  }
-  void set_varlen_plan(const VarlenPlan& plan) {
-    group_size = plan.group_size, head_chunks = plan.head_chunks, heads_per_block = plan.heads_per_tile;
-    max_context = static_cast<int>(plan.max_context), sliding_window = plan.sliding_window;
-    num_partitions = 1, partition_size = 0;
-    tokens_per_tile = plan.tokens_per_tile;
-  }
-};
-
-// ---------------------------------------------------------------------------------------------------------------
-// Conversions. A "vector" is 16 bytes: 8 half/bfloat16 or 4 float values.
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-__device__ __forceinline__ void from_float(float& out, float x) { out = x; }
-__device__ __forceinline__ void from_float(__half& out, float x) { out = __float2half_rn(x); }
-__device__ __forceinline__ void from_float(__nv_bfloat16& out, float x) { out = __float2bfloat16_rn(x); }
-
-// tanh(x) = 1 - 2 / (exp(2x) + 1), from one exp and one approximate division (tanhf costs ~30 instructions in a
-// loop; the tensor-core kernels' soft cap): absolute error ~1e-7 (logits_soft_cap * 1e-7 on a logit), +-1 for |x|
-// large (exp gives inf or 0).
-__device__ __forceinline__ float fast_tanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
-
-// 2^x in one instruction (ex2.approx.ftz: relative error 2^-22, results below 2^-126 flushed to 0; __expf is the
-// same instruction after multiplying by log2(e), but for subnormal handling that costs it three more). The
-// tensor-core prefill keeps its softmax in base 2, with log2(e) folded into the scale. (Emulated: exp2f.)
-__device__ __forceinline__ float fast_exp2(float x) {
-#ifdef PAGED_ATTN_EMULATED
-  return exp2f(x);
-#else
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#endif
-}
-
-__device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[4], float) {
-  const float4 x = *reinterpret_cast<const float4*>(&v);
-  f[0] = x.x, f[1] = x.y, f[2] = x.z, f[3] = x.w;
-}
-__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
-
-template <typename T2>  // __half2 or __nv_bfloat162
-__device__ __forceinline__ void pairs_to_floats(const uint4& v, float (&f)[8]) {
-  const T2* pairs = reinterpret_cast<const T2*>(&v);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 x = to_float2(pairs[k]);
-    f[2 * k] = x.x, f[2 * k + 1] = x.y;
-  }
-}
-__device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[8], __half) { pairs_to_floats<__half2>(v, f); }
-__device__ __forceinline__ void vec_to_floats(const uint4& v, float (&f)[8], __nv_bfloat16) {
-  pairs_to_floats<__nv_bfloat162>(v, f);
-}
-
-// N fp8 values (a 16- or 8-byte vector) to float: two at a time through half2 (exact: every fp8 value is a half).
-template <typename V, int N>
-__device__ __forceinline__ void fp8_to_floats(const V& v, float (&f)[N], __nv_fp8_interpretation_t format) {
-  static_assert(sizeof(V) == N, "one byte per value");
-  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&v);
-#pragma unroll
-  for (int k = 0; k < N / 2; ++k) {
-    const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[k], format)));
-    f[2 * k] = x.x, f[2 * k + 1] = x.y;
-  }
-}
-
-// A cache vector to floats: C's own conversion, or fp8 in the given format.
-template <typename C, typename V, int N>
-__device__ __forceinline__ void cache_vec_to_floats(const V& v, float (&f)[N], __nv_fp8_interpretation_t format) {
-  if constexpr (std::is_same_v<C, Fp8>) {
-    fp8_to_floats(v, f, format);
-  } else {
-    vec_to_floats(v, f, C{});
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Warp reductions (butterflies: every lane ends with the same result, in a fixed order of operations).
-template <int LANES>
-__device__ __forceinline__ float sum_over_lanes(float x) {
-#pragma unroll
-  for (int mask = LANES / 2; mask > 0; mask /= 2) x += __shfl_xor_sync(0xffffffffu, x, mask);
-  return x;
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int mask = 16; mask > 0; mask /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, mask));
-  return x;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // How a thread block's lanes split a row of HEAD_DIM elements, and this thread's place in that split.
@@ -262,133 +118,6 @@ using DecodeSplit = RowSplit<C, HEAD_DIM, (sizeof(C) == 1 && GROUP > 1) ? 8 : 16
 // A thread's slice of one row for each query head of its block: [GROUP][VPL][VEC] floats, in registers.
 template <typename C, int HEAD_DIM, int GROUP>
 using HeadSlices = float[GROUP][DecodeSplit<C, HEAD_DIM, GROUP>::VPL][DecodeSplit<C, HEAD_DIM, GROUP>::VEC];
-
-// ---------------------------------------------------------------------------------------------------------------
-// What one thread block of paged_attention_kernel works on (from blockIdx), and the sequence extent both kernels
-// derive from seq_lens and query_start_loc. Invalid values (validation is opt-in on CUDA) are clamped, so that no
-// kernel reads past a sequence's row of the block table, or past the query and output tensors.
-
-// seq_lens[seq], clamped to [0, max_context].
-template <typename T, typename C>
-__device__ __forceinline__ int clamped_seq_len(const AttentionParams<T, C>& p, int seq) {
-  const int len = p.seq_lens[seq];
-  return len < 0 ? 0 : len > p.max_context ? p.max_context : len;
-}
-
-// Sequence seq's query rows [first, last), from query_start_loc clamped to [0, num_tokens].
-struct QueryRange {
-  int first, last;
-  __device__ __forceinline__ int count() const { return last - first; }
-};
-template <typename T, typename C>
-__device__ __forceinline__ QueryRange query_range(const AttentionParams<T, C>& p, int seq) {
-  const int first = min(max(p.query_start_loc[seq], 0), p.num_tokens);
-  return {first, min(max(p.query_start_loc[seq + 1], first), p.num_tokens)};
-}
-
-// The sequence a query row belongs to: the last s with query_start_loc[s] <= row (binary search).
-template <typename T, typename C>
-__device__ __forceinline__ int seq_of_row(const AttentionParams<T, C>& p, int row) {
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.query_start_loc[mid] <= row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
-// A decode kernel's item (blockIdx.x): the query row it serves, the row's sequence, and the row's length (its
-// position + 1: the tokens it attends to, before the window). active = false: not this launch's row.
-struct QueryItem {
-  int seq;
-  int64_t row;
-  int seq_len;
-  bool active;
-};
-
-template <typename T, typename C>
-__device__ __forceinline__ QueryItem query_item(const AttentionParams<T, C>& p, int item) {
-  if (p.rows == QueryRows::kLastOfEachSeq) return {item, item, clamped_seq_len(p, item), true};
-  if (p.rows == QueryRows::kSingleTokenSeqs) {
-    const QueryRange range = query_range(p, item);
-    return {item, range.first, clamped_seq_len(p, item), range.count() == 1};
-  }
-  const int seq = seq_of_row(p, item);
-  const QueryRange range = query_range(p, seq);
-  const int i = item - range.first;  // the row's place among its sequence's rows
-  // position L - q_s + i; a row outside its range (only with an invalid query_start_loc) attends to nothing
-  const int len = i >= 0 && i < range.count() ? clamped_seq_len(p, seq) - range.count() + i + 1 : 0;
-  return {seq, item, max(len, 0), true};
-}
-
-__device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
-  return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
-}
-
-// The query heads of this thread block's grid row blockIdx.y: kv head blockIdx.y / head_chunks, and its chunk
-// (blockIdx.y % head_chunks) of the group's heads, [first_head, first_head + num_heads), 1 <= num_heads <=
-// heads_per_block. Every kernel of the decode and prefill grids maps blockIdx.y so.
-struct BlockHeads {
-  int kv_head, first_head, num_heads;
-};
-template <typename T, typename C>
-__device__ __forceinline__ BlockHeads block_heads(const AttentionParams<T, C>& p) {
-  BlockHeads heads;
-  heads.kv_head = blockIdx.y / p.head_chunks;
-  const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
-  heads.first_head = heads.kv_head * p.group_size + first_in_group;
-  heads.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
-  return heads;
-}
-
-// NOTE: the query row is not kept here: it is live only at the start and the end, and ptxas spilled registers when
-// it was held through the token loop. query_row(p) finds it again.
-struct AttentionTask {
-  int seq, kv_head;
-  bool active;                // false: not this launch's row (kSingleTokenSeqs), nothing to do
-  int first_head, num_heads;  // query heads [first_head, first_head + num_heads), 1 <= num_heads <= heads_per_block
-  int partition;
-  int seq_len;                // the row's length (position + 1), clamped
-  int begin, end;             // the partition's tokens in the window: [begin, end), empty when begin >= end
-
-  // Whether the block's g-th head slot holds a head. Known at compile time for g = 0 (fewer predicates to keep
-  // live: ptxas spilled them in the 1-head variant).
-  __device__ __forceinline__ bool has_head(int g) const { return g == 0 || g < num_heads; }
-};
-
-// The query (and output) row of this thread block's item.
-template <typename T, typename C>
-__device__ __forceinline__ int64_t query_row(const AttentionParams<T, C>& p) {
-  return query_item(p, blockIdx.x).row;
-}
-
-// Points the task at one partition: its tokens in the window, [begin, end) (empty when begin >= end).
-template <typename T, typename C>
-__device__ __forceinline__ void set_partition(AttentionTask& task, const AttentionParams<T, C>& p, int partition) {
-  task.partition = partition;
-  const int64_t partition_begin = static_cast<int64_t>(partition) * p.partition_size;
-  const int64_t partition_end = partition_begin + p.partition_size;
-  const int start = window_start(task.seq_len, p.sliding_window);
-  task.begin = partition_begin > start ? static_cast<int>(partition_begin) : start;
-  task.end = partition_end < task.seq_len ? static_cast<int>(partition_end) : task.seq_len;
-}
-
-// The task of this thread block's first partition (blockIdx.z); set_partition moves it to another.
-template <typename T, typename C>
-__device__ __forceinline__ AttentionTask attention_task(const AttentionParams<T, C>& p) {
-  AttentionTask task;
-  const QueryItem item = query_item(p, blockIdx.x);
-  task.seq = item.seq, task.active = item.active;
-  const BlockHeads heads = block_heads(p);
-  task.kv_head = heads.kv_head, task.first_head = heads.first_head, task.num_heads = heads.num_heads;
-  task.seq_len = item.seq_len;
-  set_partition(task, p, static_cast<int>(blockIdx.z));
-  return task;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The attention kernel's steps, in order.
@@ -566,30 +295,6 @@ __device__ __forceinline__ void tile_values(HeadSlices<C, HEAD_DIM, GROUP>& acc,
   });
 }
 
-// The end of a row: its state is final, max M (-inf while it saw no logit) and sum l of exp(x - M) (of exp(x - 0)
-// while M = -inf: 0), and the unnormalized output O (in units of exp(x - M)). Head h's sink S = sinks[h] counts
-// here as one more logit, and only here, so no split counts it twice or drops it:
-//   out = O / row_sum,  row_sum = l + exp(S - M);  lse = m + log(exp(M - m) l + exp(S - m)),  m = max(M, S).
-// S = -inf (no sink, or none given) adds nothing: exactly O / l and M + log(l), the same bits as no sinks. S = +inf,
-// or S - M past float's range (exp(S - M) = inf), or a row that saw no key (M = -inf) with a sink give out 0 (the
-// limit); the lse, on base m, never overflows: +inf for S = +inf, S for a row that saw no key. A NaN sum (a NaN
-// logit) stays NaN, and l = 0 (every logit -inf, no sink) gives 0 / 0 = NaN, as the reference. As csrc/cpu's
-// finish_row (attention_common.h). O / row_sum keeps the division the kernels had before sinks, per element (a
-// scale computed once per row, through shared memory, cost the main loops registers and spills by
-// scripts/sass_report.py); the fast intrinsics, as the softmax's __expf.
-__device__ __forceinline__ float sink_of(const float* sinks, int head) {
-  return sinks != nullptr ? sinks[head] : -INFINITY;
-}
-__device__ __forceinline__ float row_sum(float max, float sum, float sink) {
-  return sink == -INFINITY ? sum : sum + __expf(sink - max);
-}
-__device__ __forceinline__ float row_lse(float max, float sum, float sink) {
-  const float m = fmaxf(max, sink);
-  const float base = m == -INFINITY ? 0.0f : m;
-  const float w = max == base ? 1.0f : __expf(max - base), e = sink == base ? 1.0f : __expf(sink - base);
-  return base + __logf(fmaf(w, sum, e));
-}
-
 // 4. The row groups' accumulators are summed in row-group order (a fixed order: the same bits on every run) and
 // written: out = acc / sum in single pass (row_sum: with the sink; and row_lse), the partition's (acc, max, sum)
 // in split-KV (no sink: the reduce counts it). An fp8 cache's v_scale multiplies acc here (so the reduce needs no
@@ -632,19 +337,6 @@ __device__ __forceinline__ void combine_and_write(
       p.partial_out[slot * HEAD_DIM + d] = o;
       if (d == 0) p.partial_max[slot] = max_s[g], p.partial_sum[slot] = sum_s[g];
     }
-  }
-}
-
-// A single-pass task without tokens (seq_len 0): a zero output row, lse -inf (or the sink). (In split-KV an empty
-// partition writes nothing: the reduce reads only the partitions that hold tokens.)
-template <typename T, typename C, int HEAD_DIM>
-__device__ __forceinline__ void write_empty(const AttentionParams<T, C>& p, const AttentionTask& task) {
-  const int64_t first_row = query_row(p) * p.num_heads + task.first_head;
-  for (int k = threadIdx.x; k < task.num_heads * HEAD_DIM; k += kAttentionThreads) {
-    from_float(p.out[first_row * HEAD_DIM + k], 0.0f);
-  }
-  if (p.lse != nullptr && static_cast<int>(threadIdx.x) < task.num_heads) {
-    p.lse[first_row + threadIdx.x] = row_lse(-INFINITY, 0.0f, sink_of(p.sinks, task.first_head + threadIdx.x));
   }
 }
 

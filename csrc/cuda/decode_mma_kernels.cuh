@@ -32,7 +32,8 @@
 // for it. Only a head slot's row and head differ (with ALiBi a task's rows have one length): the loop is the same.
 #pragma once
 
-#include "attention_kernels.cuh"
+#include "attention_math.cuh"
+#include "attention_params.cuh"
 #include "cp_async.cuh"
 #include "mma.cuh"
 #include "shared_blocks.cuh"

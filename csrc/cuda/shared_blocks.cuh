@@ -27,7 +27,7 @@
 // a plan that does not match the tables it is used with costs time, never a wrong result.
 #pragma once
 
-#include "attention_kernels.cuh"
+#include "attention_params.cuh"
 
 namespace paged_attn {
 

@@ -1,7 +1,7 @@
 // Paged attention for sequences with several query rows (prefills, prefill chunks after a cached prefix), on tensor
 // cores: FlashAttention-2's algorithm over the paged cache, on mma.sync m16n8k16 and ldmatrix (mma.cuh, whose
 // opening comment gives the fragment layouts) with cp.async copies (cp_async.cuh). The parameters are the decode
-// kernels' (AttentionParams, attention_kernels.cuh); the launch comes from plan_varlen_attention (launch_plan.h).
+// kernels' (AttentionParams, attention_params.cuh); the launch comes from plan_varlen_attention (launch_plan.h).
 //
 // Math, as in attention_kernels.cuh: the i-th of the q_s query rows of sequence s (length L) sits at position
 // P = L - q_s + i and attends causally to tokens t in [max(0, P + 1 - sliding_window), P]: logit
@@ -47,7 +47,7 @@
 // there is one (never in a sane cache: no cost otherwise, and none in unmasked steps, where every row sees every
 // value), the values as they are move to the free K stage, P V takes 0 in their place, and each lane adds p v for
 // those values among the keys its rows see (P from shared memory, exactly as the product used it).
-// Then out = O / l (row_sum of attention_kernels.cuh: with the row's sink; and row_lse) is written from the
+// Then out = O / l (row_sum of attention_math.cuh: with the row's sink; and row_lse) is written from the
 // accumulators: lane (g, t) writes rows g and g + 8, elements 8j + 2t, + 1.
 //
 // fp8 caches (AttentionParams<T, Fp8>): the stored bytes are copied (cp.async) into two stages of their own, and
@@ -63,7 +63,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attention_kernels.cuh"
+#include "attention_math.cuh"
+#include "attention_params.cuh"
 #include "cp_async.cuh"
 #include "device.cuh"
 #include "launch_plan.h"

@@ -173,7 +173,7 @@ paged_attn::PagedCache<const T> cache_of(const View& cache) {
           static_cast<int>(cache.size(2)), static_cast<int>(cache.size(3))};
 }
 
-// The decode kernels (and split-KV's reduce) over `num_items` items (see attention_kernels.cuh's QueryRows).
+// The decode kernels (and split-KV's reduce) over `num_items` items (see attention_params.cuh's QueryRows).
 template <typename T, typename C>
 void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn::AttentionParams<T, C> p,
                         int64_t num_items) {

@@ -1,7 +1,7 @@
 """Proves that the emulated kernel tests bite: plants realistic bugs in copies of the CUDA kernels, runs the emulated
 suite (tests/emulated/test_emulated_kernels.py) on each, and reports which check caught it.
 
-    .venv/bin/python tests/emulated/mutate.py [--only NAME ...]
+    .venv/bin/python tests/emulated/mutate.py [--only NAME ...] [--check]
 
 Each mutant is one textual change to a copy of the repository's csrc/cuda and tests/ in a scratch folder (the
 change must apply exactly once, so a mutant that no longer matches the source is reported, not silently skipped);
@@ -22,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ATTENTION = "csrc/cuda/attention_kernels.cuh"
+PARAMS = "csrc/cuda/attention_params.cuh"  # the task geometry all three kernels share
+MATH = "csrc/cuda/attention_math.cuh"  # their conversions, reductions and the end of a row
 CACHE = "csrc/cuda/paged_cache.cuh"
 CACHE_OPS = "csrc/cuda/cache_ops_kernels.cuh"
 VARLEN = "csrc/cuda/varlen_attention_kernels.cuh"
@@ -60,7 +62,7 @@ MUTANTS = {
         "      if (rs.row_lane == 0 && j < n) {",
         "      if (rs.row_lane == 0 && j < n) {\n        dot = sum_over_lanes<R::LANES>(dot);"),
     "off-by-one in the sliding window": (
-        ATTENTION,
+        PARAMS,
         "seq_len > sliding_window ? seq_len - sliding_window : 0",
         "seq_len > sliding_window ? seq_len - sliding_window + 1 : 0"),
     "the reduce drops the last, partial split-KV partition": (
@@ -212,11 +214,11 @@ MUTANTS = {
         "const float sink = sink_of(p.sinks, head);",
         "const float sink = -INFINITY;", SINK_TESTS),
     "the lse without the row's max (log of the sum only)": (
-        ATTENTION,
+        MATH,
         "  return base + __logf(fmaf(w, sum, e));",
         "  return __logf(fmaf(w, sum, e));", SINK_TESTS),
     "an empty decode row's lse left unwritten": (
-        ATTENTION,
+        MATH,
         "  if (p.lse != nullptr && static_cast<int>(threadIdx.x) < task.num_heads) {",
         "  if (false) {", SINK_TESTS),
     "shared blocks: a dropped merge (a task's partition records not written)": (
@@ -279,8 +281,16 @@ def run_mutant(name, file, text, replacement, python, select=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", help="names (substrings) of the mutants to run")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that each mutant applies exactly once to the source (runs no test)")
     args = parser.parse_args(argv)
     chosen = {name: m for name, m in MUTANTS.items() if not args.only or any(o in name for o in args.only)}
+    if args.check:
+        stale = [(name, file) for name, (file, text, *_) in chosen.items() if (ROOT / file).read_text().count(text) != 1]
+        for name, file in stale:
+            print(f"does not apply exactly once: {name} ({file})")
+        print(f"{len(chosen) - len(stale)} of {len(chosen)} mutants apply")
+        return 1 if stale else 0
     rows = []
     for name, (file, text, replacement, *select) in chosen.items():
         check, test, elapsed = run_mutant(name, file, text, replacement, sys.executable, *select)

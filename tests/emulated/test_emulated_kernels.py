@@ -993,7 +993,7 @@ def test_fp8_varlen_nonfinite_outside_each_rows_view(driver, tmp_path, fp8, dtyp
 
 # ---------------------------------------------------------------------------------------------------------------
 # Attention sinks (gpt-oss) and the log-sum-exp (return_lse): both are applied where a row's state is final
-# (finish_row, attention_kernels.cuh): the single-pass ends of both decode kernels, split-KV's reduce (never a
+# (row_sum and row_lse, attention_math.cuh): the single-pass ends of both decode kernels, split-KV's reduce (never a
 # partition's record) and the tensor-core kernel's end; each is run here, against the float64 reference's out and
 # lse, with the lse buffer NaN-filled (every row must be written).
 
