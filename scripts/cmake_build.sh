@@ -11,15 +11,18 @@ PREFIX="$($PY -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
 SITE="$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 ARGS=(-S . -B build-cmake -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX")
 
-# A CUDA build of torch: point CMake at the toolkit, and at the NVRTC library that the pip wheel ships.
-WANT_CUDA="$($PY -c 'import os, torch; print(torch.version.cuda is not None and os.environ.get("PAGED_ATTN_NO_CUDA") != "1"
+# A CUDA build of torch: its CMake config needs the toolkit and the NVRTC library that the pip wheel ships, even
+# for a library without CUDA kernels; then the kernels themselves only where setup.py would build them.
+TORCH_CUDA="$($PY -c 'import torch; print(torch.version.cuda is not None)')"
+WANT_CUDA="$($PY -c 'import os, torch; print(os.environ.get("PAGED_ATTN_NO_CUDA") != "1"
   and (torch.cuda.is_available() or os.environ.get("PAGED_ATTN_FORCE_CUDA") == "1"))')"
-if [ "$WANT_CUDA" = True ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
-  CUDA_ROOT="${CUDA_HOME:-/usr/local/cuda}"
+CUDA_ROOT="${CUDA_HOME:-/usr/local/cuda}"
+if [ "$TORCH_CUDA" = True ] && [ -x "$CUDA_ROOT/bin/nvcc" ]; then
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"  # no GPU to probe here
-  ARGS+=(-DPAGED_ATTN_CUDA=ON -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_ROOT" -DCMAKE_CUDA_COMPILER="$CUDA_ROOT/bin/nvcc")
+  ARGS+=(-DCUDA_TOOLKIT_ROOT_DIR="$CUDA_ROOT" -DCMAKE_CUDA_COMPILER="$CUDA_ROOT/bin/nvcc")
   NVRTC="$(ls "$SITE"/nvidia/cu*/lib/libnvrtc.so.* 2>/dev/null | head -n 1 || true)"
   [ -n "$NVRTC" ] && ARGS+=(-DCUDA_nvrtc_LIBRARY="$NVRTC")
+  [ "$WANT_CUDA" = True ] && ARGS+=(-DPAGED_ATTN_CUDA=ON) || ARGS+=(-DPAGED_ATTN_CUDA=OFF)
 else
   ARGS+=(-DPAGED_ATTN_CUDA=OFF)
 fi
