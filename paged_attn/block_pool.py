@@ -44,6 +44,11 @@ class BlockPool:
     def num_used(self) -> int:
         return len(self.blocks) - self.num_free
 
+    @property
+    def num_saved_by_sharing(self) -> int:
+        """Block-table entries beyond one per used block: the blocks that fork and prefix hits saved."""
+        return self.num_refs - self.num_used
+
     def take(self, ref_count: int = 1) -> int:
         """A free block, with this reference count: a plain free one, else the least recently used evictable one
         (the caller has checked that one is free)."""

@@ -49,7 +49,7 @@ def measure(gpu_seqs: list[tuple[int, list[list[int]]]], group_windows: tuple[Op
         cpu_blocks_used=cpu_pool.num_used,
         num_tokens=sum(num_tokens for num_tokens, _ in gpu_seqs),
         logical_blocks=logical,
-        blocks_saved_by_sharing=logical - used,
+        blocks_saved_by_sharing=gpu_pool.num_saved_by_sharing,
         internal_fragmentation=fragmentation,
         utilization=(used * block_size - fragmentation) / (used * block_size) if used else 0.0,
         gpu_blocks_by_attention_type={kind: len(held) for kind, held in by_type.items()},

@@ -72,7 +72,7 @@ class StatsCollector:
         pool = block_manager.gpu_pool
         if pool.num_used > self.peak.gpu_blocks_used:
             self.peak = block_manager.stats()
-        self.peak_saved = max(self.peak_saved, pool.num_refs - pool.num_used)  # blocks_saved_by_sharing
+        self.peak_saved = max(self.peak_saved, pool.num_saved_by_sharing)
 
     def record_generated(self, num_tokens: int) -> None:
         self.num_generated_tokens += num_tokens
