@@ -19,7 +19,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
 # Only what the build and the extension's tests need.
-"$VENV/bin/python" -m pip install --quiet "torch==$VERSION" numpy ninja "setuptools>=77" wheel pytest hypothesis
+"$VENV/bin/python" -m pip install --quiet "torch==$VERSION" numpy ninja "setuptools>=77" wheel pytest pytest-xdist hypothesis
 [ "$VENV_ONLY" = 1 ] && exit 0
 
 WORK="$(mktemp -d)"
@@ -39,5 +39,7 @@ if ! "$VENV/bin/python" setup.py build_ext --inplace > build.log 2>&1; then
 fi
 grep '^paged_attn:' build.log || true
 "$VENV/bin/python" scripts/ptxas_report.py --summary build.log
+WORKERS="${PYTEST_WORKERS:-$(nproc)}"  # as scripts/test.sh: a worker per core (at most 4), a file per worker
+if [ "$WORKERS" -gt 4 ]; then WORKERS=4; fi
 GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-0}" PYTHONPATH="$WORK" "$VENV/bin/python" -m pytest tests -q -p no:cacheprovider \
-  -m extension
+  -m extension -n "$WORKERS" --dist loadfile

