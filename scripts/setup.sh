@@ -7,6 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 PYTHON="${PYTHON:-python3}"
+began=$SECONDS
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
@@ -25,13 +26,16 @@ if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 mkdir -p build
-echo "building paged_attn._C (log: build/build.log)"
+echo "virtualenv ready ($(( SECONDS - began )) s); building paged_attn._C (log: build/build.log)"
+began=$SECONDS
 if ! .venv/bin/python setup.py build_ext --inplace > build/build.log 2>&1; then
   tail -n 60 build/build.log
   echo "build failed; the whole log is in build/build.log" >&2
   exit 1
 fi
 grep '^paged_attn:' build/build.log || true
+echo "built in $(( SECONDS - began )) s"
+began=$SECONDS
 # Registers, spills and shared memory of every CUDA kernel (ptxas, from the build log).
 # (a rebuild that compiled no CUDA file keeps the last table; one that recompiled some files lists their kernels)
 if grep -q "ptxas info" build/build.log || [ ! -f build/registers.txt ]; then
@@ -60,7 +64,7 @@ if [ -n "$SO" ] && grep -q "sm_90" build/registers.txt; then
     else
       tail -n 1 build/sass_baseline.txt | cut -c1-300
     fi
-    echo "(the whole report: build/sass_report.txt; against the baseline: build/sass_baseline.txt)"
+    echo "(the whole report: build/sass_report.txt; against the baseline: build/sass_baseline.txt; $(( SECONDS - began )) s)"
   else
     echo "warning: scripts/sass_report.py failed (no SASS report)" >&2
   fi
