@@ -386,7 +386,7 @@ def merge_attention_states(
         lse = m + log(w_a + w_b)
 
     Args:
-        out_a, out_b: ``[num_tokens, num_heads, head_size]``, float32, float16 or bfloat16, of one shape, dtype and
+        out_a, out_b: ``[num_tokens, num_heads, head_dim]``, float32, float16 or bfloat16, of one shape, dtype and
             device, last dimension contiguous (any other strides).
         lse_a, lse_b: float32 ``[num_tokens, num_heads]`` on that device, any strides: the natural-log log-sum-exp
             of each row's (scaled) logits over its key range; ``-inf`` for a part that saw no key. vLLM keeps lse as

@@ -697,17 +697,17 @@ def test_copy_blocks_of_one_packed_half_leaves_the_other_alone(driver, tmp_path)
 # merge_attention_states: the merge of attention over keys [0, k) and [k, n) against the float64 reference merge of
 # the same parts (within one rounding of the dtype), the edges (-inf, +inf, NaN) as documented in paged_attn/ops.py
 
-@pytest.mark.parametrize("dtype, num_heads, head_size", [(torch.float32, 5, 64), (torch.float16, 4, 128),
-                                                         (torch.bfloat16, 3, 40)],
-                         ids=["float-5x64 (a spare warp)", "half-4x128", "bf16-3x40 (lanes past head_size)"])
-def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_size):
+@pytest.mark.parametrize("dtype, num_heads, head_dim", [(torch.float32, 5, 64), (torch.float16, 4, 128),
+                                                        (torch.bfloat16, 3, 40)],
+                         ids=["float-5x64 (a spare warp)", "half-4x128", "bf16-3x40 (lanes past head_dim)"])
+def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_dim):
     """Random split points per row; rows with edges: a part with no key (-inf), FA2's +inf, both parts empty, a NaN
     lse, a NaN value. out lives in a NaN-filled wider allocation (nothing else may be written), lse_b is vLLM's
     [num_heads, num_tokens] layout transposed, lse too."""
     num_tokens, num_keys = 6, 40
-    query = torch.randn(num_tokens, num_heads, head_size, dtype=torch.float64)
-    keys = torch.randn(num_keys, num_heads, head_size, dtype=torch.float64)
-    values = torch.randn(num_keys, num_heads, head_size, dtype=torch.float64)
+    query = torch.randn(num_tokens, num_heads, head_dim, dtype=torch.float64)
+    keys = torch.randn(num_keys, num_heads, head_dim, dtype=torch.float64)
+    values = torch.randn(num_keys, num_heads, head_dim, dtype=torch.float64)
     out_a, lse_a = reference.attention_with_lse(query, keys[:17], values[:17])
     out_b, lse_b = reference.attention_with_lse(query, keys[17:], values[17:])
     out_a, out_b, lse_a, lse_b = out_a.to(dtype), out_b.to(dtype), lse_a.float(), lse_b.float()
@@ -716,7 +716,7 @@ def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_size):
     lse_a[2, 0], lse_b[2, 0] = -math.inf, -math.inf
     lse_a[3, 2] = NAN
     out_b[4, 1, 3] = NAN
-    out_alloc = torch.full((num_tokens, num_heads + 1, head_size), NAN, dtype=dtype)
+    out_alloc = torch.full((num_tokens, num_heads + 1, head_dim), NAN, dtype=dtype)
     lse_alloc = torch.full((num_heads, num_tokens), NAN)
     lse_b_heads_first = lse_b.t().contiguous()
     tensors = dict(out=out_alloc[:, 1:], lse=lse_alloc.t(), out_a=out_a, lse_a=lse_a, out_b=out_b,
@@ -729,7 +729,7 @@ def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_size):
     torch.testing.assert_close(result["lse"], want_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert (result["out"][2, 0] == 0).all() and result["lse"][2, 0] == -math.inf
     assert result["out"][3, 2].isnan().all() and result["lse"][3, 2].isnan()
-    assert result["out"].isnan().sum() == head_size + 1  # the NaN lse's row and the one NaN value
+    assert result["out"].isnan().sum() == head_dim + 1  # the NaN lse's row and the one NaN value
     buffer_id = case.buffer_ids[out_alloc.untyped_storage().data_ptr()]
     data = bytearray((run_directory(tmp_path) / f"out{buffer_id}.bin").read_bytes())
     assert torch.frombuffer(data, dtype=dtype).view(out_alloc.shape)[:, 0].isnan().all()
