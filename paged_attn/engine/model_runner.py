@@ -1,5 +1,5 @@
-"""The model runner: owns the KV cache (the GPU pool and the CPU pool that preempted requests swap to), applies the
-cache operations the scheduler decided, builds each step's tensors and runs the model.
+"""The model runner: owns the KV cache (the KV pool on the device, and the swap space on the CPU that preempted
+requests swap to), applies the cache operations the scheduler decided, builds each step's tensors and runs the model.
 
 The cache holds the model's dtype, or fp8 (``kv_cache_dtype``): e4m3 or e5m2 values with one float32 scale per
 layer for keys and one for values (stored = nearest fp8 of ``x / scale``), 1.0 by default (vLLM's default), or
@@ -89,7 +89,7 @@ def kv_cache_groups(config: ModelConfig, window_aware: bool = True,
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+    def __init__(self, model: LlamaModel, block_size: int, num_kv_blocks: int, num_swap_blocks: int,
                  kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False,
                  elementwise: Optional[CompiledElementwise] = None, groups: Optional[KVCacheGroups] = None):
         self.model, self.device, self.block_size = model, model.device, block_size
@@ -99,12 +99,13 @@ class ModelRunner:
         self.bytes_per_block = kv_bytes_per_block(model.config, block_size, self.cache_dtype,
                                                   self.groups.layers_per_group)
         # the distinct (key, value) pairs, and per layer the pair it uses
-        self.kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_gpu_blocks, block_size,
-                                         self.cache_dtype, self.device, False, self.bytes_per_block, "num_gpu_blocks")
+        self.kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_kv_blocks, block_size,
+                                         self.cache_dtype, self.device, False, self.bytes_per_block, "num_kv_blocks")
         self.kv_caches = [self.kv_pairs[slot] for slot in self.groups.layer_slot]
-        self.cpu_kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_cpu_blocks, block_size,
-                                             self.cache_dtype, torch.device("cpu"), self.device.type == "cuda",
-                                             self.bytes_per_block, "num_cpu_blocks") if num_cpu_blocks else []
+        self.swap_kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_swap_blocks,
+                                              block_size, self.cache_dtype, torch.device("cpu"),
+                                              self.device.type == "cuda", self.bytes_per_block,
+                                              "num_swap_blocks") if num_swap_blocks else []
         # (k_scale, v_scale) per layer, float32 [1] on the device: fp8 caches only.
         fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
         self.kv_scales = [(torch.ones(1, device=self.device), torch.ones(1, device=self.device))
@@ -119,8 +120,8 @@ class ModelRunner:
         """Apply the step's cache operations, then run its forward pass (which writes the KV of its tokens).
         Return float32 logits ``[num_sampling_seqs, vocab_size]``: one row per sequence whose last token was
         computed, in the step's order."""
-        self.swap(step.blocks_to_swap_in, to_gpu=True)
-        self.swap(step.blocks_to_swap_out, to_gpu=False)
+        self.swap(step.blocks_to_swap_in, swap_in=True)
+        self.swap(step.blocks_to_swap_out, swap_in=False)
         if step.blocks_to_copy:
             ops.copy_blocks([key for key, _ in self.kv_pairs], [value for _, value in self.kv_pairs],
                             step.blocks_to_copy)
@@ -183,12 +184,12 @@ class ModelRunner:
             v_scale.fill_(1.0)
         self.calibrate_pending = True
 
-    def swap(self, mapping: list[tuple[int, int]], to_gpu: bool) -> None:
-        """Copy blocks between the pools: ``(cpu_block, gpu_block)`` pairs in, ``(gpu_block, cpu_block)`` out."""
+    def swap(self, mapping: list[tuple[int, int]], swap_in: bool) -> None:
+        """Copy blocks between the pools: ``(swap_block, kv_block)`` pairs in, ``(kv_block, swap_block)`` out."""
         if not mapping:
             return
-        for gpu_pair, cpu_pair in zip(self.kv_pairs, self.cpu_kv_pairs):
-            src, dst = (cpu_pair, gpu_pair) if to_gpu else (gpu_pair, cpu_pair)
+        for kv_pair, swap_pair in zip(self.kv_pairs, self.swap_kv_pairs):
+            src, dst = (swap_pair, kv_pair) if swap_in else (kv_pair, swap_pair)
             ops.swap_blocks(src[0], dst[0], mapping)
             ops.swap_blocks(src[1], dst[1], mapping)
 
