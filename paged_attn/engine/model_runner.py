@@ -14,7 +14,7 @@ the same step.
 
 The cache is laid out by KV-cache groups (``KVCacheGroups``): ``layers_per_group`` (key, value) tensor pairs of
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, a block id (a page) naming ``block_size`` tokens of one group's
-layers in each pair; layer ``i`` uses pair ``layer_slot[i]`` with its group's slots and block tables. With one group
+layers in each pair; layer ``i`` uses pair ``layer_pair[i]`` with its group's slots and block tables. With one group
 (every layer global) a block holds every layer.
 """
 
@@ -58,7 +58,7 @@ class KVCacheGroups:
 
     windows: tuple[Optional[int], ...]  # per group: None (global) or its sliding window; global groups first
     layer_group: tuple[int, ...]  # per layer: its group
-    layer_slot: tuple[int, ...]  # per layer: which of the layers_per_group (key, value) cache tensors it uses
+    layer_pair: tuple[int, ...]  # per layer: which of the layers_per_group (key, value) cache tensors it uses
     layers_per_group: int
 
     @property
@@ -79,13 +79,13 @@ def kv_cache_groups(config: ModelConfig, window_aware: bool = True,
         return KVCacheGroups((None,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
     layers = {kind: [i for i, window in enumerate(windows) if window == kind] for kind in kinds}
     size = math.gcd(*(len(indices) for indices in layers.values()))
-    group_windows, layer_group, layer_slot = [], [0] * num_layers, [0] * num_layers
+    group_windows, layer_group, layer_pair = [], [0] * num_layers, [0] * num_layers
     for kind in kinds:
         for start in range(0, len(layers[kind]), size):
-            for slot, layer in enumerate(layers[kind][start:start + size]):
-                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            for pair, layer in enumerate(layers[kind][start:start + size]):
+                layer_group[layer], layer_pair[layer] = len(group_windows), pair
             group_windows.append(kind)
-    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
+    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_pair), size)
 
 
 class ModelRunner:
@@ -101,7 +101,7 @@ class ModelRunner:
         # the distinct (key, value) pairs, and per layer the pair it uses
         self.kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_kv_blocks, block_size,
                                          self.cache_dtype, self.device, False, self.bytes_per_block, "num_kv_blocks")
-        self.kv_caches = [self.kv_pairs[slot] for slot in self.groups.layer_slot]
+        self.kv_caches = [self.kv_pairs[pair] for pair in self.groups.layer_pair]
         self.swap_kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_swap_blocks,
                                               block_size, self.cache_dtype, torch.device("cpu"),
                                               self.device.type == "cuda", self.bytes_per_block,

@@ -241,8 +241,8 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
         }
       });
   if (!found) throw CaseError("head_dim " + std::to_string(head_dim) + " is not instantiated");
-  std::printf("decode plan: %lld items, partitions %d of %d tokens in %lld slots, group variant %d, head chunks %d\n",
-              static_cast<long long>(num_items), plan.num_partitions, plan.partition_size,
+  std::printf("decode plan: %lld items, partitions %d of %d tokens in %lld partition slots, group variant %d, "
+              "blocks per group %d\n", static_cast<long long>(num_items), plan.num_partitions, plan.partition_size,
               static_cast<long long>(plan.grid.z), plan.group_variant, plan.blocks_per_group);
 }
 
