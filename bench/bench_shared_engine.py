@@ -116,7 +116,7 @@ def run(model, prompts, params, prefix_caching: bool, sharing: bool):
     from paged_attn.engine import LLM
 
     num_blocks = sum(params.num_seqs * -(-(len(p) + params.max_tokens) // BLOCK_SIZE) for p in prompts)
-    llm = LLM(model, block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+    llm = LLM(model, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching,
               max_model_len=max(map(len, prompts)) + params.max_tokens + 1)
     decode = [0, 0.0]  # tokens, seconds of the steps with no prompt tokens (where the sharing is)
     run_step = llm.runner.run

@@ -8,8 +8,8 @@ Cases (bfloat16 by default, 32 query / 8 kv heads, head dim 128, block size 16; 
   * ``64x2048+256``: 64 sequences behind one 2,048-token prefix, each with a 256-token tail of its own;
   * ``64x2304 unrelated``: 64 sequences of 2,304 tokens that share nothing (``shared`` and ``distinct`` are then
     the same batch: the ratio says what looking for sharing costs when there is none);
-  * ``8x1488+64``, ``32x448+64``: prefixes that end inside a 512-token chunk (the op cuts every row's keys into
-    chunks at fixed positions): the rows share that chunk up to the prefix's end, then go on alone.
+  * ``8x1488+64``, ``32x448+64``: prefixes that end inside a 512-token partition (the op cuts every row's keys into
+    partitions at fixed positions): the rows share that partition up to the prefix's end, then go on alone.
 
 Before timing, the two layouts are checked to give the same output bits (the op is batch-invariant: a sequence's
 output does not depend on which physical blocks hold its keys), and against the float64 reference on a few rows.
@@ -43,8 +43,8 @@ CASES = {  # name: (num_seqs, prefix tokens shared by all, own tail tokens)
     "8x4096+64": (8, 4096, 64),
     "64x2048+256": (64, 2048, 256),
     "64x2304 unrelated": (64, 0, 2304),
-    "8x1488+64": (8, 1488, 64),  # the prefix ends inside a 512-token chunk: that chunk is shared in part
-    "32x448+64": (32, 448, 64),  # a prefix shorter than one chunk: shared in part only
+    "8x1488+64": (8, 1488, 64),  # the prefix ends inside a 512-token partition: shared in part
+    "32x448+64": (32, 448, 64),  # a prefix shorter than one partition: shared in part only
 }
 
 

@@ -54,13 +54,13 @@ def held_per_request(model, length: int, dtype: torch.dtype) -> dict:
     figures = {}
     for on in (True, False):
         llm = LLM(model, dtype=dtype, block_size=BLOCK_SIZE, window_kv_memory=on, max_model_len=length + 8,
-                  num_gpu_blocks=(6 if on else 1) * (-(-(length + 8) // BLOCK_SIZE)) + 64)
+                  num_kv_blocks=(6 if on else 1) * (-(-(length + 8) // BLOCK_SIZE)) + 64)
         scheduler, bpb = llm.scheduler, llm.runner.bytes_per_block
         scheduler.add(llm._make_request(0, prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
         peak, at_decode = 0, None
         while scheduler.has_unfinished():
             step = scheduler.schedule()
-            by_type = scheduler.block_manager.stats().gpu_blocks_by_attention_type
+            by_type = scheduler.block_manager.stats().kv_blocks_by_attention_type
             held = {kind: blocks * bpb for kind, blocks in by_type.items()}
             peak = max(peak, sum(held.values()))
             if at_decode is None and step.num_decode_tokens > 0:
@@ -81,7 +81,7 @@ def throughput(model, dtype, num_requests, prompt_len, new_tokens, budget_reques
     times, tokens, stats = {True: [], False: []}, {}, {}
     for rep in range(repeats + 1):
         for on in in_turns((True, False), rep):
-            llm = LLM(model, dtype=dtype, block_size=BLOCK_SIZE, window_kv_memory=on, num_gpu_blocks=pool[on],
+            llm = LLM(model, dtype=dtype, block_size=BLOCK_SIZE, window_kv_memory=on, num_kv_blocks=pool[on],
                       max_model_len=prompt_len + new_tokens + 1)
             outputs, elapsed = timed_call(llm.generate, prompts, params, use_tqdm=False)
             got = [output.outputs[0].token_ids for output in outputs]

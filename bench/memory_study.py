@@ -133,7 +133,7 @@ def run_paged(requests, pool: int, block_size: int, watermark: float = 0.01) -> 
             running[rid] = output
         if queue:
             s = bm.stats()
-            used = s.gpu_blocks_used * block_size
+            used = s.kv_blocks_used * block_size
             meter.record([s.num_tokens, 0, s.internal_fragmentation, 0, meter.pool - used], len(running))
         for rid in list(running):
             if rid not in running:  # preempted earlier in this step

@@ -52,7 +52,7 @@ class Accumulator:
 
     def record(self):
         s = self.bm.stats()
-        self.used += s.gpu_blocks_used
+        self.used += s.kv_blocks_used
         self.logical += s.logical_blocks
 
     def saved(self) -> float:
@@ -119,7 +119,7 @@ def run_prefix(requests, prefix_len: int, concurrency: int, block_size: int, cac
             cached_tokens += bm.allocate(rid, tokens)
             prompt_tokens += len(tokens)
             running[rid] = output
-        used += bm.stats().gpu_blocks_used
+        used += bm.stats().kv_blocks_used
         steps += 1
         generate_one_token(bm, rng, running)
     return used / steps, cached_tokens / prompt_tokens
@@ -203,7 +203,7 @@ def main():
                 run_parallel(bm, acc, rng, prompt, outputs)
             else:
                 run_beam(bm, acc, rng, prompt, output, k, args.beam_decay)
-        assert not bm.seqs and bm.num_free_blocks == bm.num_gpu_blocks
+        assert not bm.seqs and bm.num_free_blocks == bm.num_kv_blocks
         sharing.setdefault(dataset, {})[(kind, k)] = acc.saved()
 
     print(f"\nblock size {args.block_size}, {args.num_requests} requests per case, lengths log-normal sigma "

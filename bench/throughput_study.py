@@ -45,7 +45,7 @@ POLICIES = {  # name -> LLM(...) arguments
     "oracle": dict(kv_reservation="max_tokens"),
     "paged": dict(),
     "paged-eager": dict(admission_headroom=0),
-    "paged-swap": dict(swap=True),  # num_cpu_blocks = the pool's blocks
+    "paged-swap": dict(swap=True),  # num_swap_blocks = the pool's blocks
     "paged-fp8": dict(kv_cache_dtype="fp8_e4m3"),  # the same bytes: more blocks
 }
 
@@ -83,8 +83,8 @@ def run(model, args, policy: str, prompts, params, use_tqdm=True) -> dict:
     if kwargs.get("kv_cache_dtype", "auto") != "auto":  # the same memory as the model-dtype pool
         num_blocks *= model.dtype.itemsize
     if kwargs.pop("swap", False):
-        kwargs["num_cpu_blocks"] = num_blocks
-    llm = LLM(model, device=args.device, block_size=args.block_size, num_gpu_blocks=num_blocks,
+        kwargs["num_swap_blocks"] = num_blocks
+    llm = LLM(model, device=args.device, block_size=args.block_size, num_kv_blocks=num_blocks,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **kwargs)
     outputs, seconds = timed_call(llm.generate, prompts, params, use_tqdm=use_tqdm)
     stats = llm.stats()
@@ -96,7 +96,7 @@ def run(model, args, policy: str, prompts, params, use_tqdm=True) -> dict:
         # every request's first token comes from its prefill step; the rest from decode steps
         mean_batch=(stats.num_generated_tokens - len(prompts)) / max(1, stats.num_decode_steps),
         peak_batch=stats.peak_running_seqs,
-        peak_kv_used=stats.peak_gpu_blocks_used / stats.num_gpu_blocks,
+        peak_kv_used=stats.peak_kv_blocks_used / stats.num_kv_blocks,
         preemptions=stats.num_preemptions,
         prefill_tokens=stats.num_prefill_tokens,  # prompts, plus recomputation after preemption
     )

@@ -395,7 +395,7 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
 
 void check_merge_attention_states_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_a,
                                        const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b) {
-  TORCH_CHECK(out_a.dim() == 3, "out_a must have shape [num_tokens, num_heads, head_size], got ", out_a.sizes());
+  TORCH_CHECK(out_a.dim() == 3, "out_a must have shape [num_tokens, num_heads, head_dim], got ", out_a.sizes());
   const auto dtype = out_a.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
               "out_a must be float32, float16 or bfloat16, got ", dtype);
@@ -403,7 +403,7 @@ void check_merge_attention_states_args(const at::Tensor& out, const at::Tensor& 
   check_same_layout(out_a, "out_a", out, "out");
   for (const auto& [t, name] : {std::pair{&out_a, "out_a"}, std::pair{&out_b, "out_b"}, std::pair{&out, "out"}}) {
     TORCH_CHECK(t->stride(2) == 1 || t->size(2) <= 1, name,
-                " must be contiguous in its last dimension (head_size), got strides ", t->strides());
+                " must be contiguous in its last dimension (head_dim), got strides ", t->strides());
   }
   const auto lse_sizes = out_a.sizes().slice(0, 2);
   for (const auto& [t, name] : {std::pair{&lse_a, "lse_a"}, std::pair{&lse_b, "lse_b"}, std::pair{&lse, "lse"}}) {

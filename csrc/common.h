@@ -114,7 +114,7 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks,
                                 const std::optional<at::Tensor>& shared_plan);
 
-// merge_attention_states: out_a, out_b [num_tokens, num_heads, head_size] of one dtype (float32, float16, bfloat16),
+// merge_attention_states: out_a, out_b [num_tokens, num_heads, head_dim] of one dtype (float32, float16, bfloat16),
 // shape and device, last dimension contiguous; lse_a, lse_b float32 [num_tokens, num_heads] on that device, any
 // strides; out like out_a, lse like lse_a (any strides, no self-overlap); out and lse overlap no other argument.
 void check_merge_attention_states_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_a,

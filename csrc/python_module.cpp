@@ -69,8 +69,8 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
     const auto plan = paged_attn::plan_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6],
                                                  sizes[7], partition_tokens, num_shared_tasks);
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:i,s:z}", "group_size", plan.group_size,
-                         "head_chunks", plan.head_chunks, "heads_per_block", plan.heads_per_block, "group_variant",
-                         plan.group_variant, "max_context", static_cast<long long>(plan.max_context),
+                         "blocks_per_group", plan.blocks_per_group, "heads_per_block", plan.heads_per_block,
+                         "group_variant", plan.group_variant, "max_context", static_cast<long long>(plan.max_context),
                          "sliding_window", plan.sliding_window, "num_partitions", plan.num_partitions,
                          "partition_size", plan.partition_size, "grid", grid_tuple(plan.grid), "reduce_grid",
                          grid_tuple(plan.reduce_grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes,
@@ -80,8 +80,8 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
     const auto plan = paged_attn::plan_varlen_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5],
                                                         sizes[6], sizes[7], sizes[8]);
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:L,s:i,s:N,s:i,s:i,s:z}", "group_size", plan.group_size,
-                         "head_chunks", plan.head_chunks, "heads_per_tile", plan.heads_per_tile, "tokens_per_tile",
-                         plan.tokens_per_tile, "key_tile", plan.key_tile, "max_context",
+                         "blocks_per_group", plan.blocks_per_group, "heads_per_tile", plan.heads_per_tile,
+                         "tokens_per_tile", plan.tokens_per_tile, "key_tile", plan.key_tile, "max_context",
                          static_cast<long long>(plan.max_context), "sliding_window", plan.sliding_window, "grid",
                          grid_tuple(plan.grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes, "error",
                          error(plan.error));

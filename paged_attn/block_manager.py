@@ -9,14 +9,14 @@ pairs it returns.
 
 Vocabulary:
 
-- *physical block*: one page of GPU (or CPU) memory, a ``Block`` with a *reference count*: the number of
+- *physical block*: one page of the KV pool (or of the swap space), a ``Block`` with a *reference count*: the number of
   block-table entries pointing at it. A block is free exactly when its reference count is 0.
 - *logical block*: one entry of a block table. ``fork`` (parallel sampling, beam search) and the prefix cache
   map several logical blocks onto one physical block.
 - *copy-on-write*: before a sequence writes into a shared block, ``append_slot`` moves it onto a private copy
   and returns the ``(src_block, dst_block)`` pair the caller must copy first. A block being written to always
   has exactly one owner.
-- *prefix cache* (``enable_prefix_caching``; ``prefix_cache.py``): every full GPU block, filled by a prompt or by
+- *prefix cache* (``enable_prefix_caching``; ``prefix_cache.py``): every full KV block, filled by a prompt or by
   generated tokens, is registered under a hash chained over its parent block's and its own tokens; a new
   sequence reuses the cached blocks of its longest cached prefix (a hash collision misses). A cached block whose
   reference count drops to 0 stays *evictable*: it counts as free and keeps its content for later hits until
@@ -26,8 +26,8 @@ Vocabulary:
   that fails before that leaves nothing behind: freeing its sequences frees their unpublished blocks, so no
   later request can hit KV that was never written. (A sequence allocated before the step that computes its
   prefix has completed computes that prefix again; the engine's scheduler holds such a request back until then.)
-- *swapping*: preemption moves a group of sequences (the beams of one request) to CPU blocks and back; a
-  block shared inside the group is moved once and stays shared.
+- *swapping*: preemption moves a group of sequences (the beams of one request) from the KV pool to the swap space
+  (CPU blocks) and back; a block shared inside the group is moved once and stays shared.
 - *KV-cache groups* (``group_windows``; window-aware memory, design: ``paged_attn/engine/WINDOW_MEMORY.md``): a
   model whose layers attend over sliding windows splits its layers into groups of equal size, each global (every
   token) or windowed (its queries at position ``p`` read tokens ``p - window + 1 .. p`` only). All groups draw
@@ -53,6 +53,7 @@ from typing import Optional, Union
 
 import torch
 
+from ._deprecation import renamed_attributes, renamed_keywords
 from .block_pool import BlockPool, distinct_block_ids, held, move_tables
 from .block_stats import BlockManagerStats, measure
 from .metadata import PAD_BLOCK_ID, block_tables_tensor, token_slots
@@ -68,7 +69,7 @@ class SeqState:
     """What the manager knows about one sequence."""
 
     token_ids: list[int]
-    block_tables: list[list[int]]  # per group: GPU block ids (CPU ones while swapped out); PAD_BLOCK_ID: released
+    block_tables: list[list[int]]  # per group: KV block ids (swap ones while swapped out); PAD_BLOCK_ID: released
     swapped_out: bool = False
     # Windowed groups: no query before this position is still to come (allocate's cached tokens, mark_computed),
     # and per group the table entries below released_below[g] are released (PAD_BLOCK_ID).
@@ -80,19 +81,21 @@ class SeqState:
     num_published_blocks: int = 0  # leading full blocks that the chain covers (hits, or published by this seq)
 
 
+@renamed_attributes(num_gpu_blocks="num_kv_blocks", num_cpu_blocks="num_swap_blocks",
+                    num_free_cpu_blocks="num_free_swap_blocks")
 class BlockManager:
     """Paged KV memory: block tables with reference counts, copy-on-write, fork, prefix caching, swapping.
 
     Sequence ids are any hashable values; token ids are non-negative integers (Python or NumPy ints). Every
     method validates its arguments before changing anything: an unknown id raises ``KeyError``; a duplicate
-    id, a swapped-out sequence where a GPU one is needed (or the reverse), a token id that is not a
+    id, a swapped-out sequence where a resident one is needed (or the reverse), a token id that is not a
     non-negative integer or a bad count or range raises ``ValueError``; lack of memory raises
     ``OutOfBlocksError``. In each case the manager is unchanged. The ``can_*`` methods raise the same caller
     errors and return False only for lack of memory.
 
     Example (parallel sampling)::
 
-        bm = BlockManager(num_gpu_blocks=64, block_size=16)
+        bm = BlockManager(num_kv_blocks=64, block_size=16)
         bm.allocate(0, prompt_ids)                # prefill writes the prompt at bm.slot_mapping(0, 0, n)
         bm.fork(0, 1)                             # a second sample shares every block
         slot, cow = bm.append_slot(1, token_id)   # the last block was shared: cow == (old, new)
@@ -106,11 +109,12 @@ class BlockManager:
     and tables, and ``mark_computed`` also releases the windowed groups' blocks that no later query can see.
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int = 16, *, num_cpu_blocks: int = 0,
+    @renamed_keywords(num_gpu_blocks="num_kv_blocks", num_cpu_blocks="num_swap_blocks")
+    def __init__(self, num_kv_blocks: int, block_size: int = 16, *, num_swap_blocks: int = 0,
                  enable_prefix_caching: bool = False, group_windows: Iterable[Optional[int]] = (None,)):
-        num_gpu_blocks = _count(num_gpu_blocks, "num_gpu_blocks", minimum=1)
+        num_kv_blocks = _count(num_kv_blocks, "num_kv_blocks", minimum=1)
         block_size = _count(block_size, "block_size", minimum=1)
-        num_cpu_blocks = _count(num_cpu_blocks, "num_cpu_blocks")
+        num_swap_blocks = _count(num_swap_blocks, "num_swap_blocks")
         if isinstance(group_windows, (str, bytes)) or not isinstance(group_windows, Iterable):
             raise ValueError(f"group_windows must be a list with None or a window per group, got {group_windows!r}")
         group_windows = tuple(None if w is None else _count(w, "a group's sliding window", minimum=1)
@@ -120,14 +124,14 @@ class BlockManager:
         if enable_prefix_caching and group_windows[0] is not None:
             raise ValueError(f"with prefix caching, group 0 must be global (its hash chain finds the prefix), got "
                              f"group_windows={group_windows}")
-        self.num_gpu_blocks = num_gpu_blocks
+        self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
-        self.num_cpu_blocks = num_cpu_blocks
+        self.num_swap_blocks = num_swap_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = group_windows
-        self.prefix_cache = PrefixCache(block_size)  # also holds the evictable free GPU blocks
-        self.gpu_pool = BlockPool(num_gpu_blocks, self.prefix_cache)
-        self.cpu_pool = BlockPool(num_cpu_blocks)
+        self.prefix_cache = PrefixCache(block_size)  # also holds the evictable free KV blocks
+        self.kv_pool = BlockPool(num_kv_blocks, self.prefix_cache)
+        self.swap_pool = BlockPool(num_swap_blocks)
         self.seqs: dict[Hashable, SeqState] = {}
 
     @property
@@ -138,12 +142,12 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """GPU blocks an allocation could use now: free ones plus evictable cached ones."""
-        return self.gpu_pool.num_free
+        """KV blocks an allocation could use now: free ones plus evictable cached ones."""
+        return self.kv_pool.num_free
 
     @property
-    def num_free_cpu_blocks(self) -> int:
-        return self.cpu_pool.num_free
+    def num_free_swap_blocks(self) -> int:
+        return self.swap_pool.num_free
 
     # ---- new sequences ----
 
@@ -172,10 +176,10 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already exists")
         token_ids = self._prompt(token_ids)
         hits = self._prefix_hits(token_ids)
-        self._check_gpu_capacity(self._blocks_needed(token_ids, hits), f"allocating sequence {seq_id!r}")
-        self.gpu_pool.hold_tables(hits)
+        self._check_kv_capacity(self._blocks_needed(token_ids, hits), f"allocating sequence {seq_id!r}")
+        self.kv_pool.hold_tables(hits)
         num_hits, num_blocks = len(hits[0]), -(-len(token_ids) // self.block_size)
-        tables = [group_hits + [self.gpu_pool.take() for _ in range(num_blocks - num_hits)] for group_hits in hits]
+        tables = [group_hits + [self.kv_pool.take() for _ in range(num_blocks - num_hits)] for group_hits in hits]
         cached = num_hits * self.block_size
         seq = SeqState(token_ids, tables, num_published_blocks=num_hits, window_floor=cached,
                        released_below=[self._first_visible_block(g, cached) for g in range(self.num_groups)])
@@ -190,7 +194,7 @@ class BlockManager:
         parent = self._seq(parent_seq_id)
         if child_seq_id in self.seqs:
             raise ValueError(f"cannot fork onto sequence {child_seq_id!r}: it already exists")
-        (self.cpu_pool if parent.swapped_out else self.gpu_pool).hold_tables(parent.block_tables)
+        (self.swap_pool if parent.swapped_out else self.kv_pool).hold_tables(parent.block_tables)
         self.seqs[child_seq_id] = dataclasses.replace(
             parent, token_ids=list(parent.token_ids), block_tables=[list(t) for t in parent.block_tables],
             released_below=list(parent.released_below))
@@ -198,7 +202,7 @@ class BlockManager:
     # ---- decoding ----
 
     def can_append_slot(self, seq_id: Hashable) -> bool:
-        seq = self._gpu_seq(seq_id)
+        seq = self._resident_seq(seq_id)
         return self._append_blocks_needed(seq) <= self.num_free_blocks
 
     def append_slot(self, seq_id: Hashable, token_id: int) -> tuple[int, Optional[tuple[int, int]]]:
@@ -209,7 +213,7 @@ class BlockManager:
         ``src_block`` into ``dst_block`` (``copy_blocks``) before writing the new token at ``slot``. The block
         holding ``slot`` then has exactly one owner.
         """
-        self._gpu_seq(seq_id)
+        self._resident_seq(seq_id)
         if self.num_groups != 1:
             raise ValueError(f"append_slot serves one KV-cache group; this manager has {self.num_groups}: use "
                              f"append_slots")
@@ -219,17 +223,17 @@ class BlockManager:
     def append_slots(self, seq_id: Hashable, token_id: int) -> tuple[list[int], list[tuple[int, int]]]:
         """Reserve the slots of one more token, one per KV-cache group; return ``(slots, cows)``: the slot in each
         group's table, and the ``(src_block, dst_block)`` copies to make first (see ``append_slot``)."""
-        seq = self._gpu_seq(seq_id)
+        seq = self._resident_seq(seq_id)
         token_id = _token_id(token_id)
         position = len(seq.token_ids)
-        self._check_gpu_capacity(self._append_blocks_needed(seq), f"appending to sequence {seq_id!r}")
+        self._check_kv_capacity(self._append_blocks_needed(seq), f"appending to sequence {seq_id!r}")
         cows = []
         for table in seq.block_tables:
             if position % self.block_size == 0:
-                table.append(self.gpu_pool.take())
-            elif self.gpu_pool.blocks[table[-1]].ref_count > 1:
-                src_block_id, dst_block_id = table[-1], self.gpu_pool.take()
-                self.gpu_pool.release(src_block_id)  # still held by others
+                table.append(self.kv_pool.take())
+            elif self.kv_pool.blocks[table[-1]].ref_count > 1:
+                src_block_id, dst_block_id = table[-1], self.kv_pool.take()
+                self.kv_pool.release(src_block_id)  # still held by others
                 table[-1] = dst_block_id
                 cows.append((src_block_id, dst_block_id))
         seq.token_ids.append(token_id)
@@ -244,7 +248,7 @@ class BlockManager:
         groups it also says that no query before position ``num_tokens`` is still to come: their blocks that
         no later query can see are released.
         """
-        seq = self._gpu_seq(seq_id)
+        seq = self._resident_seq(seq_id)
         num_tokens = len(seq.token_ids) if num_tokens is None else _count(num_tokens, "num_tokens")
         if num_tokens > len(seq.token_ids):
             raise ValueError(f"sequence {seq_id!r} holds {len(seq.token_ids)} tokens, cannot mark {num_tokens} "
@@ -262,20 +266,20 @@ class BlockManager:
             end = self._first_visible_block(group, seq.window_floor)
             for index in range(seq.released_below[group], end):  # oldest first: the LRU evicts them first
                 if table[index] != PAD_BLOCK_ID:
-                    self.gpu_pool.release(table[index])
+                    self.kv_pool.release(table[index])
                     table[index] = PAD_BLOCK_ID
             seq.released_below[group] = max(seq.released_below[group], end)
 
     def free(self, seq_id: Hashable) -> None:
-        """Drop the sequence (on the GPU or swapped out) and release its blocks."""
+        """Drop the sequence (resident or swapped out) and release its blocks."""
         seq = self._seq(seq_id)
-        (self.cpu_pool if seq.swapped_out else self.gpu_pool).release_tables(seq.block_tables)
+        (self.swap_pool if seq.swapped_out else self.kv_pool).release_tables(seq.block_tables)
         del self.seqs[seq_id]
 
     # ---- paged metadata for the kernels ----
 
     def block_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
-        """A copy of a group's block table (CPU block ids while the sequence is swapped out)."""
+        """A copy of a group's block table (swap block ids while the sequence is swapped out)."""
         return list(self._seq(seq_id).block_tables[self._group_index(group)])
 
     def block_tables(self, seq_id: Hashable) -> list[list[int]]:
@@ -286,9 +290,9 @@ class BlockManager:
         return self._seq(seq_id).swapped_out
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> list[int]:
-        """GPU cache slots in a group of the token positions ``[start, end)`` of a sequence resident on the GPU
+        """KV cache slots in a group of the token positions ``[start, end)`` of a sequence resident in the KV pool
         (positions of released blocks have none: ValueError)."""
-        seq = self._gpu_seq(seq_id)
+        seq = self._resident_seq(seq_id)
         group = self._group_index(group)
         start, end = _count(start, "start", minimum=None), _count(end, "end", minimum=None)
         if not 0 <= start <= end <= len(seq.token_ids):
@@ -304,7 +308,7 @@ class BlockManager:
         """int32 ``[len(seq_ids), max_blocks]`` block tables of a group, padded with ``PAD_BLOCK_ID``, for
         paged_attention."""
         group = self._group_index(group)
-        return block_tables_tensor([self._gpu_seq(seq_id).block_tables[group] for seq_id in seq_ids]).to(device)
+        return block_tables_tensor([self._resident_seq(seq_id).block_tables[group] for seq_id in seq_ids]).to(device)
 
     def num_blocks_held(self, seq_ids: Iterable[Hashable]) -> int:
         """Distinct blocks (of every group) that these sequences hold, a block shared among them counted once."""
@@ -314,36 +318,36 @@ class BlockManager:
 
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         group = self._group(seq_ids, swapped_out=False)
-        return len(distinct_block_ids([seq.block_tables for seq in group])) <= self.num_free_cpu_blocks
+        return len(distinct_block_ids([seq.block_tables for seq in group])) <= self.num_free_swap_blocks
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Move a group of GPU sequences to CPU blocks; return the ``(gpu_block, cpu_block)`` copies to make.
+        """Move a group of resident sequences to swap blocks; return the ``(kv_block, swap_block)`` copies to make.
 
-        A block shared inside the group is moved once and stays shared; released entries stay released. The GPU
+        A block shared inside the group is moved once and stays shared; released entries stay released. The KV
         blocks are released like on ``free``: a cached full block keeps its (still valid) content in the prefix
         cache as an evictable block, so other sequences can still hit it until its memory is needed.
         """
         group = self._group(seq_ids, swapped_out=False)
-        gpu_block_ids = distinct_block_ids([seq.block_tables for seq in group])
-        if len(gpu_block_ids) > self.num_free_cpu_blocks:
-            raise OutOfBlocksError(f"swapping out {len(group)} sequences needs {len(gpu_block_ids)} free CPU "
-                                   f"blocks, but only {self.num_free_cpu_blocks} are free")
-        return self._move(group, self.gpu_pool, self.cpu_pool, swapped_out=True)
+        kv_block_ids = distinct_block_ids([seq.block_tables for seq in group])
+        if len(kv_block_ids) > self.num_free_swap_blocks:
+            raise OutOfBlocksError(f"swapping out {len(group)} sequences needs {len(kv_block_ids)} free swap "
+                                   f"blocks, but only {self.num_free_swap_blocks} are free")
+        return self._move(group, self.kv_pool, self.swap_pool, swapped_out=True)
 
     def can_swap_in(self, seq_ids: Iterable[Hashable]) -> bool:
         group = self._group(seq_ids, swapped_out=True)
         return len(distinct_block_ids([seq.block_tables for seq in group])) <= self.num_free_blocks
 
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Move a swapped-out group back to fresh GPU blocks; return the ``(cpu_block, gpu_block)`` copies.
+        """Move a swapped-out group back to fresh KV blocks; return the ``(swap_block, kv_block)`` copies.
 
         With prefix caching, the full blocks are published again (or chained onto equal entries still cached)
         by ``mark_computed``, once the caller has copied them in.
         """
         group = self._group(seq_ids, swapped_out=True)
-        cpu_block_ids = distinct_block_ids([seq.block_tables for seq in group])
-        self._check_gpu_capacity(len(cpu_block_ids), f"swapping in {len(group)} sequences")
-        mapping = self._move(group, self.cpu_pool, self.gpu_pool, swapped_out=False)
+        swap_block_ids = distinct_block_ids([seq.block_tables for seq in group])
+        self._check_kv_capacity(len(swap_block_ids), f"swapping in {len(group)} sequences")
+        mapping = self._move(group, self.swap_pool, self.kv_pool, swapped_out=False)
         for seq in group:
             seq.prefix_hash = seq.prefix_content_id = None
             seq.num_published_blocks = 0
@@ -352,8 +356,8 @@ class BlockManager:
     # ---- accounting ----
 
     def stats(self) -> BlockManagerStats:
-        gpu_seqs = [(len(seq.token_ids), seq.block_tables) for seq in self.seqs.values() if not seq.swapped_out]
-        return measure(gpu_seqs, self.group_windows, self.block_size, self.gpu_pool, self.cpu_pool)
+        resident_seqs = [(len(seq.token_ids), seq.block_tables) for seq in self.seqs.values() if not seq.swapped_out]
+        return measure(resident_seqs, self.group_windows, self.block_size, self.kv_pool, self.swap_pool)
 
     # ---- helpers ----
 
@@ -363,7 +367,7 @@ class BlockManager:
             raise KeyError(f"unknown sequence {seq_id!r}")
         return seq
 
-    def _gpu_seq(self, seq_id: Hashable) -> SeqState:
+    def _resident_seq(self, seq_id: Hashable) -> SeqState:
         seq = self._seq(seq_id)
         if seq.swapped_out:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
@@ -407,28 +411,29 @@ class BlockManager:
             raise ValueError("a sequence needs at least one token")
         return token_ids
 
-    def _check_gpu_capacity(self, needed: int, action: str) -> None:
+    def _check_kv_capacity(self, needed: int, action: str) -> None:
         if needed > self.num_free_blocks:
-            raise OutOfBlocksError(f"{action} needs {needed} free GPU blocks, but only {self.num_free_blocks} "
+            raise OutOfBlocksError(f"{action} needs {needed} free KV blocks, but only {self.num_free_blocks} "
                                    f"are free ({self.prefix_cache.num_evictable} of them evictable cached blocks)")
 
     def _blocks_needed(self, token_ids: list[int], hits: list[list[int]]) -> int:
         """Free blocks an allocation takes: fresh blocks plus the hits that are now evictable, in every group."""
         num_blocks = -(-len(token_ids) // self.block_size)
         return self.num_groups * (num_blocks - len(hits[0])) + sum(
-            self.gpu_pool.blocks[block_id].ref_count == 0 for block_id in held(hits))
+            self.kv_pool.blocks[block_id].ref_count == 0 for block_id in held(hits))
 
     def _append_blocks_needed(self, seq: SeqState) -> int:
         """Blocks an append_slots takes: in each group a new last block, or a copy of a shared one."""
         if len(seq.token_ids) % self.block_size == 0:
             return self.num_groups
-        return sum(self.gpu_pool.blocks[table[-1]].ref_count > 1 for table in seq.block_tables)
+        return sum(self.kv_pool.blocks[table[-1]].ref_count > 1 for table in seq.block_tables)
 
     def _prefix_hits(self, token_ids: list[int]) -> list[list[int]]:
         """Per group, the cached blocks of the longest prefix every group can serve (``PrefixCache.hits``)."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.group_windows]
         return self.prefix_cache.hits(token_ids, self.num_groups, self._first_visible_block)
+
 
 
 def _count(value, name: str, minimum: Optional[int] = 0) -> int:

@@ -1,8 +1,8 @@
-"""The block pool: the physical blocks of one device (GPU or CPU), their reference counts, and the free ones; and
-moving block tables from one pool to the other (swapping).
+"""The block pool: the physical blocks of the KV pool or of the swap space, their reference counts, and the free
+ones; and moving block tables from one pool to the other (swapping).
 
 A block's reference count is the number of block-table entries pointing at it; a block is free exactly when it is
-0. On the GPU with prefix caching, a free block the prefix cache still holds is *evictable*: it counts as free,
+0. In the KV pool with prefix caching, a free block the prefix cache still holds is *evictable*: it counts as free,
 keeps its content for later hits, and is recycled, least recently used first, only once no plain free block is
 left. Taking, holding and releasing a block is O(1): free ids sit in a deque, evictable ones in the prefix cache's
 LRU; nothing scans the pool.
@@ -27,7 +27,7 @@ class Block:
 
 
 class BlockPool:
-    """``num_blocks`` blocks; ``prefix_cache``: the GPU's, whose registered blocks stay cached while free."""
+    """``num_blocks`` blocks; ``prefix_cache``: the KV pool's, whose registered blocks stay cached while free."""
 
     def __init__(self, num_blocks: int, prefix_cache: Optional[PrefixCache] = None):
         self.blocks = [Block(i) for i in range(num_blocks)]

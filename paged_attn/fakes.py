@@ -232,7 +232,7 @@ def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_s
 
 @torch.library.register_fake("paged_attn::merge_attention_states")
 def _(out, lse, out_a, lse_a, out_b, lse_b) -> None:
-    _require(out_a.dim() == 3, "out_a must have shape [num_tokens, num_heads, head_size], got ", _shape(out_a))
+    _require(out_a.dim() == 3, "out_a must have shape [num_tokens, num_heads, head_dim], got ", _shape(out_a))
     _require(out_a.dtype in _KV_DTYPES, "out_a must be float32, float16 or bfloat16, got ", out_a.dtype)
     _check_same_layout(out_a, "out_a", out_b, "out_b")
     _check_same_layout(out_a, "out_a", out, "out")

@@ -1,5 +1,42 @@
 """Typed wrappers over ``torch.ops.paged_attn.*`` (their fake kernels are in ``paged_attn/fakes.py``).
 
+Glossary: every file of this repository (C++, CUDA, Python, docs) uses these words in these senses only.
+
+- block: ``block_size`` consecutive token slots of a cache, the unit the block manager hands out, shares
+  (copy-on-write, prefix caching) and swaps. A CUDA *thread block* is always named so (launch-plan fields such as
+  ``heads_per_block`` and ``blocks_per_group`` count thread blocks).
+- block table: a sequence's physical block ids, in token order. slot: one token's place in a cache, ``block *
+  block_size + offset`` (``slot_mapping``; negative: a padding token).
+- KV pool / swap space: the engine's cache blocks on its device, CPU or GPU (``num_kv_blocks``), and the CPU
+  blocks that preempted sequences are swapped to (``num_swap_blocks``).
+- row: one query token (all its heads) and its output: one per sequence in decode, one per query token in a
+  prefill. A K or V row is one token's ``head_dim`` elements of one kv head; prefill tiles stack (token, head) rows.
+- head group: the ``group_size = num_heads // num_kv_heads`` query heads that read one kv head (1 for MHA).
+- chunk: the part of a prompt that one engine step computes (chunked prefill, ``max_num_batched_tokens``).
+- tile: the keys (key tile) or query rows (query tile) that one step of a kernel loads and works on together: CPU
+  decode 16 keys at multiples of 16; CPU prefill 32 keys x 48 rows; CUDA-core decode 256 keys; tensor-core decode
+  16 keys per warp; CUDA prefill 64 keys (16 at head dim 256) x 64 rows. (MMA operands and AMX tile registers keep
+  their hardware names.)
+- vector: what one SIMD register or memory access holds: ``kVecSize`` floats, or 32 bfloat16 (``kBf16Vec``) on
+  the CPU's AVX-512 path; 16 bytes on CUDA.
+- partition: a span of a row's keys attended from a fresh online-softmax state (max, sum, acc); a row's partitions'
+  states are merged left to right. CPU decode: always, 512 keys at multiples of 512 (so batch-invariant). CUDA:
+  ``partition_size`` keys from the launch plan (split-KV: 64 to 512 by default, merged by the reduce kernel; single
+  pass: the whole row). A *partition slot* is a ``grid.z`` index, whose thread block runs partitions z, z +
+  grid.z, ...
+- item: one entry of a decode kernel's work list: on CUDA what ``grid.x`` counts (a sequence or a query row), on
+  the CPU one partition of one row (each thread takes a run of items).
+- task: what one worker takes at a time: a CUDA thread block's (item, kv head, part of the head group,
+  partition); a CPU prefill (sequence, kv head, query tile); an entry of a shared-blocks plan (below).
+- shared blocks: physical blocks that several rows' block tables hold at the same positions (samples or beams of
+  a prompt, a cached prefix), read once for all those rows. A shared segment is what such rows read together: on
+  the CPU the shared tokens of one partition, for up to 16 rows (the op finds them itself); on CUDA a task of
+  :func:`plan_shared_blocks`, a block range for up to 8 rows, in whole partitions.
+- head slot: one of the 8 query-head places of a CUDA tensor-core decode thread block (N of its m16n8k16).
+- sink: a per-head logit with no value vector (gpt-oss), counted once per row, where the row's state is final.
+- lse: per row and head, the natural-log log-sum-exp of the final logits (``return_lse``,
+  :func:`merge_attention_states`).
+
 The cache layout (the one full description; every other file points here):
 
 - Shape: ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the "NHD" layout
@@ -186,7 +223,7 @@ def paged_attention(
             converted exactly) on the query's device; head ``h``'s softmax also counts ``sinks[h]`` as a logit
             without a value vector: ``out = sum_t e^(x_t - M) v_t / (e^(sinks[h] - M) + sum_t e^(x_t - M))``, ``M``
             the max over the row's logits and the sink. The sink is not scaled, soft-capped, biased by ALiBi or
-            masked by the window, and is counted once per row whatever the split (chunks, threads, shared
+            masked by the window, and is counted once per row whatever the split (partitions, threads, shared
             blocks). As openai/gpt-oss's ``torch/model.py`` ``sdpa`` (the sink concatenated, unscaled, to the
             scaled and masked logits before the softmax, its weight dropped), vLLM's CPU ``s_aux`` and
             FlashAttention's ``learnable_sink``. ``-inf``: no sink for that head (the same bits as without);
@@ -211,15 +248,15 @@ def paged_attention(
         key; with :func:`merge_attention_states`, partial results over disjoint key ranges (a cascade over a shared
         prefix, split-KV) merge into the full one. Softmax and the weighted
         sum are accumulated in float32. On the CPU the result is batch-invariant: a decode row's keys are summed
-        in chunks at fixed token positions (multiples of 512) merged left to right, so its output bits do not
+        in partitions at fixed token positions (multiples of 512) merged left to right, so its output bits do not
         depend on the other sequences of the batch, their order, the thread count, or which physical blocks
         hold its keys (and a prefill row's do not depend on the other sequences either). Shared blocks: on the
-        CPU the op finds, in the block tables, the tokens of a 512-token chunk that several decode rows read in
-        the same physical blocks (the same entries from the chunk's start: a prompt shared by samples or beams, a
-        cached prefix shared by requests, the rows of one sequence in a variable-length call; the whole chunk, or
-        its first tokens up to a multiple of 16 where the rows' blocks or lengths part) and reads them once for
-        up to 16 of those rows, each row from its own state and then on alone through the rest of its chunk, so
-        the bits stay those of the row alone. Nothing to
+        CPU the op finds, in the block tables, the tokens of a 512-token partition that several decode rows read
+        in the same physical blocks (the same entries from the partition's start: a prompt shared by samples or
+        beams, a cached prefix shared by requests, the rows of one sequence in a variable-length call; the whole
+        partition, or its first tokens up to a multiple of 16 where the rows' blocks or lengths part) and reads
+        them once for up to 16 of those rows, each row from its own state and then on alone through the rest of
+        its partition, so the bits stay those of the row alone. Nothing to
         pass; ``PAGED_ATTN_NO_SHARED_BLOCKS=1`` switches the search off (for measuring). ``PAGED_ATTN_AMX=1`` (read
         once per process) runs bfloat16 decode rows on Intel AMX where the CPU has it: faster where rows share
         blocks, slower for a row alone, and other bits than without it (still the same bits shared or not).
@@ -324,8 +361,8 @@ def plan_shared_blocks(
         if not (_is_int(value) and value >= 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     empty = torch.empty((0, SHARED_PLAN_COLUMNS), dtype=torch.int32)
-    head_chunks = -(-num_queries_per_kv // 8)
-    rows_per_task = SHARED_ROWS // -(-num_queries_per_kv // head_chunks)
+    blocks_per_group = -(-num_queries_per_kv // 8)  # thread blocks per head group (launch_plan.h)
+    rows_per_task = SHARED_ROWS // -(-num_queries_per_kv // blocks_per_group)
     num_seqs, width = block_tables.shape
     if rows_per_task < 2 or num_seqs < 2 or width == 0:
         return empty
@@ -358,9 +395,10 @@ def plan_shared_blocks(
             if (top_depth - parent) * block_size >= min_shared_tokens:
                 rows = [int(r) for r in order[lb:i]]
                 for start in range(0, len(rows), rows_per_task):
-                    chunk = rows[start:start + rows_per_task]
-                    if len(chunk) >= 2:
-                        tasks.append([chunk[0], parent, top_depth] + chunk + [-1] * (SHARED_ROWS - len(chunk)))
+                    task_rows = rows[start:start + rows_per_task]
+                    if len(task_rows) >= 2:
+                        tasks.append([task_rows[0], parent, top_depth] + task_rows +
+                                     [-1] * (SHARED_ROWS - len(task_rows)))
         if depth > stack[-1][0]:
             stack.append((depth, lb))
     if not tasks:
@@ -386,7 +424,7 @@ def merge_attention_states(
         lse = m + log(w_a + w_b)
 
     Args:
-        out_a, out_b: ``[num_tokens, num_heads, head_size]``, float32, float16 or bfloat16, of one shape, dtype and
+        out_a, out_b: ``[num_tokens, num_heads, head_dim]``, float32, float16 or bfloat16, of one shape, dtype and
             device, last dimension contiguous (any other strides).
         lse_a, lse_b: float32 ``[num_tokens, num_heads]`` on that device, any strides: the natural-log log-sum-exp
             of each row's (scaled) logits over its key range; ``-inf`` for a part that saw no key. vLLM keeps lse as

@@ -34,7 +34,7 @@ class CacheEntry:
 
 
 class PrefixCache:
-    """The prefix cache: full GPU blocks registered by content, and the LRU order of those no sequence holds.
+    """The prefix cache: full KV blocks registered by content, and the LRU order of those no sequence holds.
 
     A full block is registered under ``_block_hash(parent_hash, tokens)``, chained over the entry matched one block
     earlier. A lookup hits only if the candidate's tokens are equal and it was registered right after that very

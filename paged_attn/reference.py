@@ -143,12 +143,12 @@ def paged_attention(
 
 
 def attention_with_lse(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-    keys: torch.Tensor,  # [num_keys, num_heads, head_size]
-    values: torch.Tensor,  # [num_keys, num_heads, head_size]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    keys: torch.Tensor,  # [num_keys, num_heads, head_dim]
+    values: torch.Tensor,  # [num_keys, num_heads, head_dim]
     scale: Optional[float] = None,
     compute_dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_size], [num_tokens, num_heads] (compute_dtype)
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim], [num_tokens, num_heads] (compute_dtype)
     """Every query token attends to every key (no mask), returning the output and the natural-log log-sum-exp of
     each row's scaled logits: the two halves of a partial result that merge_attention_states merges. With no keys:
     out = 0 and lse = -inf."""
@@ -162,9 +162,9 @@ def attention_with_lse(
 
 
 def merge_attention_states(
-    out_a: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    out_a: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     lse_a: torch.Tensor,  # [num_tokens, num_heads], natural log
-    out_b: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    out_b: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     lse_b: torch.Tensor,  # [num_tokens, num_heads]
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out_a's dtype; float32

@@ -106,18 +106,18 @@ def make_llm(model):
         scheduler = llm.scheduler
         assert not scheduler.has_unfinished()
         assert not scheduler.block_manager.seqs
-        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_gpu_blocks
-        assert scheduler.block_manager.num_free_cpu_blocks == scheduler.block_manager.num_cpu_blocks
-        assert llm.stats().gpu_blocks_used == 0
+        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_kv_blocks
+        assert scheduler.block_manager.num_free_swap_blocks == scheduler.block_manager.num_swap_blocks
+        assert llm.stats().kv_blocks_used == 0
 
 def snapshot(bm):
     """Everything the manager holds, to compare before and after a call that must fail."""
-    blocks = [b.ref_count for b in bm.gpu_pool.blocks]
+    blocks = [b.ref_count for b in bm.kv_pool.blocks]
     seqs = {seq_id: (list(s.token_ids), [list(t) for t in s.block_tables], s.swapped_out, s.prefix_hash,
                      s.prefix_content_id, s.window_floor, list(s.released_below))
             for seq_id, s in bm.seqs.items()}
-    return (bm.stats(), blocks, [b.ref_count for b in bm.cpu_pool.blocks], list(bm.gpu_pool.free_block_ids),
-            list(bm.prefix_cache.evictable_block_ids), list(bm.cpu_pool.free_block_ids),
+    return (bm.stats(), blocks, [b.ref_count for b in bm.swap_pool.blocks], list(bm.kv_pool.free_block_ids),
+            list(bm.prefix_cache.evictable_block_ids), list(bm.swap_pool.free_block_ids),
             dict(bm.prefix_cache.hash_to_block_id), dict(bm.prefix_cache.entries), seqs)
 
 

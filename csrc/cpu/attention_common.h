@@ -1,7 +1,8 @@
 // What every piece of the CPU attention kernels shares (attention.cpp includes it first, then decode_kernels.h,
 // avx512_kernels.h and prefill_kernels.h, all into the one translation unit, so that everything here keeps internal
-// linkage): the at::vec setup, the constants, fp8 decoding tables and load helpers, the Problem (the work, as query
-// rows), and the decode kernel's Tile, Prefetcher and Scratch.
+// linkage): the at::vec setup, the constants, fp8 decoding tables and load helpers, the AttentionParams (the call's
+// tensors and the work, as query rows), and the decode kernel's Tile, Prefetcher and Scratch. Words as in the
+// glossary of paged_attn/ops.py (tile, partition, row, shared blocks...).
 //
 // Math, per sequence s of length L, query head h (reading kv head h / group_size) and token t in [start, L),
 // start = max(0, L - sliding_window) (0 without a window):
@@ -58,13 +59,13 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVecSize = Vec::size();
-constexpr int64_t kTileTokens = 16;           // tokens per step (one AVX-512 vector of logits per head)
-constexpr int64_t kMaxHeadTile = 4;           // query heads that share one pass over a key or value row
-constexpr int64_t kChunkTokens = 512;         // a decode row's keys are cut at multiples of this (see attention.cpp)
-constexpr int64_t kPrefetchTiles = 1;         // how many tiles ahead rows are prefetched into L2 (at least 1)
+constexpr int64_t kTileTokens = 16;        // keys per decode tile (one AVX-512 vector of logits per head)
+constexpr int64_t kMaxHeadsPerPass = 4;    // query heads that share one pass over a key or value row
+constexpr int64_t kPartitionTokens = 512;  // a decode row's partitions: its keys cut at multiples of this
+constexpr int64_t kPrefetchTiles = 1;      // how many tiles ahead rows are prefetched into L2 (at least 1)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kTileTokens % kVecSize == 0, "a tile's logits must be whole vectors");
-static_assert(kChunkTokens % kTileTokens == 0, "chunk boundaries must be tile boundaries");
+static_assert(kPartitionTokens % kTileTokens == 0, "partition boundaries must be tile boundaries");
 static_assert(kPrefetchTiles >= 1, "the next unit's rows are prefetched from the next tile, which must be loaded");
 
 template <typename T>
@@ -148,7 +149,7 @@ struct Tile {
 // runs; the figures are in bench/RESULTS.md ("Two-level prefetch"; by cache layout: "CPU decode by cache layout").
 template <typename scalar_t>
 struct Prefetcher {
-  // The layout, for every tile of a task.
+  // The layout, for every tile of an attend call.
   int64_t key_head_stride = 0, value_head_stride = 0;  // elements
   int64_t spans_per_token = 0;  // 1 (a token's rows are one span) or num_kv_heads (a span per row)
   bool heads_outer = false;     // walk a kv head's spans of every token, then the next kv head's
@@ -217,10 +218,11 @@ struct Prefetcher {
   }
 };
 
-// The work, as query rows: row r is a query token at position row_len(r) - 1 of sequence row_seq(r), attending
-// to that sequence's tokens [window_start(r), row_len(r)). Decode: row r is sequence r's last token.
+// The call's tensors and sizes (as csrc/cuda's AttentionParams), and the work as query rows: row r is a query token
+// at position row_len(r) - 1 of sequence row_seq(r), attending to that sequence's tokens [window_start(r),
+// row_len(r)). Decode: row r is sequence r's last token.
 template <typename scalar_t, typename cache_t>
-struct Problem {  // every field set by name (attention.cpp: paged_attention_cpu)
+struct AttentionParams {  // every field set by name (attention.cpp: paged_attention_cpu)
   PagedKV<cache_t> kv;
   const scalar_t* query = nullptr;  // [num_rows, num_heads, head_dim], strides query_row_stride, query_head_stride
   int64_t query_row_stride = 0, query_head_stride = 0;
@@ -270,7 +272,8 @@ inline RowFinish finish_row(float max, float sum, float v_scale, const float* si
   return {v_scale * w / total, m + std::log(total)};
 }
 
-// A task's scratch memory: the online-softmax state of every query head, and one tile's logits of one group.
+// One row's scratch memory while it is attended: the online-softmax state of every query head, and one tile's
+// logits of one head group.
 struct Scratch {
   std::vector<float> buffer;
   float* q;          // [num_heads, head_dim], pre-scaled query (portable path)
@@ -298,11 +301,11 @@ inline int64_t threads_worth_waking(int64_t kv_bytes, int64_t num_tasks) {
   return std::clamp<int64_t>(kv_bytes / kMinBytesPerCpuTask, 1, std::min<int64_t>(at::get_num_threads(), num_tasks));
 }
 
-// Calls f(std::integral_constant<int, n>, first) for tiles of n <= kMaxHeadTile heads covering [0, group_size).
+// Calls f(std::integral_constant<int, n>, first) for passes of n <= kMaxHeadsPerPass heads covering [0, group_size).
 template <typename F>
-inline void for_each_head_tile(int64_t group_size, F&& f) {
-  for (int64_t first = 0; first < group_size; first += kMaxHeadTile) {
-    switch (std::min(kMaxHeadTile, group_size - first)) {
+inline void for_each_head_pass(int64_t group_size, F&& f) {
+  for (int64_t first = 0; first < group_size; first += kMaxHeadsPerPass) {
+    switch (std::min(kMaxHeadsPerPass, group_size - first)) {
       case 4: f(std::integral_constant<int, 4>{}, first); break;
       case 3: f(std::integral_constant<int, 3>{}, first); break;
       case 2: f(std::integral_constant<int, 2>{}, first); break;
@@ -313,12 +316,13 @@ inline void for_each_head_tile(int64_t group_size, F&& f) {
 
 // Soft cap and ALiBi on one head's logits x[i] of tokens t0 + i, i < kTileTokens.
 template <typename scalar_t, typename cache_t>
-void apply_logit_mods(const Problem<scalar_t, cache_t>& pb, int64_t head, int64_t t0, int64_t last_token, float* x) {
+void apply_logit_mods(const AttentionParams<scalar_t, cache_t>& params, int64_t head, int64_t t0, int64_t last_token,
+                      float* x) {
   for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
     Vec xi = Vec::loadu(x + i);
-    if (pb.logits_soft_cap > 0) xi = (xi / Vec(pb.logits_soft_cap)).tanh() * Vec(pb.logits_soft_cap);
-    if (pb.alibi_slopes) {
-      xi = xi + Vec(pb.alibi_slopes[head]) * Vec::arange(static_cast<float>(t0 + i - last_token), 1.f);
+    if (params.logits_soft_cap > 0) xi = (xi / Vec(params.logits_soft_cap)).tanh() * Vec(params.logits_soft_cap);
+    if (params.alibi_slopes) {
+      xi = xi + Vec(params.alibi_slopes[head]) * Vec::arange(static_cast<float>(t0 + i - last_token), 1.f);
     }
     xi.store(x + i);
   }

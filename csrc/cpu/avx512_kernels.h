@@ -2,7 +2,7 @@
 // bfloat16 query over a bfloat16 or fp8 cache, as AVX-512 micro-kernels, and the run-time choice of this path.
 // Only these functions are compiled for AVX-512 (function target attribute) and they run only where the CPU has it
 // (use_avx512), so no AVX-512 code can run on a CPU without it. (The prefill's AVX-512 float32 micro-kernels are in
-// prefill_kernels.h; they use PAGED_ATTN_AVX512 and exp_nonpositive from here.)
+// prefill_kernels.h; they use PA_TARGET_AVX512 and exp_nonpositive from here.)
 //
 // AVX-512 bf16 (bfloat16 caches, head_dim a multiple of 32, CPU with AVX512_BF16; chosen at run time): both
 // products use vdpbf16ps (32 bf16 multiply-adds into 16 float32 lanes per instruction, products exact, sums in
@@ -20,19 +20,19 @@ namespace paged_attn {
 namespace {
 
 #if defined(CPU_CAPABILITY_AVX2)
-constexpr int64_t kChunk = 32;  // bf16 elements per 512-bit vector
+constexpr int64_t kBf16Vec = 32;  // bf16 elements per 512-bit vector
 
-// Where element d of a head's accumulator lives on the AVX-512 path. Step 3 interleaves a chunk of 32 elements
+// Where element d of a head's accumulator lives on the AVX-512 path. Step 3 interleaves a vector of 32 elements
 // of two value rows with unpacklo/unpackhi_epi16, which work within 128-bit lanes: the "lo" vector gets elements
-// 8L + (0..3) of each lane L = 0..3, the "hi" vector elements 8L + (4..7); the accumulator of a chunk is stored as
+// 8L + (0..3) of each lane L = 0..3, the "hi" vector elements 8L + (4..7); the accumulator of a vector is stored as
 // [lo (16 floats), hi (16 floats)].
 inline int64_t acc_index(int64_t d, bool avx512_bf16) {
   if (!avx512_bf16) return d;
-  const int64_t r = d % kChunk, lane = r / 8, w = r % 8;
+  const int64_t r = d % kBf16Vec, lane = r / 8, w = r % 8;
   return d - r + (w / 4) * 16 + lane * 4 + w % 4;
 }
 
-#define PAGED_ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define PA_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // Decodes cache elements to bfloat16, 32 at a time (load_bf16x32): for fp8 caches the 128 magnitudes' bfloat16 bits
 // (Fp8Table::bf16_magnitude) in four vectors, loaded once per call of the functions below.
@@ -41,7 +41,7 @@ struct Bf16Decoder {
 };
 
 template <typename cache_t>
-PAGED_ATTN_AVX512 inline Bf16Decoder bf16_decoder() {
+PA_TARGET_AVX512 inline Bf16Decoder bf16_decoder() {
   Bf16Decoder decoder;
   if constexpr (kIsFp8<cache_t>) {
     for (int i = 0; i < 4; ++i) decoder.magnitudes[i] = _mm512_load_si512(fp8_table<cache_t>.bf16_magnitude + 32 * i);
@@ -49,14 +49,14 @@ PAGED_ATTN_AVX512 inline Bf16Decoder bf16_decoder() {
   return decoder;
 }
 
-PAGED_ATTN_AVX512 inline __m512i load_bf16x32(const at::BFloat16* p, const Bf16Decoder&) {
+PA_TARGET_AVX512 inline __m512i load_bf16x32(const at::BFloat16* p, const Bf16Decoder&) {
   return _mm512_loadu_si512(p);
 }
 
 // 32 fp8 bytes, widened to 16 bits: two 64-entry lookups (vpermi2w reads the index's low 6 bits), the one
 // selected by bit 6, then the sign bit moved from bit 7 to bit 15.
 template <typename fp8_t, typename = std::enable_if_t<kIsFp8<fp8_t>>>
-PAGED_ATTN_AVX512 inline __m512i load_bf16x32(const fp8_t* p, const Bf16Decoder& decoder) {
+PA_TARGET_AVX512 inline __m512i load_bf16x32(const fp8_t* p, const Bf16Decoder& decoder) {
   const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   const __m512i low = _mm512_permutex2var_epi16(decoder.magnitudes[0], bytes, decoder.magnitudes[1]);
   const __m512i high = _mm512_permutex2var_epi16(decoder.magnitudes[2], bytes, decoder.magnitudes[3]);
@@ -67,7 +67,7 @@ PAGED_ATTN_AVX512 inline __m512i load_bf16x32(const fp8_t* p, const Bf16Decoder&
 }
 
 // Per 128-bit lane L: [sum of a's 4 elements in L, same of b, c, d].
-PAGED_ATTN_AVX512 inline __m512 reduce_in_lanes(__m512 a, __m512 b, __m512 c, __m512 d) {
+PA_TARGET_AVX512 inline __m512 reduce_in_lanes(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
   const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
   const __m512d ab_d = _mm512_castps_pd(ab), cd_d = _mm512_castps_pd(cd);
@@ -76,7 +76,7 @@ PAGED_ATTN_AVX512 inline __m512 reduce_in_lanes(__m512 a, __m512 b, __m512 c, __
 }
 
 // [x, y] -> [x0 + x1, x2 + x3, y0 + y1, y2 + y3] over 128-bit lanes.
-PAGED_ATTN_AVX512 inline __m512 add_lane_pairs(__m512 x, __m512 y) {
+PA_TARGET_AVX512 inline __m512 add_lane_pairs(__m512 x, __m512 y) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
@@ -85,9 +85,9 @@ PAGED_ATTN_AVX512 inline __m512 add_lane_pairs(__m512 x, __m512 y) {
 // the tile's 16 key rows k_i = rows[i] + offset. Four tokens at a time: 4 * kHeads dot products in 16-lane partial
 // sums, reduced in a tree of shuffles (reduce_in_lanes, then add_lane_pairs twice) into one vector per head.
 template <int kHeads, typename cache_t>
-PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_stride, const cache_t* const* rows,
-                                          int64_t offset, int64_t head_dim, float scale,
-                                          Prefetcher<cache_t>* prefetcher, __m512 logits[kHeads]) {
+PA_TARGET_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_stride, const cache_t* const* rows,
+                                         int64_t offset, int64_t head_dim, float scale,
+                                         Prefetcher<cache_t>* prefetcher, __m512 logits[kHeads]) {
   const Bf16Decoder decoder = bf16_decoder<cache_t>();
   __m512 quarter[kHeads][4];  // [head][token quad g]: per 128-bit lane, the 4 tokens' partial sums
 #pragma GCC unroll 4
@@ -103,7 +103,7 @@ PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_strid
     for (int r = 0; r < 4; ++r)
 #pragma GCC unroll 4
       for (int j = 0; j < kHeads; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += kChunk) {
+    for (int64_t d = 0; d < head_dim; d += kBf16Vec) {
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) {
         const __m512bh key = (__m512bh)load_bf16x32(k[r] + d, decoder);
@@ -126,7 +126,7 @@ PAGED_ATTN_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_strid
 
 // exp(x) for x <= 0 (exact 0 below about -87, and for -inf): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2,
 // 2^f by a degree-5 polynomial (relative error below 1e-7).
-PAGED_ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
+PA_TARGET_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   const __m512 y = _mm512_max_ps(_mm512_set1_ps(-200.f), _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
@@ -140,7 +140,7 @@ PAGED_ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // 16 bfloat16 -> 16 float32 (exact).
-PAGED_ATTN_AVX512 inline __m512 widen_bf16(__m256i bf16) {
+PA_TARGET_AVX512 inline __m512 widen_bf16(__m256i bf16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
 }
 
@@ -150,8 +150,8 @@ PAGED_ATTN_AVX512 inline __m512 widen_bf16(__m256i bf16) {
 // p_pairs[i] = (hi_2i, hi_2i+1) and p_pairs[8 + i] = (lo_2i, lo_2i+1), and adds hi + lo to the lane sums.
 // NOTE: hi and lo are both > 0 wherever p > 0, so that a value of inf gives inf: rounding hi to nearest would
 // leave lo = 0 (p = 1 at the max, any p exact in bf16: 0 * inf = NaN) or lo < 0 (inf - inf = NaN).
-PAGED_ATTN_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, float* exp_sums, float* acc,
-                                                  int64_t head_dim, uint32_t* p_pairs) {
+PA_TARGET_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, float* exp_sums, float* acc,
+                                                 int64_t head_dim, uint32_t* p_pairs) {
   if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(*max_logit), _CMP_GT_OQ)) {  // rarely, after the first tiles
     const float new_max = _mm512_reduce_max_ps(x);
     const float alpha = std::exp(*max_logit - new_max);  // 0 on the first tile: max_logit = -inf
@@ -176,24 +176,24 @@ PAGED_ATTN_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, fl
 
 // Step 3 (values): acc_j += sum_i p_j[i] * v_i for kHeads heads (acc_j = acc + j * head_dim in acc_index order, p_j the
 // pairs p_pairs + j * 16) over the tile's value rows v_i = rows[i] + offset, i < num_tokens, elements
-// [d_begin, d_end), C chunks of 32 at a time. Per token pair and chunk: the two rows interleaved into lo/hi (see
+// [d_begin, d_end), C vectors of 32 at a time. Per token pair and vector: the two rows interleaved into lo/hi (see
 // acc_index), then per head and half two vdpbf16ps, with the high and the low parts of the pair (p_2i, p_2i+1)
 // broadcast. NOTE: the rows past num_tokens (the tile's padding, whose p is 0) are not multiplied: with an odd
 // num_tokens the last pair's second row is zeros; a padding row repeats the last token's, and 0 * inf is NaN.
 template <int kHeads, int C, typename cache_t>
-PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const cache_t* const* rows,
-                                                 int64_t num_tokens, int64_t offset, int64_t head_dim,
-                                                 int64_t d_begin, int64_t d_end, float* acc,
-                                                 Prefetcher<cache_t>* prefetcher) {
+PA_TARGET_AVX512 void tile_values_avx512_range(const uint32_t* p_pairs, const cache_t* const* rows,
+                                               int64_t num_tokens, int64_t offset, int64_t head_dim,
+                                               int64_t d_begin, int64_t d_end, float* acc,
+                                               Prefetcher<cache_t>* prefetcher) {
   const Bf16Decoder decoder = bf16_decoder<cache_t>();
-  for (int64_t d = d_begin; d + C * kChunk <= d_end; d += C * kChunk) {
+  for (int64_t d = d_begin; d + C * kBf16Vec <= d_end; d += C * kBf16Vec) {
     __m512 sum[kHeads][C][2];
 #pragma GCC unroll 4
     for (int j = 0; j < kHeads; ++j)
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) sum[j][c][h] = _mm512_loadu_ps(acc + j * head_dim + d + c * kChunk + h * 16);
+        for (int h = 0; h < 2; ++h) sum[j][c][h] = _mm512_loadu_ps(acc + j * head_dim + d + c * kBf16Vec + h * 16);
 #pragma GCC unroll 2
     for (int64_t i = 0; i < num_tokens; i += 2) {
       if (prefetcher && d == d_begin) {
@@ -204,9 +204,9 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
       __m512bh half[C][2];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const __m512i a = load_bf16x32(rows[i] + offset + d + c * kChunk, decoder);
+        const __m512i a = load_bf16x32(rows[i] + offset + d + c * kBf16Vec, decoder);
         const __m512i b =
-            pair ? load_bf16x32(rows[i + 1] + offset + d + c * kChunk, decoder) : _mm512_setzero_si512();
+            pair ? load_bf16x32(rows[i + 1] + offset + d + c * kBf16Vec, decoder) : _mm512_setzero_si512();
         half[c][0] = (__m512bh)_mm512_unpacklo_epi16(a, b);
         half[c][1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
       }
@@ -229,18 +229,18 @@ PAGED_ATTN_AVX512 void tile_values_avx512_chunks(const uint32_t* p_pairs, const 
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c)
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + j * head_dim + d + c * kChunk + h * 16, sum[j][c][h]);
+        for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + j * head_dim + d + c * kBf16Vec + h * 16, sum[j][c][h]);
   }
 }
 
 template <int kHeads, typename cache_t>
-PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t num_tokens,
-                                          int64_t offset, int64_t head_dim, float* acc,
-                                          Prefetcher<cache_t>* prefetcher) {
+PA_TARGET_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t num_tokens,
+                                         int64_t offset, int64_t head_dim, float* acc,
+                                         Prefetcher<cache_t>* prefetcher) {
   constexpr int C = kHeads >= 3 ? 2 : 4 / kHeads;  // at least 8 accumulators, at most 16
-  const int64_t main = head_dim / (C * kChunk) * (C * kChunk);
-  tile_values_avx512_chunks<kHeads, C>(p_pairs, rows, num_tokens, offset, head_dim, 0, main, acc, prefetcher);
-  tile_values_avx512_chunks<kHeads, 1>(p_pairs, rows, num_tokens, offset, head_dim, main, head_dim, acc,
+  const int64_t main = head_dim / (C * kBf16Vec) * (C * kBf16Vec);
+  tile_values_avx512_range<kHeads, C>(p_pairs, rows, num_tokens, offset, head_dim, 0, main, acc, prefetcher);
+  tile_values_avx512_range<kHeads, 1>(p_pairs, rows, num_tokens, offset, head_dim, main, head_dim, acc,
                                        main == 0 ? prefetcher : nullptr);
 }
 
@@ -248,42 +248,45 @@ PAGED_ATTN_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t
 // ALiBi (apply_logit_mods edits them in memory, at spill: 16 floats), masked to the tile's tokens, into the row's
 // running state (sc); p as bfloat16 pairs into p_pairs.
 template <typename cache_t>
-PAGED_ATTN_AVX512 inline void softmax_head_avx512(const Problem<at::BFloat16, cache_t>& pb, int64_t head,
-                                                  const Tile<cache_t>& tile, int64_t last_token, __m512 x,
-                                                  float* spill, Scratch& sc, uint32_t* p_pairs) {
-  if (pb.logits_soft_cap > 0 || pb.alibi_slopes) {
+PA_TARGET_AVX512 inline void softmax_head_avx512(const AttentionParams<at::BFloat16, cache_t>& params,
+                                                 int64_t head, const Tile<cache_t>& tile, int64_t last_token,
+                                                 __m512 x, float* spill, Scratch& sc, uint32_t* p_pairs) {
+  if (params.logits_soft_cap > 0 || params.alibi_slopes) {
     _mm512_storeu_ps(spill, x);
-    apply_logit_mods(pb, head, tile.first, last_token, spill);
+    apply_logit_mods(params, head, tile.first, last_token, spill);
     x = _mm512_loadu_ps(spill);
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
   softmax_tile_avx512(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), x), sc.max_logit + head,
-                      sc.exp_sums + head * kTileTokens, sc.acc + head * pb.head_dim, pb.head_dim, p_pairs);
+                      sc.exp_sums + head * kTileTokens, sc.acc + head * params.head_dim, params.head_dim, p_pairs);
 }
 
-// Steps 1-3 for query heads [head0, head0 + kHeads) of kv head `kv_head`'s group over one tile (AVX-512 bf16 path).
+// Steps 1-3 for query heads [head0, head0 + kHeads) of kv head `kv_head`'s head group over one tile (AVX-512 bf16
+// path).
 template <int kHeads, typename cache_t>
-PAGED_ATTN_AVX512 void attend_heads_avx512(const Problem<at::BFloat16, cache_t>& pb, const at::BFloat16* query,
-                                           int64_t kv_head, int64_t head0, const Tile<cache_t>& tile,
-                                           int64_t last_token, Scratch& sc, Prefetcher<cache_t>* prefetcher) {
-  const int64_t head_dim = pb.head_dim;
+PA_TARGET_AVX512 void attend_heads_avx512(const AttentionParams<at::BFloat16, cache_t>& params,
+                                          const at::BFloat16* query, int64_t kv_head, int64_t head0,
+                                          const Tile<cache_t>& tile, int64_t last_token, Scratch& sc,
+                                          Prefetcher<cache_t>* prefetcher) {
+  const int64_t head_dim = params.head_dim;
   __m512 logits[kHeads];
-  tile_logits_avx512<kHeads>(query + head0 * pb.query_head_stride, pb.query_head_stride, tile.keys,
-                             kv_head * pb.kv.key.head_stride,
-                             head_dim, pb.scale, prefetcher, logits);
+  tile_logits_avx512<kHeads>(query + head0 * params.query_head_stride, params.query_head_stride, tile.keys,
+                             kv_head * params.kv.key.head_stride,
+                             head_dim, params.scale, prefetcher, logits);
   for (int j = 0; j < kHeads; ++j) {
-    softmax_head_avx512(pb, head0 + j, tile, last_token, logits[j], sc.logits + j * kTileTokens, sc,
+    softmax_head_avx512(params, head0 + j, tile, last_token, logits[j], sc.logits + j * kTileTokens, sc,
                         sc.p_pairs + j * kTileTokens);
   }
-  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * pb.kv.value.head_stride, head_dim,
+  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * params.kv.value.head_stride, head_dim,
                              sc.acc + head0 * head_dim, prefetcher);
 }
 
 template <typename cache_t>
-void attend_tile_avx512(const Problem<at::BFloat16, cache_t>& pb, const at::BFloat16* query, int64_t kv_head,
-                        const Tile<cache_t>& tile, int64_t last_token, Scratch& sc, Prefetcher<cache_t>& prefetcher) {
-  for_each_head_tile(pb.group_size, [&](auto heads, int64_t first) {
-    attend_heads_avx512<decltype(heads)::value>(pb, query, kv_head, kv_head * pb.group_size + first, tile,
+void attend_tile_avx512(const AttentionParams<at::BFloat16, cache_t>& params, const at::BFloat16* query,
+                        int64_t kv_head, const Tile<cache_t>& tile, int64_t last_token, Scratch& sc,
+                        Prefetcher<cache_t>& prefetcher) {
+  for_each_head_pass(params.group_size, [&](auto heads, int64_t first) {
+    attend_heads_avx512<decltype(heads)::value>(params, query, kv_head, kv_head * params.group_size + first, tile,
                                                 last_token, sc, first == 0 ? &prefetcher : nullptr);
   });
 }
@@ -304,7 +307,7 @@ constexpr bool kHasAvx512Path =
 
 template <typename scalar_t, typename cache_t>
 inline bool avx512_bf16_path(int64_t head_dim) {
-  return kHasAvx512Path<scalar_t, cache_t> && head_dim % kChunk == 0 && use_avx512();
+  return kHasAvx512Path<scalar_t, cache_t> && head_dim % kBf16Vec == 0 && use_avx512();
 }
 #else
 inline int64_t acc_index(int64_t d, bool) { return d; }

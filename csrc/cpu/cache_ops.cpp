@@ -21,9 +21,10 @@
 namespace paged_attn {
 namespace {
 
-// Items per parallel chunk, so that each chunk moves at least kMinBytesPerCpuTask (common.h).
-int64_t grain_for(int64_t bytes_per_item) {
-  return std::max<int64_t>(1, kMinBytesPerCpuTask / std::max<int64_t>(1, bytes_per_item));
+// at::parallel_for's grain: the fewest iterations (tokens, block copies) one thread takes, so that each thread moves
+// at least kMinBytesPerCpuTask (common.h).
+int64_t grain_for(int64_t bytes_per_iteration) {
+  return std::max<int64_t>(1, kMinBytesPerCpuTask / std::max<int64_t>(1, bytes_per_iteration));
 }
 
 // The fp8 value nearest to x / scale: IEEE division in float32 (as the reference, so the two round the same

@@ -1,17 +1,17 @@
 // The decode kernel's steps (logits, softmax, values) on the portable path, and the task body that walks a query
 // row's tokens a tile at a time (attend); each unit (a tile and a kv head) goes to one path's steps (attend_unit):
 // portable (attend_tile, below), AVX-512 bf16 (attend_tile_avx512, avx512_kernels.h) or AMX (attend_tile_amx,
-// amx_kernels.h), picked per call (Problem::avx512_bf16, Problem::amx), with each path's set-up in a function of its
-// own (prescale_queries, AmxRows).
-// Cutting the rows into chunks, running them on the threads and merging each row's chunks: attention.cpp.
+// amx_kernels.h), picked per call (AttentionParams::avx512_bf16, AttentionParams::amx), with each path's set-up in a
+// function of its own (prescale_queries, AmxRows).
+// Cutting the rows into partitions, running them on the threads and merging each row's partitions: attention.cpp.
 //
-// Work mapping: a query row's keys are cut into chunks at fixed token positions (kChunkTokens); a thread walks a
-// run of consecutive chunks of a row (attend) a tile at a time: up to kTileTokens = 16 consecutive tokens at
-// absolute positions [16 i, 16 (i + 1)), whatever the block size (a tile may span blocks; the tile holds each
-// token's row pointers, looked up in the block table once), each chunk from a fresh online-softmax state. Within
-// a tile it serves each kv head's whole group of query heads in turn, so every key/value row is read from memory
-// once (GQA reuse); in a chunk shared by several rows (attention.cpp), each row in turn, while the rows are in L1.
-// Per (tile, kv head), for tiles of up to 4 query heads of the group:
+// Work mapping: a query row's keys are cut into partitions at fixed token positions (kPartitionTokens); a thread
+// walks a run of consecutive partitions of a row (attend) a tile at a time: up to kTileTokens = 16 consecutive
+// tokens at absolute positions [16 i, 16 (i + 1)), whatever the block size (a tile may span blocks; the tile holds
+// each token's row pointers, looked up in the block table once), each partition from a fresh online-softmax state.
+// Within a tile it serves each kv head's whole head group in turn, so every key/value row is read from memory once
+// (GQA reuse); in shared blocks (several rows, attention.cpp), each row in turn, while the rows are in L1.
+// Per (tile, kv head), in passes of up to 4 query heads of the head group:
 //   1. logits of the heads for the tile's tokens,
 //   2. online softmax: when a logit exceeds a head's running max, raise the max (rescaling the running sum and
 //      the accumulator); p = exp(x - max), and the running sum (kept per tile lane) += p,
@@ -131,10 +131,10 @@ inline void accumulate_values(const float* p, const scalar_t* const* rows, int64
 
 // Steps 1-3 for the group of kv head `kv_head` over one tile (portable path).
 template <typename scalar_t, typename cache_t>
-void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Tile<cache_t>& tile,
+void attend_tile(const AttentionParams<scalar_t, cache_t>& params, int64_t kv_head, const Tile<cache_t>& tile,
                  int64_t last_token, Scratch& sc, Prefetcher<cache_t>& prefetcher) {
-  const int64_t group_size = pb.group_size, head_dim = pb.head_dim, first_head = kv_head * group_size;
-  const int64_t key_offset = kv_head * pb.kv.key.head_stride, value_offset = kv_head * pb.kv.value.head_stride;
+  const int64_t group_size = params.group_size, head_dim = params.head_dim, first_head = kv_head * group_size;
+  const int64_t key_offset = kv_head * params.kv.key.head_stride, value_offset = kv_head * params.kv.value.head_stride;
   const int64_t num_tokens = tile.num_tokens;
   const float* q = sc.q + first_head * head_dim;
   float* acc = sc.acc + first_head * head_dim;
@@ -143,7 +143,7 @@ void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
   for (int64_t i = 0; i < num_tokens; ++i) {
     prefetcher.step();
     prefetcher.keys(i);
-    for_each_head_tile(group_size, [&](auto heads, int64_t first) {
+    for_each_head_pass(group_size, [&](auto heads, int64_t first) {
       dot_heads<decltype(heads)::value>(q + first * head_dim, tile.keys[i] + key_offset, head_dim,
                                         sc.logits + first * kTileTokens + i, kTileTokens);
     });
@@ -154,7 +154,7 @@ void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
   for (int64_t j = 0; j < group_size; ++j) {
     const int64_t head = first_head + j;
     float* x = sc.logits + j * kTileTokens;
-    if (pb.logits_soft_cap > 0 || pb.alibi_slopes) apply_logit_mods(pb, head, tile.first, last_token, x);
+    if (params.logits_soft_cap > 0 || params.alibi_slopes) apply_logit_mods(params, head, tile.first, last_token, x);
     Vec tile_max(kNegInf);
     for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
       const Vec lane = Vec::arange(static_cast<float>(i), 1.f);
@@ -178,7 +178,7 @@ void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
     }
   }
   // 3. Values: acc += p * v over the tile's tokens.
-  for_each_head_tile(group_size, [&](auto heads, int64_t first) {
+  for_each_head_pass(group_size, [&](auto heads, int64_t first) {
     accumulate_values<decltype(heads)::value>(sc.logits + first * kTileTokens, tile.values, value_offset,
                                               num_tokens, head_dim, acc + first * head_dim,
                                               first == 0 ? &prefetcher : nullptr);
@@ -191,29 +191,30 @@ void attend_tile(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
 
 // The query of row `row`: [num_heads, head_dim] (head stride query_head_stride).
 template <typename scalar_t, typename cache_t>
-const scalar_t* row_query(const Problem<scalar_t, cache_t>& pb, int64_t row) {
-  return pb.query + pb.token(row) * pb.query_row_stride;
+const scalar_t* row_query(const AttentionParams<scalar_t, cache_t>& params, int64_t row) {
+  return params.query + params.token(row) * params.query_row_stride;
 }
 
 // Portable path: each row's queries, pre-scaled, in float32 into its scratch (sc.q). (The AVX-512 and AMX paths
 // read the queries as they are.)
 template <typename scalar_t, typename cache_t>
-void prescale_queries(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n, Scratch* const* scs) {
-  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-  for (int64_t i = 0; i < n && !pb.avx512_bf16; ++i) {
-    const scalar_t* query = row_query(pb, rows[i]);
+void prescale_queries(const AttentionParams<scalar_t, cache_t>& params, const int64_t* rows, int64_t n,
+                      Scratch* const* scs) {
+  const int64_t num_heads = params.num_heads, head_dim = params.head_dim;
+  for (int64_t i = 0; i < n && !params.avx512_bf16; ++i) {
+    const scalar_t* query = row_query(params, rows[i]);
     for (int64_t h = 0; h < num_heads; ++h) {
       for (int64_t d = 0; d < head_dim; ++d) {
-        scs[i]->q[h * head_dim + d] = pb.scale * static_cast<float>(query[h * pb.query_head_stride + d]);
+        scs[i]->q[h * head_dim + d] = params.scale * static_cast<float>(query[h * params.query_head_stride + d]);
       }
     }
   }
 }
 
-// AMX path: the arguments of attend_tile_amx for one call's rows (empty unless pb.amx): queries, per kv head the
-// rows' heads of its group stacked (entry i * group + j), padded to a multiple of 16 entries; each row's last token;
-// the tile layout ([head_dim * 24] dwords), logits and p pairs; and the thread's tile configuration (released at
-// the end of the call).
+// AMX path: the arguments of attend_tile_amx for one call's rows (empty unless params.amx): queries, per kv head
+// the rows' heads of its head group stacked (entry i * group + j), padded to a multiple of 16 entries; each row's
+// last token; the tile layout ([head_dim * 24] dwords), logits and p pairs; and the thread's tile-register
+// configuration (released at the end of the call).
 template <typename scalar_t>
 struct AmxRows {
 #if defined(CPU_CAPABILITY_AVX2)
@@ -225,26 +226,26 @@ struct AmxRows {
   AmxTiles tiles;
 
   template <typename cache_t>
-  AmxRows(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n)
-      : entries((n * pb.group_size + kAmxRows - 1) / kAmxRows * kAmxRows) {
-    if (!pb.amx) return;
-    const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-    queries.assign(pb.num_kv_heads * entries * head_dim, scalar_t(0));
+  AmxRows(const AttentionParams<scalar_t, cache_t>& params, const int64_t* rows, int64_t n)
+      : entries((n * params.group_size + kAmxRows - 1) / kAmxRows * kAmxRows) {
+    if (!params.amx) return;
+    const int64_t num_heads = params.num_heads, head_dim = params.head_dim;
+    queries.assign(params.num_kv_heads * entries * head_dim, scalar_t(0));
     for (int64_t i = 0; i < n; ++i) {
-      last_tokens.push_back(pb.row_len(rows[i]) - 1);
+      last_tokens.push_back(params.row_len(rows[i]) - 1);
       for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t kv_head = h / pb.group_size, e = i * pb.group_size + h % pb.group_size;
-        std::copy_n(row_query(pb, rows[i]) + h * pb.query_head_stride, head_dim,
+        const int64_t kv_head = h / params.group_size, e = i * params.group_size + h % params.group_size;
+        std::copy_n(row_query(params, rows[i]) + h * params.query_head_stride, head_dim,
                     queries.begin() + (kv_head * entries + e) * head_dim);
       }
     }
     layout.resize(head_dim * 24);
     logits.resize(entries * kTileTokens);
-    p_pairs.resize(n * pb.group_size * kTileTokens);
+    p_pairs.resize(n * params.group_size * kTileTokens);
   }
 #else
   template <typename cache_t>
-  AmxRows(const Problem<scalar_t, cache_t>&, const int64_t*, int64_t) {}
+  AmxRows(const AttentionParams<scalar_t, cache_t>&, const int64_t*, int64_t) {}
 #endif
 };
 
@@ -252,13 +253,13 @@ struct AmxRows {
 // the rows at once on the AMX path; else row after row, on the AVX-512 bf16 or the portable path (the last row
 // prefetches with `prefetcher`, the others with `idle`).
 template <typename scalar_t, typename cache_t>
-void attend_unit(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Tile<cache_t>& tile,
+void attend_unit(const AttentionParams<scalar_t, cache_t>& params, int64_t kv_head, const Tile<cache_t>& tile,
                  const int64_t* rows, int64_t n, Scratch* const* scs, AmxRows<scalar_t>& amx,
                  Prefetcher<cache_t>& prefetcher, Prefetcher<cache_t>& idle) {
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
-    if (pb.amx) {
-      attend_tile_amx(pb, kv_head, tile, n, amx.queries.data() + kv_head * amx.entries * pb.head_dim,
+    if (params.amx) {
+      attend_tile_amx(params, kv_head, tile, n, amx.queries.data() + kv_head * amx.entries * params.head_dim,
                       amx.last_tokens.data(), scs, amx.layout.data(), amx.logits.data(), amx.p_pairs.data(),
                       amx.tiles, prefetcher);
       return;
@@ -269,36 +270,37 @@ void attend_unit(const Problem<scalar_t, cache_t>& pb, int64_t kv_head, const Ti
 #endif
   for (int64_t i = 0; i < n; ++i) {
     Prefetcher<cache_t>& pf = i + 1 == n ? prefetcher : idle;
-    const int64_t last_token = pb.row_len(rows[i]) - 1;
+    const int64_t last_token = params.row_len(rows[i]) - 1;
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (kHasAvx512Path<scalar_t, cache_t>) {
-      if (pb.avx512_bf16) {
-        attend_tile_avx512(pb, row_query(pb, rows[i]), kv_head, tile, last_token, *scs[i], pf);
+      if (params.avx512_bf16) {
+        attend_tile_avx512(params, row_query(params, rows[i]), kv_head, tile, last_token, *scs[i], pf);
         continue;
       }
     }
 #endif
-    attend_tile(pb, kv_head, tile, last_token, *scs[i], pf);
+    attend_tile(params, kv_head, tile, last_token, *scs[i], pf);
   }
 }
 
 // Attends every query head of the query rows rows[0], ..., rows[n - 1] to their sequences' tokens [begin, end),
-// which start at a chunk boundary or at the rows' window start (or, with fresh = false, at a tile boundary where an
-// earlier call left the rows' states in scs: a shared chunk's rest, see attention.cpp) and end at a chunk boundary,
-// at the rows' end, or at a tile boundary where a later call goes on; for n > 1 these are the same tokens in the
-// same physical blocks for every row (a shared chunk), read once for all: each tile's rows are worked on by every
-// row in turn while they are in L1. scs[i] is row i's scratch. The chunks [c kChunkTokens, (c + 1) kChunkTokens) the
-// range overlaps are each attended from a fresh online-softmax state (the first from the states in scs if not
-// fresh). The tiles lie at absolute positions too ([16 i, 16 (i + 1)), but the first, which starts
-// at `begin`), so chunk boundaries are tile boundaries. After each chunk's last tile, chunk_done(c) finds each row's
-// chunk state (max, lane sums, acc) in its scratch, then the states are reset for the next. The tiles run on across
-// chunk boundaries (the prefetch too): only the states restart. A row's sequence of steps, and so its bits, are the
-// same for any n and any position in rows: each row's tiles, heads and head tiles come in the same order.
-template <typename scalar_t, typename cache_t, typename ChunkDone>
-void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n, int64_t begin, int64_t end,
-            Scratch* const* scs, ChunkDone&& chunk_done, bool fresh = true) {
-  const int64_t num_heads = pb.num_heads, head_dim = pb.head_dim;
-  prescale_queries(pb, rows, n, scs);
+// which start at a partition boundary or at the rows' window start (or, with fresh = false, at a tile boundary where
+// an earlier call left the rows' states in scs: the rest of a partition after a shared segment, see attention.cpp)
+// and end at a partition boundary, at the rows' end, or at a tile boundary where a later call goes on; for n > 1
+// these are the same tokens in the same physical blocks for every row (a shared segment), read once for all: each
+// tile's rows are worked on by every row in turn while they are in L1. scs[i] is row i's scratch. The partitions
+// [c kPartitionTokens, (c + 1) kPartitionTokens) the range overlaps are each attended from a fresh online-softmax
+// state (the first from the states in scs if not fresh). The tiles lie at absolute positions too ([16 i,
+// 16 (i + 1)), but the first, which starts at `begin`), so partition boundaries are tile boundaries. After each
+// partition's last tile, partition_done(c) finds each row's partition state (max, lane sums, acc) in its scratch,
+// then the states are reset for the next. The tiles run on across partition boundaries (the prefetch too): only the
+// states restart. A row's sequence of steps, and so its bits, are the same for any n and any position in rows: each
+// row's tiles, heads and head passes come in the same order.
+template <typename scalar_t, typename cache_t, typename PartitionDone>
+void attend(const AttentionParams<scalar_t, cache_t>& params, const int64_t* rows, int64_t n, int64_t begin,
+            int64_t end, Scratch* const* scs, PartitionDone&& partition_done, bool fresh = true) {
+  const int64_t num_heads = params.num_heads, head_dim = params.head_dim;
+  prescale_queries(params, rows, n, scs);
   const auto reset = [&] {
     for (int64_t i = 0; i < n; ++i) {
       std::fill_n(scs[i]->acc, num_heads * head_dim, 0.f);
@@ -307,17 +309,17 @@ void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n
     }
   };
   if (fresh) reset();
-  if (begin >= end) {  // an empty row (length 0): one empty chunk
-    chunk_done(int64_t{0});
+  if (begin >= end) {  // an empty row (length 0): one empty partition
+    partition_done(int64_t{0});
     return;
   }
-  const int32_t* block_table = pb.block_table(rows[0]);  // the rows' tables agree on [begin, end)
+  const int32_t* block_table = params.block_table(rows[0]);  // the rows' tables agree on [begin, end)
   const int64_t aligned_begin = begin / kTileTokens * kTileTokens;
   const int64_t num_tiles = (end - aligned_begin + kTileTokens - 1) / kTileTokens;
   // Tile k: [max(begin, aligned_begin + 16 k), min(end, aligned_begin + 16 (k + 1))).
   const auto load_tile = [&](Tile<cache_t>& tile, int64_t k) {
     const int64_t tile_begin = aligned_begin + k * kTileTokens;
-    tile.load(pb.kv, block_table, pb.block_size, std::max(begin, tile_begin),
+    tile.load(params.kv, block_table, params.block_size, std::max(begin, tile_begin),
               std::min(end, tile_begin + kTileTokens));
   };
 
@@ -326,8 +328,9 @@ void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n
   Tile<cache_t> tiles[kRing];
   for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) load_tile(tiles[k], k);
   // The last row of a unit prefetches (the next unit's rows into L1 as late as they can come); the others not.
-  Prefetcher<cache_t> prefetcher(pb.kv, pb.num_kv_heads, pb.head_dim), idle(pb.kv, pb.num_kv_heads, pb.head_dim);
-  AmxRows<scalar_t> amx(pb, rows, n);
+  Prefetcher<cache_t> prefetcher(params.kv, params.num_kv_heads, params.head_dim);
+  Prefetcher<cache_t> idle(params.kv, params.num_kv_heads, params.head_dim);
+  AmxRows<scalar_t> amx(params, rows, n);
   for (int64_t k = 0; k < num_tiles; ++k) {
     const Tile<cache_t>& tile = tiles[k % kRing];
     if (k + kPrefetchTiles < num_tiles) {
@@ -337,17 +340,17 @@ void attend(const Problem<scalar_t, cache_t>& pb, const int64_t* rows, int64_t n
     } else {
       prefetcher.start_tile(nullptr);
     }
-    for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
+    for (int64_t kv_head = 0; kv_head < params.num_kv_heads; ++kv_head) {
       // The next unit: the next kv head of this tile, or the first of the next tile (loaded: kPrefetchTiles >= 1).
-      const bool last_head = kv_head + 1 == pb.num_kv_heads;
+      const bool last_head = kv_head + 1 == params.num_kv_heads;
       prefetcher.unit_tile = !last_head ? &tile : k + 1 < num_tiles ? &tiles[(k + 1) % kRing] : nullptr;
-      prefetcher.key_offset = last_head ? 0 : (kv_head + 1) * pb.kv.key.head_stride;
-      prefetcher.value_offset = last_head ? 0 : (kv_head + 1) * pb.kv.value.head_stride;
-      attend_unit(pb, kv_head, tile, rows, n, scs, amx, prefetcher, idle);
+      prefetcher.key_offset = last_head ? 0 : (kv_head + 1) * params.kv.key.head_stride;
+      prefetcher.value_offset = last_head ? 0 : (kv_head + 1) * params.kv.value.head_stride;
+      attend_unit(params, kv_head, tile, rows, n, scs, amx, prefetcher, idle);
     }
     const int64_t tile_end = tile.first + tile.num_tokens;
-    if (tile_end == end || tile_end % kChunkTokens == 0) {
-      chunk_done((tile_end - 1) / kChunkTokens);
+    if (tile_end == end || tile_end % kPartitionTokens == 0) {
+      partition_done((tile_end - 1) / kPartitionTokens);
       if (tile_end != end) reset();
     }
   }

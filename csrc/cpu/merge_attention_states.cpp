@@ -1,5 +1,5 @@
 // CPU kernel of merge_attention_states: two partial attention results over disjoint key ranges, each a row of
-// head_size values with its log-sum-exp, merged exactly (what a split-KV or cascade kernel does at its end).
+// head_dim values with its log-sum-exp, merged exactly (what a split-KV or cascade kernel does at its end).
 //
 //   m = max(lse_a, lse_b), w_a = exp(lse_a - m), w_b = exp(lse_b - m)
 //   out = out_a * (w_a / (w_a + w_b)) + out_b * (w_b / (w_a + w_b))   in float32, rounded once to out's dtype
@@ -41,14 +41,14 @@ inline MergeScales merge_scales(float lse_a, float lse_b) {
 template <typename scalar_t>
 void merge_rows(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a, const at::Tensor& lse_a,
                 const at::Tensor& out_b, const at::Tensor& lse_b) {
-  const int64_t num_heads = out_a.size(1), head_size = out_a.size(2), num_rows = out_a.size(0) * num_heads;
+  const int64_t num_heads = out_a.size(1), head_dim = out_a.size(2), num_rows = out_a.size(0) * num_heads;
   auto* out_ptr = out.data_ptr<scalar_t>();
   auto* lse_ptr = lse.data_ptr<float>();
   const auto* a_ptr = out_a.const_data_ptr<scalar_t>();
   const auto* b_ptr = out_b.const_data_ptr<scalar_t>();
   const auto* lse_a_ptr = lse_a.const_data_ptr<float>();
   const auto* lse_b_ptr = lse_b.const_data_ptr<float>();
-  const int64_t row_bytes = 3 * head_size * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = 3 * head_dim * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerCpuTask / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, num_rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -61,18 +61,18 @@ void merge_rows(at::Tensor& out, at::Tensor& lse, const at::Tensor& out_a, const
       scalar_t* o = out_ptr + token * out.stride(0) + head * out.stride(1);
       // Rows are contiguous (checked): GCC 12 (-O3 -march=x86-64-v3) vectorizes this loop for float32 and bfloat16
       // (-fopt-info-vec); float16 converts element by element.
-      for (int64_t d = 0; d < head_size; ++d) {
+      for (int64_t d = 0; d < head_dim; ++d) {
         o[d] = static_cast<scalar_t>(static_cast<float>(a[d]) * s.a + static_cast<float>(b[d]) * s.b);
       }
     }
   });
 }
 
-void merge_attention_states_cpu(at::Tensor& out,              // [num_tokens, num_heads, head_size]
+void merge_attention_states_cpu(at::Tensor& out,              // [num_tokens, num_heads, head_dim]
                                 at::Tensor& lse,              // [num_tokens, num_heads], float32
-                                const at::Tensor& out_a,      // [num_tokens, num_heads, head_size]
+                                const at::Tensor& out_a,      // [num_tokens, num_heads, head_dim]
                                 const at::Tensor& lse_a,      // [num_tokens, num_heads], float32
-                                const at::Tensor& out_b,      // [num_tokens, num_heads, head_size]
+                                const at::Tensor& out_b,      // [num_tokens, num_heads, head_dim]
                                 const at::Tensor& lse_b) {    // [num_tokens, num_heads], float32
   check_merge_attention_states_args(out, lse, out_a, lse_a, out_b, lse_b);
   TORCH_CHECK(out_a.device().is_cpu(), "merge_attention_states (CPU kernel): out_a must be on the CPU, got ",

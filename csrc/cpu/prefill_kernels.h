@@ -2,8 +2,8 @@
 // with at least kMinPrefillQueryLen query tokens (query_start_loc), in tiles.
 //
 // A task is (sequence, kv head, query tile): up to kPrefillRows rows (or one position's group_size if larger),
-// r = i * group_size + j for the tile's query positions p0 + i and the group's query heads j, so that query heads
-// sharing a kv head share its key and value tiles. The task walks the keys its rows can see, [first_visible(p0),
+// r = i * group_size + j for the tile's query positions p0 + i and the head group's query heads j, so that query
+// heads sharing a kv head share its key and value tiles. The task walks the keys its rows can see, [first_visible(p0),
 // last position], kPrefillKeys tokens at a time; per key tile:
 //   1. pack the tile's keys and values of the kv head as float32 into the task's scratch: keys transposed,
 //      [head_dim][kPrefillKeys], values [kPrefillKeys][head_dim]. Only these tokens' rows are read (never the
@@ -15,7 +15,7 @@
 //      (rescaling its sum and O), P = exp(S - max), sum += P,
 //   4. O += P V, each row over exactly the keys it sees: a masked key's P is 0, but 0 * NaN = NaN, so a NaN or inf
 //      value a row cannot see (after its position, before its window) must not be multiplied into it at all.
-//      The tile's keys are cut into segments at every row's first and last visible key; each segment goes into
+//      The tile's keys are cut into runs at every row's first and last visible key; each run goes into
 //      the rows that see all of it (a contiguous run: both ends of a row's visible range grow with its position).
 //      A row's keys are still added in order, so this is the plain loop's sum, bit for bit.
 // (A NaN key a row cannot see needs no such care: its logit is overwritten by the mask in step 3.)
@@ -97,7 +97,7 @@ inline void pv_rows_portable(const float* p, int64_t rows, int64_t num_keys, con
 
 #if defined(CPU_CAPABILITY_AVX2)
 template <int R>
-PAGED_ATTN_AVX512 void qk_micro_avx512(const float* q, int64_t head_dim, const float* kt, float* s) {
+PA_TARGET_AVX512 void qk_micro_avx512(const float* q, int64_t head_dim, const float* kt, float* s) {
   __m512 acc[R][2];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -118,8 +118,8 @@ PAGED_ATTN_AVX512 void qk_micro_avx512(const float* q, int64_t head_dim, const f
 }
 
 template <int R, int C>
-PAGED_ATTN_AVX512 void pv_micro_avx512(const float* p, int64_t num_keys, const float* v, int64_t head_dim,
-                                       float* o) {  // o: the rows' dims [d0, d0 + 16 C), v: from d0
+PA_TARGET_AVX512 void pv_micro_avx512(const float* p, int64_t num_keys, const float* v, int64_t head_dim,
+                                      float* o) {  // o: the rows' dims [d0, d0 + 16 C), v: from d0
   __m512 acc[R][C];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
@@ -142,7 +142,7 @@ PAGED_ATTN_AVX512 void pv_micro_avx512(const float* p, int64_t num_keys, const f
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * head_dim + 16 * c, acc[r][c]);
 }
 
-// Calls f(std::integral_constant<int, R>, first_row) over [0, rows) in groups of up to kMicroRows.
+// Calls f(std::integral_constant<int, R>, first_row) over [0, rows) in sets of up to kMicroRows.
 template <typename F>
 inline void for_each_micro_rows(int64_t rows, F&& f) {
   for (int64_t first = 0; first < rows; first += kMicroRows) {
@@ -157,14 +157,14 @@ inline void for_each_micro_rows(int64_t rows, F&& f) {
   }
 }
 
-PAGED_ATTN_AVX512 void qk_rows_avx512(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s) {
+PA_TARGET_AVX512 void qk_rows_avx512(const float* q, int64_t rows, int64_t head_dim, const float* kt, float* s) {
   for_each_micro_rows(rows, [&](auto micro, int64_t first) {
     qk_micro_avx512<decltype(micro)::value>(q + first * head_dim, head_dim, kt, s + first * kPrefillKeys);
   });
 }
 
-PAGED_ATTN_AVX512 void pv_rows_avx512(const float* p, int64_t rows, int64_t num_keys, const float* v,
-                                      int64_t head_dim, float* o) {
+PA_TARGET_AVX512 void pv_rows_avx512(const float* p, int64_t rows, int64_t num_keys, const float* v,
+                                     int64_t head_dim, float* o) {
   for_each_micro_rows(rows, [&](auto micro, int64_t first) {
     constexpr int R = decltype(micro)::value;
     const float* pr = p + first * kPrefillKeys;
@@ -183,7 +183,7 @@ PAGED_ATTN_AVX512 void pv_rows_avx512(const float* p, int64_t rows, int64_t num_
 // Step 3 for one row whose logits x (2 vectors; -inf where masked) are final: raise the max (rescaling sum and
 // the row of O), x = P = exp(x - max), sum += P. A row that sees nothing yet (max -inf) gets P = 0. A NaN logit
 // makes the max NaN, and so the row's sum and O (vmaxps and std::max may each drop a NaN operand).
-PAGED_ATTN_AVX512 void softmax_row_avx512(float* x, float* max_logit, float* sum, float* orow, int64_t head_dim) {
+PA_TARGET_AVX512 void softmax_row_avx512(float* x, float* max_logit, float* sum, float* orow, int64_t head_dim) {
   const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
   const bool nan = _mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q) != 0;  // a NaN in either
   const float new_max = nan ? std::numeric_limits<float>::quiet_NaN()
@@ -209,13 +209,13 @@ PAGED_ATTN_AVX512 void softmax_row_avx512(float* x, float* max_logit, float* sum
 
 // The 16 x 16 matrix r[0 .. 15] transposed in place: three rounds of shuffles, pairs of elements, then of 4-lane
 // quarters, then of 8-lane halves.
-PAGED_ATTN_AVX512 inline void transpose_16x16(__m512 r[16]) {
+PA_TARGET_AVX512 inline void transpose_16x16(__m512 r[16]) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) {  // rows i and i + 1 interleaved
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
   }
-  for (int i = 0; i < 16; i += 4) {  // then 4 x 4 blocks transposed within each quarter
+  for (int i = 0; i < 16; i += 4) {  // then 4 x 4 submatrices transposed within each quarter
     r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
     r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
     r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
@@ -233,8 +233,8 @@ PAGED_ATTN_AVX512 inline void transpose_16x16(__m512 r[16]) {
   }
 }
 
-// transpose_keys_portable for head_dim % 16 == 0, by 16 x 16 blocks.
-PAGED_ATTN_AVX512 void transpose_keys_avx512(const float* k, int64_t num_keys, int64_t head_dim, float* kt) {
+// transpose_keys_portable for head_dim % 16 == 0, by 16 x 16 submatrices.
+PA_TARGET_AVX512 void transpose_keys_avx512(const float* k, int64_t num_keys, int64_t head_dim, float* kt) {
   for (int64_t n0 = 0; n0 < kPrefillKeys; n0 += 16) {
     for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
       __m512 r[16];
@@ -297,10 +297,10 @@ struct PrefillTask {
 };
 
 template <typename scalar_t, typename cache_t>
-void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
-                  const PrefillTask& task, int64_t positions_per_tile, bool avx512, PrefillScratch& sc,
-                  scalar_t* out) {
-  const int64_t group_size = pb.group_size, head_dim = pb.head_dim, seq = task.seq;
+void prefill_task(const AttentionParams<scalar_t, cache_t>& params, const int32_t* query_start_loc,
+                  const int32_t* seq_lens, const PrefillTask& task, int64_t positions_per_tile, bool avx512,
+                  PrefillScratch& sc, scalar_t* out) {
+  const int64_t group_size = params.group_size, head_dim = params.head_dim, seq = task.seq;
   const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
   const int64_t num_positions = std::min<int64_t>(positions_per_tile, query_len - task.first);
   const int64_t rows = num_positions * group_size;
@@ -308,15 +308,15 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
   const int64_t last_position = first_position + num_positions - 1;
   const int64_t first_head = task.kv_head * group_size;
   const int64_t first_query_row = query_start_loc[seq] + task.first;  // in query / out
-  const int32_t* block_table = pb.block_tables + seq * pb.max_blocks_per_seq;
-  const bool logit_mods = pb.logits_soft_cap > 0 || pb.alibi_slopes != nullptr;
+  const int32_t* block_table = params.block_tables + seq * params.max_blocks_per_seq;
+  const bool logit_mods = params.logits_soft_cap > 0 || params.alibi_slopes != nullptr;
 
   for (int64_t i = 0; i < num_positions; ++i) {
     for (int64_t j = 0; j < group_size; ++j) {
       const scalar_t* q =
-          pb.query + (first_query_row + i) * pb.query_row_stride + (first_head + j) * pb.query_head_stride;
+          params.query + (first_query_row + i) * params.query_row_stride + (first_head + j) * params.query_head_stride;
       float* qr = sc.q + (i * group_size + j) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) qr[d] = pb.scale * static_cast<float>(q[d]);
+      for (int64_t d = 0; d < head_dim; ++d) qr[d] = params.scale * static_cast<float>(q[d]);
     }
   }
   std::fill_n(sc.o, rows * head_dim, 0.f);
@@ -324,11 +324,11 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
   std::fill_n(sc.sum, rows, 0.f);
 
   // Every key in [first_visible(first_position), last_position] is seen by some row of the tile.
-  for (int64_t t0 = pb.first_visible(first_position); t0 <= last_position; t0 += kPrefillKeys) {
+  for (int64_t t0 = params.first_visible(first_position); t0 <= last_position; t0 += kPrefillKeys) {
     const int64_t num_keys = std::min(kPrefillKeys, last_position + 1 - t0);
     const int64_t next_num_keys = std::clamp<int64_t>(last_position + 1 - (t0 + kPrefillKeys), 0, kPrefillKeys);
     // 1. Pack (the keys and values of the tile).
-    pack_key_tile(pb.kv, block_table, task.kv_head, head_dim, t0, num_keys, next_num_keys, avx512, sc);
+    pack_key_tile(params.kv, block_table, task.kv_head, head_dim, t0, num_keys, next_num_keys, avx512, sc);
     // 2. Logits: S = Q K^T.
 #if defined(CPU_CAPABILITY_AVX2)
     if (avx512) {
@@ -340,7 +340,7 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t position = first_position + r / group_size, head = first_head + r % group_size;
       float* x = sc.s + r * kPrefillKeys;
-      const int64_t visible_begin = pb.first_visible(position);
+      const int64_t visible_begin = params.first_visible(position);
       const bool all_visible = t0 + kPrefillKeys - 1 <= position && t0 >= visible_begin;
       if (logit_mods || !all_visible) {
         for (int64_t n = 0; n < kPrefillKeys; ++n) {
@@ -349,8 +349,8 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
             x[n] = kNegInf;
             continue;
           }
-          if (pb.logits_soft_cap > 0) x[n] = pb.logits_soft_cap * std::tanh(x[n] / pb.logits_soft_cap);
-          if (pb.alibi_slopes) x[n] += pb.alibi_slopes[head] * static_cast<float>(t - position);
+          if (params.logits_soft_cap > 0) x[n] = params.logits_soft_cap * std::tanh(x[n] / params.logits_soft_cap);
+          if (params.alibi_slopes) x[n] += params.alibi_slopes[head] * static_cast<float>(t - position);
         }
       }
 #if defined(CPU_CAPABILITY_AVX2)
@@ -384,57 +384,58 @@ void prefill_task(const Problem<scalar_t, cache_t>& pb, const int32_t* query_sta
       }
       sc.sum[r] += at::vec::vec_reduce_all<float>(std::plus<Vec>(), row_sum);
     }
-    // 4. Values: O += P V, by segments. Position i sees the tile's keys [lo[i], hi[i]) (empty if hi[i] <= lo[i]).
+    // 4. Values: O += P V, by runs. Position i sees the tile's keys [lo[i], hi[i]) (empty if hi[i] <= lo[i]).
     int64_t lo[kPrefillRows], hi[kPrefillRows];
     bool cut[kPrefillKeys + 1] = {};
     for (int64_t i = 0; i < num_positions; ++i) {
       const int64_t position = first_position + i;
-      lo[i] = std::clamp<int64_t>(pb.first_visible(position) - t0, 0, num_keys);
+      lo[i] = std::clamp<int64_t>(params.first_visible(position) - t0, 0, num_keys);
       hi[i] = std::clamp<int64_t>(position + 1 - t0, 0, num_keys);
       if (lo[i] < hi[i]) cut[lo[i]] = cut[hi[i]] = true;
     }
-    int64_t i_begin = 0;  // the segment's positions: [i_begin, i_end)
+    int64_t i_begin = 0;  // the run's positions: [i_begin, i_end)
     for (int64_t a = 0, b = 1; b <= num_keys; ++b) {
       if (!cut[b]) continue;
       while (hi[i_begin] < b) ++i_begin;  // some position sees key a, so this stops within the tile
       int64_t i_end = i_begin;
       while (i_end < num_positions && lo[i_end] <= a) ++i_end;
-      const int64_t first_row = i_begin * group_size, seg_rows = (i_end - i_begin) * group_size;
+      const int64_t first_row = i_begin * group_size, run_rows = (i_end - i_begin) * group_size;
       const float* p = sc.s + first_row * kPrefillKeys + a;
       float* o = sc.o + first_row * head_dim;
 #if defined(CPU_CAPABILITY_AVX2)
       if (avx512) {
-        pv_rows_avx512(p, seg_rows, b - a, sc.v + a * head_dim, head_dim, o);
+        pv_rows_avx512(p, run_rows, b - a, sc.v + a * head_dim, head_dim, o);
       } else
 #endif
-        pv_rows_portable(p, seg_rows, b - a, sc.v + a * head_dim, head_dim, o);
+        pv_rows_portable(p, run_rows, b - a, sc.v + a * head_dim, head_dim, o);
       a = b;
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / group_size, head = first_head + r % group_size;
-    scalar_t* dst = out + ((first_query_row + i) * pb.num_heads + head) * head_dim;
+    scalar_t* dst = out + ((first_query_row + i) * params.num_heads + head) * head_dim;
     // sum > 0: every row sees at least its own token
-    const RowFinish finish = finish_row(sc.max_logit[r], sc.sum[r], pb.v_scale, pb.sinks, head);
+    const RowFinish finish = finish_row(sc.max_logit[r], sc.sum[r], params.v_scale, params.sinks, head);
     const float inv_sum = finish.out_scale;
-    if (pb.lse) pb.lse[(first_query_row + i) * pb.num_heads + head] = finish.lse;
+    if (params.lse) params.lse[(first_query_row + i) * params.num_heads + head] = finish.lse;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(sc.o[r * head_dim + d] * inv_sum);
   }
 }
 
 // Every query row of the sequences in `seqs` (each with at least kMinPrefillQueryLen query tokens), in tiles.
 template <typename scalar_t, typename cache_t>
-void prefill_kernel(const Problem<scalar_t, cache_t>& pb, const int32_t* query_start_loc, const int32_t* seq_lens,
-                    const std::vector<int32_t>& seqs, scalar_t* out) {  // out: [num_tokens, num_heads, head_dim]
-  const int64_t positions_per_tile = std::max<int64_t>(1, kPrefillRows / pb.group_size);
+void prefill_kernel(const AttentionParams<scalar_t, cache_t>& params, const int32_t* query_start_loc,
+                    const int32_t* seq_lens, const std::vector<int32_t>& seqs,
+                    scalar_t* out) {  // out: [num_tokens, num_heads, head_dim]
+  const int64_t positions_per_tile = std::max<int64_t>(1, kPrefillRows / params.group_size);
   std::vector<PrefillTask> tasks;
   for (const int32_t seq : seqs) {
     const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
     for (int64_t first = 0; first < query_len; first += positions_per_tile) {
       const int64_t last_position = seq_lens[seq] - query_len + std::min(query_len, first + positions_per_tile) - 1;
       const int64_t first_position = seq_lens[seq] - query_len + first;
-      const int64_t first_token = pb.first_visible(first_position);
-      for (int64_t kv_head = 0; kv_head < pb.num_kv_heads; ++kv_head) {
+      const int64_t first_token = params.first_visible(first_position);
+      for (int64_t kv_head = 0; kv_head < params.num_kv_heads; ++kv_head) {
         tasks.push_back({seq, static_cast<int32_t>(kv_head), static_cast<int32_t>(first),
                          static_cast<int32_t>(last_position + 1 - first_token)});
       }
@@ -442,21 +443,21 @@ void prefill_kernel(const Problem<scalar_t, cache_t>& pb, const int32_t* query_s
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const auto& a, const auto& b) { return a.num_keys > b.num_keys; });
 #if defined(CPU_CAPABILITY_AVX2)
-  const bool avx512 = pb.head_dim % 16 == 0 && use_avx512f();
+  const bool avx512 = params.head_dim % 16 == 0 && use_avx512f();
 #else
   const bool avx512 = false;
 #endif
   // Threads only for work worth waking them (kMinBytesPerCpuTask of keys and values walked per thread).
   int64_t keys_walked = 0;
   for (const PrefillTask& task : tasks) keys_walked += task.num_keys;
-  const int64_t kv_bytes = keys_walked * 2 * pb.head_dim * int64_t{sizeof(cache_t)};
+  const int64_t kv_bytes = keys_walked * 2 * params.head_dim * int64_t{sizeof(cache_t)};
   const int64_t num_workers = threads_worth_waking(kv_bytes, static_cast<int64_t>(tasks.size()));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     if (begin >= end) return;
-    PrefillScratch sc(positions_per_tile * pb.group_size, pb.head_dim);
+    PrefillScratch sc(positions_per_tile * params.group_size, params.head_dim);
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
-      prefill_task(pb, query_start_loc, seq_lens, tasks[i], positions_per_tile, avx512, sc, out);
+      prefill_task(params, query_start_loc, seq_lens, tasks[i], positions_per_tile, avx512, sc, out);
     }
   });
 }

@@ -23,10 +23,10 @@
 // geometry all three kernels share; their shared arithmetic (conversions, reductions, sinks and lse):
 // attention_math.cuh.
 //
-// Grid (plan.grid): (num_items, num_kv_heads * head_chunks, partition slots), kAttentionThreads threads. A thread
-// block serves one item (x), one kv head and up to heads_per_block <= GROUP query heads of its group (y; groups
-// larger than kMaxGroup are split into head_chunks chunks), and the partitions z, z + gridDim.z, ... of the row's
-// tokens (z = blockIdx.z; the plan bounds the slots, gridDim.z <= num_partitions, to fill the GPU's waves).
+// Grid (plan.grid): (num_items, num_kv_heads * blocks_per_group, partition slots), kAttentionThreads threads. A
+// thread block serves one item (x), one kv head and up to heads_per_block <= GROUP query heads of its head group (y;
+// groups larger than kMaxGroup are split among blocks_per_group thread blocks), and the partitions z, z + gridDim.z,
+// ... of the row's tokens (z = blockIdx.z; the plan bounds the slots, gridDim.z <= num_partitions, to fill the GPU's waves).
 // K/V bytes are read once per thread block, so once in total for groups up to kMaxGroup.
 //   - single pass (num_partitions = 1): the thread block covers the whole sequence and writes `out`.
 //   - split-KV (flash-decoding, vLLM's v2): each of its partitions (partition_size tokens) is computed on its own,
@@ -34,7 +34,7 @@
 //     on gridDim.z; paged_attention_reduce_kernel merges them exactly. Only the partitions that hold tokens of the
 //     window are run (none past seq_len, so a block table wider than the sequences costs no work) and read.
 //
-// The attention kernel walks its tokens in tiles of kTile, in four steps per tile:
+// The attention kernel walks its tokens in tiles of kTile = 256 keys, in four steps per tile:
 //   0. rows    (tile_rows):    the whole thread block computes, once per token, the offsets of its K and V rows
 //              (one block-table load and one division per token) into shared memory, for steps 1 and 3 to read
 //              (FlashInfer's kv_offset_smem), instead of every lane of a row redoing them per row.

@@ -63,20 +63,20 @@ struct AttentionParams {
   float scale;     // logits are scale * (q . k)
   float logits_soft_cap;  // > 0: logits become logits_soft_cap * tanh(logit / logits_soft_cap), before ALiBi; 0: none
   // From the plan (set_plan, or set_varlen_plan for the tensor-core kernel).
-  int group_size, head_chunks, heads_per_block;
+  int group_size, blocks_per_group, heads_per_block;
   int max_context;     // max_blocks_per_seq * block_size, at most INT32_MAX
   int sliding_window;  // 0: every token; else the last sliding_window tokens
   int num_partitions, partition_size;
   int tokens_per_tile;  // the tensor-core kernel's query tokens per thread block
 
   void set_plan(const AttentionPlan& plan) {
-    group_size = plan.group_size, head_chunks = plan.head_chunks, heads_per_block = plan.heads_per_block;
+    group_size = plan.group_size, blocks_per_group = plan.blocks_per_group, heads_per_block = plan.heads_per_block;
     max_context = static_cast<int>(plan.max_context), sliding_window = plan.sliding_window;
     num_partitions = plan.num_partitions, partition_size = plan.partition_size;
     tokens_per_tile = 0;
   }
   void set_varlen_plan(const VarlenPlan& plan) {
-    group_size = plan.group_size, head_chunks = plan.head_chunks, heads_per_block = plan.heads_per_tile;
+    group_size = plan.group_size, blocks_per_group = plan.blocks_per_group, heads_per_block = plan.heads_per_tile;
     max_context = static_cast<int>(plan.max_context), sliding_window = plan.sliding_window;
     num_partitions = 1, partition_size = 0;
     tokens_per_tile = plan.tokens_per_tile;
@@ -149,8 +149,8 @@ __device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
   return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
 }
 
-// The query heads of this thread block's grid row blockIdx.y: kv head blockIdx.y / head_chunks, and its chunk
-// (blockIdx.y % head_chunks) of the group's heads, [first_head, first_head + num_heads), 1 <= num_heads <=
+// The query heads of this thread block's grid row blockIdx.y: kv head blockIdx.y / blocks_per_group, and its part
+// (blockIdx.y % blocks_per_group) of the head group, [first_head, first_head + num_heads), 1 <= num_heads <=
 // heads_per_block. Every kernel of the decode and prefill grids maps blockIdx.y so.
 struct BlockHeads {
   int kv_head, first_head, num_heads;
@@ -158,8 +158,8 @@ struct BlockHeads {
 template <typename T, typename C>
 __device__ __forceinline__ BlockHeads block_heads(const AttentionParams<T, C>& p) {
   BlockHeads heads;
-  heads.kv_head = blockIdx.y / p.head_chunks;
-  const int first_in_group = (blockIdx.y % p.head_chunks) * p.heads_per_block;
+  heads.kv_head = blockIdx.y / p.blocks_per_group;
+  const int first_in_group = (blockIdx.y % p.blocks_per_group) * p.heads_per_block;
   heads.first_head = heads.kv_head * p.group_size + first_in_group;
   heads.num_heads = min(p.heads_per_block, p.group_size - first_in_group);
   return heads;

@@ -2,26 +2,26 @@
 // same dtype (head dims of DecodeMmaHeadDims, compute capability 8.0+). The same parameters, tasks, partitions,
 // split-KV records and reduce as paged_attention_kernel (attention_kernels.cuh, whose opening comment gives the
 // math and the grid); only the way a thread block walks its tokens differs. Built to stream K and V at HBM speed:
-// per token row, no division and no block-table load; loads in flight while the previous chunk is computed; a few
+// per token row, no division and no block-table load; loads in flight while the previous tile is computed; a few
 // instructions per 16 bytes (scripts/sass_report.py reads them from the SASS).
 //
 // A thread block (kAttentionThreads = 4 warps) serves one item, one kv head and up to kMaxGroup query heads of its
-// group, as paged_attention_kernel does. Its partition's tokens [begin, end) are cut into chunks of kDecodeChunk =
-// 16 tokens at absolute positions (chunk c: tokens 16c .. 16c + 15; tokens of a chunk outside [begin, end) are not
-// read and count as -inf logits), and warp w takes chunks first + w, first + w + 4, ... on its own: a running max,
+// head group, as paged_attention_kernel does. Its partition's tokens [begin, end) are cut into tiles of kDecodeTile =
+// 16 tokens at absolute positions (tile c: tokens 16c .. 16c + 15; tokens of a tile outside [begin, end) are not
+// read and count as -inf logits), and warp w takes tiles first + w, first + w + 4, ... on its own: a running max,
 // sum and output per head, and a two-stage pipeline of its own in shared memory, so that the main loop has no
-// __syncthreads. Per chunk:
-//   0. (one chunk ahead) the chunk's K and V rows are copied into the free stage with cp.async, 16 bytes a copy,
-//      from the row offsets of its cache blocks: the block-table entries are loaded once per chunk (one, or two for
-//      block_size 8), a chunk ahead of their use, and give every row of K and V, with no division per row;
+// __syncthreads. Per tile:
+//   0. (one tile ahead) the tile's K and V rows are copied into the free stage with cp.async, 16 bytes a copy,
+//      from the row offsets of its cache blocks: the block-table entries are loaded once per tile (one, or two for
+//      block_size 8), a tile ahead of their use, and give every row of K and V, with no division per row;
 //   1. S^T = K Q^T on tensor cores (mma.m16n8k16: M = the 16 tokens, N = 8 head slots, K = head_dim): the K rows by
 //      ldmatrix from shared memory, Q^T as B fragments held in registers for the whole kernel (loaded once, zero
-//      past the block's heads). Each lane holds 4 logits: tokens g and g + 8 of heads 2t, 2t + 1 (g = lane / 4,
+//      past the thread block's heads). Each lane holds 4 logits: tokens g and g + 8 of heads 2t, 2t + 1 (g = lane / 4,
 //      t = lane % 4; layouts in mma.cuh);
-//   2. online softmax on those registers: scale, soft cap, ALiBi and the window applied once per chunk; the chunk's
+//   2. online softmax on those registers: scale, soft cap, ALiBi and the window applied once per tile; the tile's
 //      max per head over the 8 lanes of one t (3 shuffles); p = exp(x - max), the running sum kept per lane (added
 //      over lanes at the end) and the accumulators rescaled;
-//   3. O^T += V^T P^T (M = head_dim in tiles of 16, N = 8 head slots, K = the 16 tokens): V^T by ldmatrix.trans
+//   3. O^T += V^T P^T (M = head_dim in steps of 16, N = 8 head slots, K = the 16 tokens): V^T by ldmatrix.trans
 //      from the same stage, P^T from the logits' registers by movmatrix (the accumulator layout of S^T, transposed,
 //      is the B layout), rounded to the query dtype as FlashAttention-2 rounds P.
 // At the end of a partition the four warps' (max, sum, output) are merged in shared memory in warp order (the same
@@ -45,52 +45,52 @@ constexpr int kDecodeSlots = 8;  // head slots of a thread block: N of the m16n8
 static_assert(kMaxGroup <= kDecodeSlots, "a thread block's heads fit the N = 8 of one product");
 static_assert(kSharedRows == kDecodeSlots, "a shared-blocks task fills the head slots with its rows' heads");
 
-// One warp's stages in shared memory: stage s holds K rows [kDecodeChunk][ROW] then V rows [kDecodeChunk][ROW].
+// One warp's stages in shared memory: stage s holds K rows [kDecodeTile][ROW] then V rows [kDecodeTile][ROW].
 template <typename T, int HEAD_DIM>
 struct DecodeStages {
   static constexpr int ROW = HEAD_DIM + 8;               // elements per row: padded (decode_mma_shared_bytes)
-  static constexpr int CACHE = kDecodeChunk * ROW;       // one chunk of one cache
+  static constexpr int CACHE = kDecodeTile * ROW;        // one tile of one cache
   static constexpr int STAGE = 2 * CACHE;                // K, then V
   static constexpr int WARP = 2 * STAGE;                 // two stages
   static constexpr int NVEC = HEAD_DIM / 8;              // 16-byte vectors per row
-  static constexpr int COPIES = kDecodeChunk * NVEC / 32;  // cp.async per lane per chunk and cache
-  static constexpr int KSTEPS = HEAD_DIM / 16;           // k steps of S^T, and m tiles of O^T
-  static_assert(HEAD_DIM % 16 == 0 && kDecodeChunk * NVEC % 32 == 0, "whole 16 x 16 tiles, whole copies per lane");
+  static constexpr int COPIES = kDecodeTile * NVEC / 32;  // cp.async per lane per tile and cache
+  static constexpr int KSTEPS = HEAD_DIM / 16;           // k steps of S^T, and m steps of O^T
+  static_assert(HEAD_DIM % 16 == 0 && kDecodeTile * NVEC % 32 == 0, "whole 16 x 16 matrices, whole copies per lane");
   static_assert(WARP * kDecodeWarps * static_cast<int>(sizeof(T)) == decode_mma_shared_bytes(HEAD_DIM),
                 "the launch plan's shared memory");
 };
 
-// The chunk's two block-table entries' K/V rows of kv head `kv_head`: rows 0-7 of the chunk lie in block
+// The tile's two block-table entries' K/V rows of kv head `kv_head`: rows 0-7 of the tile lie in block
 // entry[0], rows 8-15 in entry[1] (the same block unless block_size is 8).
-struct ChunkBlocks {
+struct TileBlocks {
   int32_t entry[2];
 };
 
-// Loads the block-table entries of chunk `chunk` (its tokens 16 chunk .. 16 chunk + 15): those that hold a token
+// Loads the block-table entries of tile `tile` (its tokens 16 tile .. 16 tile + 15): those that hold a token
 // before `end` (an entry past the sequence's last block may be garbage, or past the table's row).
-__device__ __forceinline__ ChunkBlocks load_chunk_blocks(const int32_t* block_table, int chunk, int end,
-                                                         int block_shift) {
-  const int first = chunk * kDecodeChunk;
+__device__ __forceinline__ TileBlocks load_tile_blocks(const int32_t* block_table, int tile, int end,
+                                                       int block_shift) {
+  const int first = tile * kDecodeTile;
   const int index0 = first >> block_shift, index1 = (first + 8) >> block_shift;
-  ChunkBlocks blocks;
+  TileBlocks blocks;
   blocks.entry[0] = block_table[index0];
   blocks.entry[1] = index1 != index0 && first + 8 < end ? block_table[index1] : blocks.entry[0];
   return blocks;
 }
 
-// Step 0's per-lane constants: the lane's COPIES vectors of a chunk's rows (copy c = lane + 32 i: row c / NVEC,
-// vector c % NVEC), as element offsets from the row's 8-row group in its block (the same for every chunk: the
+// Step 0's per-lane constants: the lane's COPIES vectors of a tile's rows (copy c = lane + 32 i: row c / NVEC,
+// vector c % NVEC), as element offsets from the row's 8-row group in its block (the same for every tile: the
 // launcher takes this kernel only where 8 token strides fit in int32).
 template <int HEAD_DIM>
-struct ChunkCopies {
-  static constexpr int NVEC = HEAD_DIM / 8, COPIES = kDecodeChunk * NVEC / 32;
+struct TileCopies {
+  static constexpr int NVEC = HEAD_DIM / 8, COPIES = kDecodeTile * NVEC / 32;
   int lane;
-  int row[COPIES];                   // the copy's row in the chunk, 0-15
+  int row[COPIES];                   // the copy's row in the tile, 0-15
   int key_offset[COPIES], value_offset[COPIES];  // (row % 8) * token_stride + 8 * vector
 
   template <typename T>
-  __device__ __forceinline__ ChunkCopies(const PagedCache<const T>& key_cache, const PagedCache<const T>& value_cache,
-                                         int lane_)
+  __device__ __forceinline__ TileCopies(const PagedCache<const T>& key_cache, const PagedCache<const T>& value_cache,
+                                        int lane_)
       : lane(lane_) {
 #pragma unroll
     for (int i = 0; i < COPIES; ++i) {
@@ -102,32 +102,32 @@ struct ChunkCopies {
   }
 };
 
-// The first K or V element of the 8-row groups of chunk `chunk` (rows 0-7 and 8-15) of kv head `kv_head`.
+// The first K or V element of the 8-row groups of tile `tile` (rows 0-7 and 8-15) of kv head `kv_head`.
 template <typename T>
-__device__ __forceinline__ void chunk_groups(const T* (&group)[2], const PagedCache<const T>& cache,
-                                             const ChunkBlocks& blocks, int kv_head, int chunk) {
+__device__ __forceinline__ void tile_groups(const T* (&group)[2], const PagedCache<const T>& cache,
+                                            const TileBlocks& blocks, int kv_head, int tile) {
   const int offset_mask = cache.block_size - 1;  // a power of two: 8, 16 or 32
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const int first = chunk * kDecodeChunk + 8 * e;
+    const int first = tile * kDecodeTile + 8 * e;
     group[e] = cache.data + static_cast<int64_t>(blocks.entry[e]) * cache.block_stride +
                (first & offset_mask) * cache.token_stride + kv_head * cache.head_stride;
   }
 }
 
-// Step 0: starts the copies of chunk `chunk`'s K and V rows into `stage`: the rows of tokens outside [begin, end)
+// Step 0: starts the copies of tile `tile`'s K and V rows into `stage`: the rows of tokens outside [begin, end)
 // are zero-filled and not read (their addresses, from block-table entries that may be garbage, are never used).
 template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void copy_chunk(T* stage, const ChunkCopies<HEAD_DIM>& copies,
-                                           const PagedCache<const T>& key_cache,
-                                           const PagedCache<const T>& value_cache, const ChunkBlocks& blocks,
-                                           int kv_head, int chunk, int begin, int end) {
+__device__ __forceinline__ void copy_tile(T* stage, const TileCopies<HEAD_DIM>& copies,
+                                          const PagedCache<const T>& key_cache,
+                                          const PagedCache<const T>& value_cache, const TileBlocks& blocks,
+                                          int kv_head, int tile, int begin, int end) {
   using S = DecodeStages<T, HEAD_DIM>;
   const T* k_group[2];
   const T* v_group[2];
-  chunk_groups(k_group, key_cache, blocks, kv_head, chunk);
-  chunk_groups(v_group, value_cache, blocks, kv_head, chunk);
-  const unsigned first_rel = static_cast<unsigned>(chunk * kDecodeChunk - begin);  // token - begin, for row 0
+  tile_groups(k_group, key_cache, blocks, kv_head, tile);
+  tile_groups(v_group, value_cache, blocks, kv_head, tile);
+  const unsigned first_rel = static_cast<unsigned>(tile * kDecodeTile - begin);  // token - begin, for row 0
   const unsigned count = static_cast<unsigned>(end - begin);
 #pragma unroll
   for (int i = 0; i < S::COPIES; ++i) {
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
       slope[k] = has ? p.alibi_slopes[head] : 0.0f;
     }
   }
-  const ChunkCopies<HEAD_DIM> copies(p.key_cache, p.value_cache, lane);
+  const TileCopies<HEAD_DIM> copies(p.key_cache, p.value_cache, lane);
   uint32_t q[S::KSTEPS][2];
   if (task_block) {  // slot g: (row slot_item[g], head slot_head[g]); the row of a decode item is its sequence
     const int item = share_s[0].slot_item[g];
@@ -231,8 +231,8 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
         q, p.query + query_row(p) * p.query_row_stride + (task.first_head + (has ? g : 0)) * p.query_head_stride,
         has, lane);
   }
-  // ldmatrix row addresses within a chunk (lane l passes row l % 8 of matrix l / 8):
-  //   K (A of S^T, non-transposed): matrix m = (tokens 8 (m & 1) .., dims 8 (m >> 1) ..) of each 16 x 16 tile;
+  // ldmatrix row addresses within a tile (lane l passes row l % 8 of matrix l / 8):
+  //   K (A of S^T, non-transposed): matrix m = (tokens 8 (m & 1) .., dims 8 (m >> 1) ..) of each 16 x 16 operand;
   //   V (A of O^T = V^T .., transposed): matrix m = (tokens 8 (m >> 1) .., dims 8 (m & 1) ..).
   const int k_lds = (lane % 8 + 8 * ((lane / 8) & 1)) * S::ROW + 8 * (lane / 16);
   const int v_lds = (lane % 8 + 8 * (lane / 16)) * S::ROW + 8 * ((lane / 8) & 1);
@@ -244,37 +244,37 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
     } else {
       set_partition(task, p, partition);  // begin < end: partition >= first_partition
     }
-    float acc[S::KSTEPS][4];  // O^T: m tile j, (dim 16 j + g (+ 8), head slot 2t (+ 1))
+    float acc[S::KSTEPS][4];  // O^T: m step j, (dim 16 j + g (+ 8), head slot 2t (+ 1))
 #pragma unroll
     for (int j = 0; j < S::KSTEPS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // head slots 2t, 2t + 1
 
-    const int chunk_end = (task.end + kDecodeChunk - 1) / kDecodeChunk;
-    int chunk = task.begin / kDecodeChunk + warp;  // this warp's next chunk to compute
-    // The pipeline: chunk in stage 0, the next (chunk + kDecodeWarps) copied during its computation.
-    if (chunk < chunk_end) {
-      copy_chunk<T, HEAD_DIM>(stages, copies, p.key_cache, p.value_cache,
-                              load_chunk_blocks(block_table, chunk, task.end, block_shift), task.kv_head, chunk,
-                              task.begin, task.end);
+    const int tile_end = (task.end + kDecodeTile - 1) / kDecodeTile;
+    int tile = task.begin / kDecodeTile + warp;  // this warp's next tile to compute
+    // The pipeline: tile in stage 0, the next (tile + kDecodeWarps) copied during its computation.
+    if (tile < tile_end) {
+      copy_tile<T, HEAD_DIM>(stages, copies, p.key_cache, p.value_cache,
+                             load_tile_blocks(block_table, tile, task.end, block_shift), task.kv_head, tile,
+                             task.begin, task.end);
     }
     cp_async_commit();
-    ChunkBlocks next_blocks{};
-    if (chunk + kDecodeWarps < chunk_end) {
-      next_blocks = load_chunk_blocks(block_table, chunk + kDecodeWarps, task.end, block_shift);
+    TileBlocks next_blocks{};
+    if (tile + kDecodeWarps < tile_end) {
+      next_blocks = load_tile_blocks(block_table, tile + kDecodeWarps, task.end, block_shift);
     }
-    for (int stage = 0; chunk < chunk_end; chunk += kDecodeWarps, stage ^= 1) {
-      // 0. The next chunk into the other stage (free: the last chunk's __syncwarp below), and its successor's
+    for (int stage = 0; tile < tile_end; tile += kDecodeWarps, stage ^= 1) {
+      // 0. The next tile into the other stage (free: the last tile's __syncwarp below), and its successor's
       //    block-table entries.
-      const int next = chunk + kDecodeWarps;
-      if (next < chunk_end) {
-        copy_chunk<T, HEAD_DIM>(stages + (stage ^ 1) * S::STAGE, copies, p.key_cache, p.value_cache, next_blocks,
-                                task.kv_head, next, task.begin, task.end);
-        if (next + kDecodeWarps < chunk_end) {
-          next_blocks = load_chunk_blocks(block_table, next + kDecodeWarps, task.end, block_shift);
+      const int next = tile + kDecodeWarps;
+      if (next < tile_end) {
+        copy_tile<T, HEAD_DIM>(stages + (stage ^ 1) * S::STAGE, copies, p.key_cache, p.value_cache, next_blocks,
+                               task.kv_head, next, task.begin, task.end);
+        if (next + kDecodeWarps < tile_end) {
+          next_blocks = load_tile_blocks(block_table, next + kDecodeWarps, task.end, block_shift);
         }
       }
       cp_async_commit();
-      cp_async_wait<1>();  // this chunk's group is complete (the next one's may be pending)
+      cp_async_wait<1>();  // this tile's group is complete (the next one's may be pending)
       __syncwarp();        // and every lane's copies of it are visible to the whole warp
       const T* k_stage = stages + stage * S::STAGE;
       const T* v_stage = k_stage + S::CACHE;
@@ -288,8 +288,8 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
         mma_m16n8k16<T>(x, a, q[s], x);
       }
 
-      // 2. Online softmax over the chunk's 16 tokens, per head slot.
-      const int token0 = chunk * kDecodeChunk + g;
+      // 2. Online softmax over the tile's 16 tokens, per head slot.
+      const int token0 = tile * kDecodeTile + g;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int token = token0 + (k >= 2 ? 8 : 0);
@@ -301,15 +301,15 @@ __global__ void __launch_bounds__(kAttentionThreads) decode_mma_kernel(const Att
       float rescale[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float chunk_max = fmaxf(x[h], x[h + 2]);
+        float tile_max = fmaxf(x[h], x[h + 2]);
 #pragma unroll
         for (int mask = 4; mask < 32; mask *= 2) {
-          chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, mask));
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, mask));
         }
-        const float new_max = fmaxf(run_max[h], chunk_max);
+        const float new_max = fmaxf(run_max[h], tile_max);
         const float base = new_max == -INFINITY ? 0.0f : new_max;  // p = 0, never exp(-inf - -inf) = NaN
         x[h] = __expf(x[h] - base), x[h + 2] = __expf(x[h + 2] - base);
-        rescale[h] = __expf(run_max[h] - base);  // 0 on the first chunk with a token (run_max = -inf)
+        rescale[h] = __expf(run_max[h] - base);  // 0 on the first tile with a token (run_max = -inf)
         run_sum[h] = run_sum[h] * rescale[h] + (x[h] + x[h + 2]);
         run_max[h] = new_max;
       }

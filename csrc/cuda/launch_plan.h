@@ -82,21 +82,22 @@ constexpr int smallest_variant(IntList<Groups...>, int heads) {  // heads <= kMa
 }
 
 // The group variant (below) of a thread block for num_heads query heads over num_kv_heads (a divisor of num_heads):
-// the heads of a group, in ceil(group / kMaxGroup) balanced chunks.
+// the heads of a head group, split evenly among ceil(group / kMaxGroup) thread blocks.
 constexpr int attention_group_variant(int64_t num_heads, int64_t num_kv_heads) {
   const int64_t group_size = num_heads / num_kv_heads;
-  const int64_t head_chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
-  return smallest_variant(AttentionGroupVariants{}, static_cast<int>((group_size + head_chunks - 1) / head_chunks));
+  const int64_t blocks_per_group = (group_size + kMaxGroup - 1) / kMaxGroup;
+  return smallest_variant(AttentionGroupVariants{},
+                          static_cast<int>((group_size + blocks_per_group - 1) / blocks_per_group));
 }
 
 // The tensor-core decode kernel (decode_mma_kernels.cuh) serves float16 and bfloat16 queries over caches of the
 // same dtype, at these head dims (multiples of 16), on compute capability 8.0+; everything else takes
-// paged_attention_kernel. Its shared memory is dynamic: per warp, two stages of a K and a V chunk of
-// kDecodeChunk rows, each row padded by 8 elements (16 bytes) so that ldmatrix reads 8 rows from 8 bank groups.
-constexpr int kDecodeChunk = 16;  // tokens per chunk: the k of P V's m16n8k16
+// paged_attention_kernel. Its shared memory is dynamic: per warp, two stages of a K and a V tile of
+// kDecodeTile rows, each row padded by 8 elements (16 bytes) so that ldmatrix reads 8 rows from 8 bank groups.
+constexpr int kDecodeTile = 16;  // keys per tile (a warp's step): the k of P V's m16n8k16
 using DecodeMmaHeadDims = IntList<32, 64, 80, 96, 112, 128, 192, 256>;
 constexpr int decode_mma_shared_bytes(int64_t head_dim) {
-  return static_cast<int>(2 /*stages*/ * 2 /*K, V*/ * (kAttentionThreads / 32) * kDecodeChunk * (head_dim + 8) * 2);
+  return static_cast<int>(2 /*stages*/ * 2 /*K, V*/ * (kAttentionThreads / 32) * kDecodeTile * (head_dim + 8) * 2);
 }
 
 // Shared blocks (csrc/cuda/shared_blocks.cuh): the plan of paged_attn.plan_shared_blocks is int32
@@ -108,17 +109,17 @@ constexpr int64_t kMaxSharedTasks = int64_t{1} << 20;  // (task * kSharedRows + 
 
 struct AttentionPlan {
   int group_size = 0;       // num_heads / num_kv_heads: the query heads that read one kv head
-  int head_chunks = 0;      // thread blocks per (sequence, kv head, partition slot): ceil(group_size / kMaxGroup)
-  int heads_per_block = 0;  // query heads one thread block serves: ceil(group_size / head_chunks) (the last chunk
-                            // may have fewer)
+  int blocks_per_group = 0;  // thread blocks per (sequence, kv head, partition slot): ceil(group_size / kMaxGroup)
+  int heads_per_block = 0;  // query heads one thread block serves: ceil(group_size / blocks_per_group) (the last
+                            // thread block of a head group may have fewer)
   int group_variant = 0;    // the GROUP template argument: the smallest of AttentionGroupVariants >= heads_per_block
   int64_t max_context = 0;  // max_blocks_per_seq * block_size (at most INT32_MAX): no sequence reads past it
   int sliding_window = 0;   // the window the kernels take: 0 for none, also when it covers max_context
   int num_partitions = 1;   // 1: single pass; > 1: split-KV, the partitions of a table-wide sequence (they size the
                             // scratch: [num_items, num_heads, num_partitions]), merged by the reduce kernel
   int partition_size = 1;   // tokens per partition (max(max_context, 1) in single pass)
-  Grid grid;                // paged_attention_kernel: (num_seqs, num_kv_heads * head_chunks, partition slots), the
-                            // partition slots (grid.z) at most num_partitions: block z runs partitions z,
+  Grid grid;                // paged_attention_kernel: (num_seqs, num_kv_heads * blocks_per_group, partition slots),
+                            // the partition slots (grid.z) at most num_partitions: thread block z runs partitions z,
                             // z + grid.z, ... of its sequence; with shared tasks, grid.x = num_seqs + num_shared_tasks
   int num_shared_tasks = 0;  // the shared-blocks plan's tasks (split-KV only; 0: none)
   Grid reduce_grid;         // paged_attention_reduce_kernel (split-KV only): (num_seqs, num_heads, 1)
@@ -161,12 +162,12 @@ constexpr bool fills_waves(int64_t blocks, int64_t slots) {
 // instantiation launched; tests pass it), so slots = num_sms * blocks_per_sm blocks run together.
 // partition_tokens: the longest split-KV partition (kPartitionSize). When it is a multiple of 512 the partitions
 // may be k / 8 of it (k = 1..8: multiples of 64 tokens at the default, so the tensor-core kernel's 4 warps get the
-// same number of 16-token chunks); otherwise (tests pass small ones to get many partitions from short sequences)
+// same number of 16-token tiles); otherwise (tests pass small ones to get many partitions from short sequences)
 // they are exactly partition_tokens long. Beyond kMaxGridYZ partitions of a table-wide sequence they grow, in whole
 // multiples of partition_tokens.
 //
 // The model (a ceiling and a proxy, not a measurement: no GPU has run it). Time is counted in token-times, the
-// time a thread block takes to stream one token of its kv head. With base = num_seqs * num_kv_heads * head_chunks
+// time a thread block takes to stream one token of its kv head. With base = num_seqs * num_kv_heads * blocks_per_group
 // thread blocks per partition slot, P partitions of `size` tokens and a grid of Z partition slots (block z runs
 // partitions z, z + Z, ... of its sequence: ceil(P / Z) at most), the call takes
 //   ceil(base * Z / slots) * ceil(P / Z) * (size + overhead) + reduce
@@ -213,16 +214,16 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
     return plan;
   }
   const int64_t group_size = num_heads / num_kv_heads;
-  const int64_t head_chunks = (group_size + kMaxGroup - 1) / kMaxGroup;
-  const int64_t heads_per_block = (group_size + head_chunks - 1) / head_chunks;
-  plan.grid = {num_seqs, num_kv_heads * head_chunks, 1};
-  plan.error = grid_error(plan.grid, "num_seqs", "num_kv_heads * head_chunks", "partition slots");
+  const int64_t blocks_per_group = (group_size + kMaxGroup - 1) / kMaxGroup;
+  const int64_t heads_per_block = (group_size + blocks_per_group - 1) / blocks_per_group;
+  plan.grid = {num_seqs, num_kv_heads * blocks_per_group, 1};
+  plan.error = grid_error(plan.grid, "num_seqs", "num_kv_heads * blocks_per_group", "partition slots");
   if (plan.error.empty()) {
     plan.error = grid_error({num_seqs, num_heads, 1}, "num_seqs", "num_heads", "1");  // the reduce kernel's grid
   }
   if (!plan.error.empty()) return plan;
   plan.group_size = static_cast<int>(group_size);
-  plan.head_chunks = static_cast<int>(head_chunks);
+  plan.blocks_per_group = static_cast<int>(blocks_per_group);
   plan.heads_per_block = static_cast<int>(heads_per_block);
   plan.group_variant = attention_group_variant(num_heads, num_kv_heads);
 
@@ -319,7 +320,7 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   plan.reduce_grid = {num_seqs, num_heads, 1};
   if (split_only) {
     const Grid grid = {num_seqs + num_shared_tasks, plan.grid.y, plan.grid.z};
-    const std::string error = grid_error(grid, "num_seqs + num_shared_tasks", "num_kv_heads * head_chunks",
+    const std::string error = grid_error(grid, "num_seqs + num_shared_tasks", "num_kv_heads * blocks_per_group",
                                          "partition slots");
     if (error.empty()) plan.grid = grid, plan.num_shared_tasks = static_cast<int>(num_shared_tasks);
   }
@@ -372,13 +373,14 @@ constexpr int64_t kMaxOptInSharedBytes = 99 * 1024;
 
 struct VarlenPlan {
   int group_size = 0;       // num_heads / num_kv_heads
-  int head_chunks = 0;      // thread blocks per (tile, kv head): ceil(group_size / kVarlenRows)
-  int heads_per_tile = 0;   // query heads of a tile: ceil(group_size / head_chunks) (the last chunk may have fewer)
+  int blocks_per_group = 0;  // thread blocks per (query tile, kv head): ceil(group_size / kVarlenRows)
+  int heads_per_tile = 0;   // query heads of a tile: ceil(group_size / blocks_per_group) (the last thread block of a
+                            // head group may have fewer)
   int tokens_per_tile = 0;  // query tokens of a tile: kVarlenRows / heads_per_tile (its rows: token-major pairs)
   int key_tile = 0;         // keys per step (varlen_key_tile)
   int64_t max_context = 0;  // as in AttentionPlan
   int sliding_window = 0;   // as in AttentionPlan
-  Grid grid;                // (num_tokens / tokens_per_tile + num_seqs, num_kv_heads * head_chunks, 1)
+  Grid grid;                // (num_tokens / tokens_per_tile + num_seqs, num_kv_heads * blocks_per_group, 1)
   int threads = kVarlenThreads;
   int shared_bytes = 0;     // dynamic shared memory (varlen_smem)
   std::string error;        // "" or why the call cannot be launched
@@ -415,18 +417,19 @@ inline VarlenPlan plan_varlen_attention(int64_t num_seqs, int64_t num_tokens, in
     return plan;
   }
   const int64_t group_size = num_heads / num_kv_heads;
-  const int64_t head_chunks = (group_size + kVarlenRows - 1) / kVarlenRows;
-  const int64_t heads_per_tile = (group_size + head_chunks - 1) / head_chunks;
+  const int64_t blocks_per_group = (group_size + kVarlenRows - 1) / kVarlenRows;
+  const int64_t heads_per_tile = (group_size + blocks_per_group - 1) / blocks_per_group;
   plan.group_size = static_cast<int>(group_size);
-  plan.head_chunks = static_cast<int>(head_chunks);
+  plan.blocks_per_group = static_cast<int>(blocks_per_group);
   plan.heads_per_tile = static_cast<int>(heads_per_tile);
   plan.tokens_per_tile = static_cast<int>(kVarlenRows / heads_per_tile);
   plan.key_tile = varlen_key_tile(static_cast<int>(head_dim));
   constexpr int64_t kMaxTokens = INT32_MAX;
   plan.max_context = max_blocks_per_seq > kMaxTokens / block_size ? kMaxTokens : max_blocks_per_seq * block_size;
   plan.sliding_window = sliding_window >= plan.max_context ? 0 : static_cast<int>(sliding_window);
-  plan.grid = {num_tokens / plan.tokens_per_tile + num_seqs, num_kv_heads * head_chunks, 1};
-  plan.error = grid_error(plan.grid, "num_tokens / tokens_per_tile + num_seqs", "num_kv_heads * head_chunks", "1");
+  plan.grid = {num_tokens / plan.tokens_per_tile + num_seqs, num_kv_heads * blocks_per_group, 1};
+  plan.error =
+      grid_error(plan.grid, "num_tokens / tokens_per_tile + num_seqs", "num_kv_heads * blocks_per_group", "1");
   plan.shared_bytes = static_cast<int>(varlen_smem(head_dim, element_bytes).bytes);
   if (plan.error.empty() && plan.shared_bytes > kMaxOptInSharedBytes) {
     plan.error = "needs " + std::to_string(plan.shared_bytes) + " bytes of shared memory (at most " +

@@ -13,19 +13,19 @@
 namespace paged_attn {
 namespace {
 
-void merge_attention_states_cuda(at::Tensor& out,             // [num_tokens, num_heads, head_size]
+void merge_attention_states_cuda(at::Tensor& out,             // [num_tokens, num_heads, head_dim]
                                  at::Tensor& lse,             // [num_tokens, num_heads], float32
-                                 const at::Tensor& out_a,     // [num_tokens, num_heads, head_size]
+                                 const at::Tensor& out_a,     // [num_tokens, num_heads, head_dim]
                                  const at::Tensor& lse_a,     // [num_tokens, num_heads], float32
-                                 const at::Tensor& out_b,     // [num_tokens, num_heads, head_size]
+                                 const at::Tensor& out_b,     // [num_tokens, num_heads, head_dim]
                                  const at::Tensor& lse_b) {   // [num_tokens, num_heads], float32
   check_merge_attention_states_args(out, lse, out_a, lse_a, out_b, lse_b);
   TORCH_CHECK(out_a.is_cuda(), "merge_attention_states (CUDA kernel): out_a must be on a CUDA device, got ",
               out_a.device());
-  const int64_t num_tokens = out_a.size(0), num_heads = out_a.size(1), head_size = out_a.size(2);
+  const int64_t num_tokens = out_a.size(0), num_heads = out_a.size(1), head_dim = out_a.size(2);
   if (num_tokens == 0 || num_heads == 0) return;
-  TORCH_CHECK(num_heads <= std::numeric_limits<int>::max() && head_size <= std::numeric_limits<int>::max(),
-              "merge_attention_states: num_heads and head_size must fit in int32, got shape ", out_a.sizes());
+  TORCH_CHECK(num_heads <= std::numeric_limits<int>::max() && head_dim <= std::numeric_limits<int>::max(),
+              "merge_attention_states: num_heads and head_dim must fit in int32, got shape ", out_a.sizes());
   const CopyPlan plan = plan_merge_attention_states(num_tokens, num_heads);
   TORCH_CHECK(plan.error.empty(), "merge_attention_states: this call cannot be launched on CUDA: ", plan.error);
   const c10::cuda::CUDAGuard guard(out_a.device());
@@ -38,7 +38,7 @@ void merge_attention_states_cuda(at::Tensor& out,             // [num_tokens, nu
         static_cast<const T*>(out_b.data_ptr()), lse_b.data_ptr<float>(),
         {out.stride(0), out.stride(1)}, {out_a.stride(0), out_a.stride(1)}, {out_b.stride(0), out_b.stride(1)},
         {lse.stride(0), lse.stride(1)}, {lse_a.stride(0), lse_a.stride(1)}, {lse_b.stride(0), lse_b.stride(1)},
-        static_cast<int>(num_heads), static_cast<int>(head_size)};
+        static_cast<int>(num_heads), static_cast<int>(head_dim)};
     // grid (num_tokens, ceil(num_heads / kMergeRowsPerBlock)), one warp per (token, head) row
     merge_attention_states_kernel<T><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

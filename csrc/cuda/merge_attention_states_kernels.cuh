@@ -1,7 +1,7 @@
 // merge_attention_states on CUDA: the kernel and its parameters (no torch; merge_attention_states.cu launches it
 // with plan_merge_attention_states of launch_plan.h).
 //
-// Two partial attention results over disjoint key ranges A and B, each a row of head_size values with the
+// Two partial attention results over disjoint key ranges A and B, each a row of head_dim values with the
 // natural-log log-sum-exp of its logits, merged exactly:
 //
 //   m = max(lse_a, lse_b), w_a = exp(lse_a - m), w_b = exp(lse_b - m)
@@ -13,7 +13,7 @@
 // the row and its lse NaN; a NaN in out_a or out_b makes that element NaN.
 //
 // Grid (num_tokens, ceil(num_heads / kMergeRowsPerBlock)), kMergeRowsPerBlock warps per block: warp w of block
-// (t, y) merges row (token t, head y * kMergeRowsPerBlock + w); its lanes stride over head_size, one element each
+// (t, y) merges row (token t, head y * kMergeRowsPerBlock + w); its lanes stride over head_dim, one element each
 // per step (coalesced), and lane 0 writes the row's lse. Every lane computes the row's two scales itself (two
 // broadcast loads): no shared memory, no barrier.
 #pragma once
@@ -42,15 +42,15 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 // Strides in elements; the last dimension of out, out_a and out_b is contiguous.
 template <typename T>
 struct MergeAttentionStatesParams {
-  T* out;               // [num_tokens, num_heads, head_size]
+  T* out;               // [num_tokens, num_heads, head_dim]
   float* lse;           // [num_tokens, num_heads]
-  const T* out_a;       // [num_tokens, num_heads, head_size]
+  const T* out_a;       // [num_tokens, num_heads, head_dim]
   const float* lse_a;   // [num_tokens, num_heads]
-  const T* out_b;       // [num_tokens, num_heads, head_size]
+  const T* out_b;       // [num_tokens, num_heads, head_dim]
   const float* lse_b;   // [num_tokens, num_heads]
   int64_t out_stride[2], out_a_stride[2], out_b_stride[2];  // token, head
   int64_t lse_stride[2], lse_a_stride[2], lse_b_stride[2];  // token, head
-  int num_heads, head_size;
+  int num_heads, head_dim;
 };
 
 template <typename T>
@@ -76,7 +76,7 @@ __global__ void merge_attention_states_kernel(const MergeAttentionStatesParams<T
   const T* a = p.out_a + token * p.out_a_stride[0] + head * p.out_a_stride[1];
   const T* b = p.out_b + token * p.out_b_stride[0] + head * p.out_b_stride[1];
   T* o = p.out + token * p.out_stride[0] + head * p.out_stride[1];
-  for (int d = lane; d < p.head_size; d += 32) {
+  for (int d = lane; d < p.head_dim; d += 32) {
     const float merged = merge_detail::to_float(a[d]) * scale_a + merge_detail::to_float(b[d]) * scale_b;
     o[d] = merge_detail::from_float<T>(merged);
   }

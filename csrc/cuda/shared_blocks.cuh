@@ -8,10 +8,10 @@
 // Task i's partitions are the whole split-KV partitions inside tokens [first_block * block_size, end_block *
 // block_size): [begin, end) = [ceil(first_block * block_size / ps), floor(end_block * block_size / ps)), ps the
 // launch's partition size (empty when begin >= end). The task's thread blocks (grid.x = num_seqs + i, one per kv
-// head, head chunk and partition slot, as a row's own) read those partitions' K and V once, through ref's block
-// table, for the head slots of its rows (row j in slots j * heads_per_block + h), and write each row's partition
-// records as the row's own thread block would have: the same products per head slot (a column of an mma does not
-// depend on the others), the same softmax and merge, so the same bits. The reduce is unchanged.
+// head, part of its head group and partition slot, as a row's own) read those partitions' K and V once, through
+// ref's block table, for the head slots of its rows (row j in slots j * heads_per_block + h), and write each row's
+// partition records as the row's own thread block would have: the same products per head slot (a column of an mma
+// does not depend on the others), the same softmax and merge, so the same bits. The reduce is unchanged.
 //
 // A listing (task i, place j, row r) is used (the task writes r's records of [begin, end) and r's own thread
 // blocks skip those partitions) if and only if:

@@ -13,11 +13,11 @@
 //   - sequences with two or more: this kernel; its thread blocks of other sequences return at once.
 //   Neither reads query_start_loc on the host: no synchronization, and the launches can be captured in a CUDA graph.
 //
-// Grid (plan.grid): (num_tokens / tokens_per_tile + num_seqs, num_kv_heads * head_chunks), kVarlenThreads threads.
-// A thread block serves one tile: kVarlenRows = 64 rows of (query token, query head) pairs, token-major, of
-// tokens_per_tile consecutive query tokens of one sequence and heads_per_tile query heads of one kv head's group
-// (y: kv head and head chunk; groups larger than 64 heads are split into chunks). The group's heads share the
-// K/V tiles. Sequence s owns the grid.x range starting at qsl[s] / tokens_per_tile + s (enough tiles for its rows,
+// Grid (plan.grid): (num_tokens / tokens_per_tile + num_seqs, num_kv_heads * blocks_per_group), kVarlenThreads
+// threads. A thread block serves one query tile: kVarlenRows = 64 rows of (query token, query head) pairs,
+// token-major, of tokens_per_tile consecutive query tokens of one sequence and heads_per_tile query heads of one kv
+// head's head group (y: kv head and its thread block; groups larger than 64 heads are split among blocks_per_group
+// thread blocks). The group's heads share the K/V tiles. Sequence s owns the grid.x range starting at qsl[s] / tokens_per_tile + s (enough tiles for its rows,
 // at most one more: launch_plan.h); a block finds its sequence by binary search over query_start_loc. The range is
 // walked backwards, so that the tiles with the most keys (the last rows of long sequences) start first.
 //

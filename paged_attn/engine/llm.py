@@ -20,6 +20,7 @@ from typing import Optional, Sequence as SequenceType, Union
 
 import torch
 
+from .._deprecation import renamed_keywords
 from .layers import compile_elementwise
 from .loader import Tokenizer
 from .model import LlamaModel
@@ -47,7 +48,7 @@ class LLM:
         device, dtype: where the model and the KV cache live; dtype defaults to float32 on the CPU, bfloat16 on
             CUDA.
         block_size: tokens per KV block.
-        num_gpu_blocks / kv_cache_memory: size the KV cache (``[num_blocks, block_size, num_kv_heads,
+        num_kv_blocks / kv_cache_memory: size the KV cache (``[num_blocks, block_size, num_kv_heads,
             head_dim]`` keys and values per layer of a KV-cache group) by blocks or by bytes; default 512 MiB on
             the CPU, half of the free memory on CUDA. A block holds ``block_size`` tokens of one KV-cache group's
             layers (all layers, unless ``window_kv_memory`` splits them).
@@ -56,7 +57,7 @@ class LLM:
             no query still to come can see them, while the global layers keep theirs (vLLM's hybrid KV cache
             manager; design: ``engine/WINDOW_MEMORY.md``). Off: a block holds every layer and is kept until its
             sequence ends (the comparison baseline). No effect on models without windows.
-        num_cpu_blocks: CPU blocks to swap preempted requests to; 0 means preemption recomputes.
+        num_swap_blocks: the swap space, CPU blocks to swap preempted requests to; 0 means preemption recomputes.
         enable_prefix_caching: reuse the KV of full blocks of earlier prompts with the same prefix.
         max_num_seqs: sequences (counting samples and beams) running at once.
         max_num_batched_tokens: tokens computed in one step (one forward pass), decodes and prompts together; a
@@ -94,9 +95,10 @@ class LLM:
     scales it undoes).
     """
 
+    @renamed_keywords(num_gpu_blocks="num_kv_blocks", num_cpu_blocks="num_swap_blocks")
     def __init__(self, model=None, *, device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
-                 block_size: int = 16, num_gpu_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
-                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
+                 block_size: int = 16, num_kv_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
+                 num_swap_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, admission_headroom: int = 2,
                  kv_reservation: str = "paged", seed: int = 0, tokenizer=None, torch_compile: bool = False,
                  kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False, window_kv_memory: bool = True):
@@ -119,13 +121,13 @@ class LLM:
             raise ValueError("calibrate_kv_scales needs an fp8 KV cache (kv_cache_dtype 'fp8_e4m3' or 'fp8_e5m2')")
         if device.type == "cuda" and block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32 on CUDA (the paged_attention kernel), got {block_size}")
-        if block_size < 1 or num_cpu_blocks < 0 or max_num_seqs < 1 or max_num_batched_tokens < 1 or \
+        if block_size < 1 or num_swap_blocks < 0 or max_num_seqs < 1 or max_num_batched_tokens < 1 or \
                 admission_headroom < 0:
             raise ValueError(f"block_size, max_num_seqs and max_num_batched_tokens must be positive and "
-                             f"num_cpu_blocks and admission_headroom >= 0, got {block_size}, {max_num_seqs}, "
-                             f"{max_num_batched_tokens}, {num_cpu_blocks}, {admission_headroom}")
-        if num_gpu_blocks is not None and kv_cache_memory is not None:
-            raise ValueError("give num_gpu_blocks or kv_cache_memory, not both")
+                             f"num_swap_blocks and admission_headroom >= 0, got {block_size}, {max_num_seqs}, "
+                             f"{max_num_batched_tokens}, {num_swap_blocks}, {admission_headroom}")
+        if num_kv_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or
                                             not isinstance(kv_cache_memory, (int, float)) or
                                             not math.isfinite(kv_cache_memory) or kv_cache_memory <= 0):
@@ -155,21 +157,21 @@ class LLM:
         groups = kv_cache_groups(cfg, window_kv_memory, enable_prefix_caching)
         bytes_per_block = kv_bytes_per_block(cfg, block_size, cache_dtype(kv_cache_dtype, model.dtype),
                                              groups.layers_per_group)
-        if num_gpu_blocks is None:
+        if num_kv_blocks is None:
             if kv_cache_memory is None:
                 kv_cache_memory = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else \
                     DEFAULT_CPU_KV_CACHE_MEMORY
-            num_gpu_blocks = int(kv_cache_memory) // bytes_per_block
-        if num_gpu_blocks < 1:
+            num_kv_blocks = int(kv_cache_memory) // bytes_per_block
+        if num_kv_blocks < 1:
             raise ValueError(f"the KV cache must hold at least one block of {bytes_per_block} bytes, got "
-                             f"num_gpu_blocks={num_gpu_blocks} (kv_cache_memory={kv_cache_memory})")
+                             f"num_kv_blocks={num_kv_blocks} (kv_cache_memory={kv_cache_memory})")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}): every running sequence decodes a token each step")
         # The cache tensors come first: an oversized pool fails there, at once, before the scheduler's bookkeeping.
-        self.runner = ModelRunner(model, block_size, num_gpu_blocks, num_cpu_blocks, kv_cache_dtype,
+        self.runner = ModelRunner(model, block_size, num_kv_blocks, num_swap_blocks, kv_cache_dtype,
                                   calibrate_kv_scales, compile_elementwise() if torch_compile else None, groups)
-        self.scheduler = Scheduler(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, max_num_seqs,
+        self.scheduler = Scheduler(block_size, num_kv_blocks, num_swap_blocks, enable_prefix_caching, max_num_seqs,
                                    max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom,
                                    groups.windows)
         self.stats_collector = StatsCollector(self.scheduler.block_manager.stats())  # since the last generate began

@@ -201,12 +201,12 @@ class LlamaModel:
             kv_amax.append((k.abs().amax().float(), v.abs().amax().float()))
         ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping[group], k_scale=k_scale, v_scale=v_scale)
         # decode form when every sequence feeds one token (the same attention, without query_start_loc)
-        chunks = batch.max_query_len > 1
+        varlen = batch.max_query_len > 1
         attn = ops.paged_attention(q, key_cache, value_cache, batch.block_tables[group], batch.seq_lens,
-                                   query_start_loc=batch.query_start_loc if chunks else None,
-                                   max_query_len=batch.max_query_len if chunks else None,
+                                   query_start_loc=batch.query_start_loc if varlen else None,
+                                   max_query_len=batch.max_query_len if varlen else None,
                                    k_scale=k_scale, v_scale=v_scale,
-                                   shared_plan=batch.shared_plans[group] if batch.shared_plans and not chunks else None,
+                                   shared_plan=batch.shared_plans[group] if batch.shared_plans and not varlen else None,
                                    **options)
         return attn.flatten(1)
 

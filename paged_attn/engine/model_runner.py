@@ -1,5 +1,5 @@
-"""The model runner: owns the KV cache (the GPU pool and the CPU pool that preempted requests swap to), applies the
-cache operations the scheduler decided, builds each step's tensors and runs the model.
+"""The model runner: owns the KV cache (the KV pool on the device, and the swap space on the CPU that preempted
+requests swap to), applies the cache operations the scheduler decided, builds each step's tensors and runs the model.
 
 The cache holds the model's dtype, or fp8 (``kv_cache_dtype``): e4m3 or e5m2 values with one float32 scale per
 layer for keys and one for values (stored = nearest fp8 of ``x / scale``), 1.0 by default (vLLM's default), or
@@ -14,7 +14,7 @@ the same step.
 
 The cache is laid out by KV-cache groups (``KVCacheGroups``): ``layers_per_group`` (key, value) tensor pairs of
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, a block id (a page) naming ``block_size`` tokens of one group's
-layers in each pair; layer ``i`` uses pair ``layer_slot[i]`` with its group's slots and block tables. With one group
+layers in each pair; layer ``i`` uses pair ``layer_pair[i]`` with its group's slots and block tables. With one group
 (every layer global) a block holds every layer.
 """
 
@@ -58,7 +58,7 @@ class KVCacheGroups:
 
     windows: tuple[Optional[int], ...]  # per group: None (global) or its sliding window; global groups first
     layer_group: tuple[int, ...]  # per layer: its group
-    layer_slot: tuple[int, ...]  # per layer: which of the layers_per_group (key, value) cache tensors it uses
+    layer_pair: tuple[int, ...]  # per layer: which of the layers_per_group (key, value) cache tensors it uses
     layers_per_group: int
 
     @property
@@ -79,17 +79,17 @@ def kv_cache_groups(config: ModelConfig, window_aware: bool = True,
         return KVCacheGroups((None,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
     layers = {kind: [i for i, window in enumerate(windows) if window == kind] for kind in kinds}
     size = math.gcd(*(len(indices) for indices in layers.values()))
-    group_windows, layer_group, layer_slot = [], [0] * num_layers, [0] * num_layers
+    group_windows, layer_group, layer_pair = [], [0] * num_layers, [0] * num_layers
     for kind in kinds:
         for start in range(0, len(layers[kind]), size):
-            for slot, layer in enumerate(layers[kind][start:start + size]):
-                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            for pair, layer in enumerate(layers[kind][start:start + size]):
+                layer_group[layer], layer_pair[layer] = len(group_windows), pair
             group_windows.append(kind)
-    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
+    return KVCacheGroups(tuple(group_windows), tuple(layer_group), tuple(layer_pair), size)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+    def __init__(self, model: LlamaModel, block_size: int, num_kv_blocks: int, num_swap_blocks: int,
                  kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False,
                  elementwise: Optional[CompiledElementwise] = None, groups: Optional[KVCacheGroups] = None):
         self.model, self.device, self.block_size = model, model.device, block_size
@@ -99,12 +99,13 @@ class ModelRunner:
         self.bytes_per_block = kv_bytes_per_block(model.config, block_size, self.cache_dtype,
                                                   self.groups.layers_per_group)
         # the distinct (key, value) pairs, and per layer the pair it uses
-        self.kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_gpu_blocks, block_size,
-                                         self.cache_dtype, self.device, False, self.bytes_per_block, "num_gpu_blocks")
-        self.kv_caches = [self.kv_pairs[slot] for slot in self.groups.layer_slot]
-        self.cpu_kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_cpu_blocks, block_size,
-                                             self.cache_dtype, torch.device("cpu"), self.device.type == "cuda",
-                                             self.bytes_per_block, "num_cpu_blocks") if num_cpu_blocks else []
+        self.kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_kv_blocks, block_size,
+                                         self.cache_dtype, self.device, False, self.bytes_per_block, "num_kv_blocks")
+        self.kv_caches = [self.kv_pairs[pair] for pair in self.groups.layer_pair]
+        self.swap_kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_swap_blocks,
+                                              block_size, self.cache_dtype, torch.device("cpu"),
+                                              self.device.type == "cuda", self.bytes_per_block,
+                                              "num_swap_blocks") if num_swap_blocks else []
         # (k_scale, v_scale) per layer, float32 [1] on the device: fp8 caches only.
         fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
         self.kv_scales = [(torch.ones(1, device=self.device), torch.ones(1, device=self.device))
@@ -119,8 +120,8 @@ class ModelRunner:
         """Apply the step's cache operations, then run its forward pass (which writes the KV of its tokens).
         Return float32 logits ``[num_sampling_seqs, vocab_size]``: one row per sequence whose last token was
         computed, in the step's order."""
-        self.swap(step.blocks_to_swap_in, to_gpu=True)
-        self.swap(step.blocks_to_swap_out, to_gpu=False)
+        self.swap(step.blocks_to_swap_in, swap_in=True)
+        self.swap(step.blocks_to_swap_out, swap_in=False)
         if step.blocks_to_copy:
             ops.copy_blocks([key for key, _ in self.kv_pairs], [value for _, value in self.kv_pairs],
                             step.blocks_to_copy)
@@ -183,12 +184,12 @@ class ModelRunner:
             v_scale.fill_(1.0)
         self.calibrate_pending = True
 
-    def swap(self, mapping: list[tuple[int, int]], to_gpu: bool) -> None:
-        """Copy blocks between the pools: ``(cpu_block, gpu_block)`` pairs in, ``(gpu_block, cpu_block)`` out."""
+    def swap(self, mapping: list[tuple[int, int]], swap_in: bool) -> None:
+        """Copy blocks between the pools: ``(swap_block, kv_block)`` pairs in, ``(kv_block, swap_block)`` out."""
         if not mapping:
             return
-        for gpu_pair, cpu_pair in zip(self.kv_pairs, self.cpu_kv_pairs):
-            src, dst = (cpu_pair, gpu_pair) if to_gpu else (gpu_pair, cpu_pair)
+        for kv_pair, swap_pair in zip(self.kv_pairs, self.swap_kv_pairs):
+            src, dst = (swap_pair, kv_pair) if swap_in else (kv_pair, swap_pair)
             ops.swap_blocks(src[0], dst[0], mapping)
             ops.swap_blocks(src[1], dst[1], mapping)
 

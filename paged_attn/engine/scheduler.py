@@ -36,14 +36,14 @@ class Scheduler:
     """Decides each step (``schedule``) and keeps the requests' queues and blocks (``block_manager``); the engine
     runs the step and reports back (``mark_computed``, ``fork``, ``free``, ``finish``)."""
 
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool,
+    def __init__(self, block_size: int, num_kv_blocks: int, num_swap_blocks: int, enable_prefix_caching: bool,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_reservation: str = "paged",
                  admission_headroom: int = 0, group_windows: tuple = (None,)):
         self.block_size = block_size
         self.admission_headroom = admission_headroom  # free blocks per running sequence that admission leaves
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # one block table per KV-cache group (None: global, or the group's sliding window; model_runner.kv_cache_groups)
-        self.block_manager = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+        self.block_manager = BlockManager(num_kv_blocks, block_size, num_swap_blocks=num_swap_blocks,
                                           enable_prefix_caching=enable_prefix_caching, group_windows=group_windows)
         self.num_groups = self.block_manager.num_groups
         self.reservation = KVReservation(kv_reservation, block_size, self.num_groups, max_model_len)
@@ -61,12 +61,12 @@ class Scheduler:
         if params.num_seqs > self.max_num_seqs:
             raise ValueError(f"n / beam_width of {params.num_seqs} exceeds max_num_seqs={self.max_num_seqs}")
         needed = self.reservation.max_blocks(num_prompt_tokens, params)
-        if needed > self.block_manager.num_gpu_blocks:
+        if needed > self.block_manager.num_kv_blocks:
             raise ValueError(
                 f"request can never fit in the KV cache: {params.num_seqs} sequence(s) of up to "
                 f"{needed // params.num_seqs} blocks of {self.block_size} tokens (in {self.num_groups} KV-cache "
                 f"group(s), kv_reservation={self.reservation.policy!r}) need {needed} blocks, but the cache has "
-                f"{self.block_manager.num_gpu_blocks}; raise num_gpu_blocks / kv_cache_memory or lower max_tokens")
+                f"{self.block_manager.num_kv_blocks}; raise num_kv_blocks / kv_cache_memory or lower max_tokens")
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -105,13 +105,13 @@ class Scheduler:
         try:
             for seq_id in list(manager.seqs):
                 manager.free(seq_id)
-            consistent = manager.num_free_blocks == manager.num_gpu_blocks and \
-                manager.num_free_cpu_blocks == manager.num_cpu_blocks
+            consistent = manager.num_free_blocks == manager.num_kv_blocks and \
+                manager.num_free_swap_blocks == manager.num_swap_blocks
         except Exception:  # the error interrupted the manager itself (e.g. KeyboardInterrupt mid-call)
             consistent = False
         if not consistent or drop_prefix_cache:  # start over with an empty manager (and prefix cache)
-            self.block_manager = BlockManager(manager.num_gpu_blocks, manager.block_size,
-                                              num_cpu_blocks=manager.num_cpu_blocks,
+            self.block_manager = BlockManager(manager.num_kv_blocks, manager.block_size,
+                                              num_swap_blocks=manager.num_swap_blocks,
                                               enable_prefix_caching=manager.enable_prefix_caching,
                                               group_windows=manager.group_windows)
 
@@ -262,9 +262,9 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request, step: ScheduledStep) -> None:
-        """Swap the request's sequences out to CPU blocks if there is room, else drop their KV to recompute."""
+        """Swap the request's sequences out to swap blocks if there is room, else drop their KV to recompute."""
         seq_ids = [seq.seq_id for seq in request.seqs]
-        if self.block_manager.num_cpu_blocks and self.block_manager.can_swap_out(seq_ids):
+        if self.block_manager.num_swap_blocks and self.block_manager.can_swap_out(seq_ids):
             step.blocks_to_swap_out += self.block_manager.swap_out(seq_ids)
             self.swapped.append(request)
             self.swapped.sort(key=lambda r: r.request_id)

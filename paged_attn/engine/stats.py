@@ -5,20 +5,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .._deprecation import renamed_attributes
 from ..block_manager import BlockManager
 from ..block_stats import BlockManagerStats
 
 
+@renamed_attributes(num_gpu_blocks="num_kv_blocks", num_cpu_blocks="num_swap_blocks", gpu_blocks_used="kv_blocks_used",
+                    peak_gpu_blocks_used="peak_kv_blocks_used")
 @dataclass(frozen=True)
 class EngineStats:
     """KV-cache and scheduling figures since the last ``generate`` began (peaks over its steps) and now."""
 
     block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
+    num_kv_blocks: int
+    num_swap_blocks: int
     bytes_per_block: int  # key and value, every layer of a KV-cache group
-    gpu_blocks_used: int  # now
-    peak_gpu_blocks_used: int
+    kv_blocks_used: int  # now
+    peak_kv_blocks_used: int
     peak_tokens: int  # tokens stored (counted per sequence) at the peak
     utilization_at_peak: float  # slots holding a token / slots in used blocks, at the peak
     peak_blocks_saved_by_sharing: int  # block-table entries minus physical blocks (fork, prefix hits)
@@ -34,7 +37,7 @@ class EngineStats:
     peak_running_seqs: int  # sequences in one step, at most
     kv_cache_dtype: str = ""  # the cache tensors' dtype, e.g. "bfloat16" or "float8_e4m3fn"
     num_kv_cache_groups: int = 1  # block tables per sequence (model_runner.kv_cache_groups); a block: a group's layers
-    # KV bytes held per attention type ("global", "sliding_window"), now and at the peak of gpu_blocks_used
+    # KV bytes held per attention type ("global", "sliding_window"), now and at the peak of kv_blocks_used
     kv_bytes_by_attention_type: dict = field(default_factory=dict)
     peak_kv_bytes_by_attention_type: dict = field(default_factory=dict)
 
@@ -42,6 +45,7 @@ class EngineStats:
     def bytes_per_token(self) -> int:
         """KV bytes of one token in every layer."""
         return self.bytes_per_block * self.num_kv_cache_groups // self.block_size
+
 
 
 class StatsCollector:
@@ -69,8 +73,8 @@ class StatsCollector:
         self.num_recomputed += step.num_recomputed
         self.prefix_cache_hit_tokens += step.prefix_cache_hit_tokens
         self.peak_running_seqs = max(self.peak_running_seqs, step.num_running_seqs)
-        pool = block_manager.gpu_pool
-        if pool.num_used > self.peak.gpu_blocks_used:
+        pool = block_manager.kv_pool
+        if pool.num_used > self.peak.kv_blocks_used:
             self.peak = block_manager.stats()
         self.peak_saved = max(self.peak_saved, pool.num_saved_by_sharing)
 
@@ -80,9 +84,9 @@ class StatsCollector:
     def snapshot(self, block_manager: BlockManager, bytes_per_block: int, kv_cache_dtype: str) -> EngineStats:
         now = block_manager.stats()
         return EngineStats(
-            block_size=block_manager.block_size, num_gpu_blocks=now.num_gpu_blocks,
-            num_cpu_blocks=block_manager.num_cpu_blocks, bytes_per_block=bytes_per_block,
-            gpu_blocks_used=now.gpu_blocks_used, peak_gpu_blocks_used=self.peak.gpu_blocks_used,
+            block_size=block_manager.block_size, num_kv_blocks=now.num_kv_blocks,
+            num_swap_blocks=block_manager.num_swap_blocks, bytes_per_block=bytes_per_block,
+            kv_blocks_used=now.kv_blocks_used, peak_kv_blocks_used=self.peak.kv_blocks_used,
             peak_tokens=self.peak.num_tokens, utilization_at_peak=self.peak.utilization,
             peak_blocks_saved_by_sharing=self.peak_saved,
             num_preemptions=self.num_swapped_out + self.num_recomputed,
@@ -93,7 +97,7 @@ class StatsCollector:
             peak_running_seqs=self.peak_running_seqs, kv_cache_dtype=kv_cache_dtype,
             num_kv_cache_groups=block_manager.num_groups,
             kv_bytes_by_attention_type={kind: blocks * bytes_per_block
-                                        for kind, blocks in now.gpu_blocks_by_attention_type.items()},
+                                        for kind, blocks in now.kv_blocks_by_attention_type.items()},
             peak_kv_bytes_by_attention_type={kind: blocks * bytes_per_block
-                                             for kind, blocks in self.peak.gpu_blocks_by_attention_type.items()},
+                                             for kind, blocks in self.peak.kv_blocks_by_attention_type.items()},
         )

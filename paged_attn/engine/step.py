@@ -26,8 +26,8 @@ class ScheduledStep:
     # or None (prefill chunks: the runner's paged metadata computes them from block_tables)
     reserved_slots: list[Optional[list[int]]] = field(default_factory=list)
     sampling_requests: list[Request] = field(default_factory=list)  # those whose every last token is computed
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap_block, kv_block)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (kv_block, swap_block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src_block, dst_block)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0

@@ -3,6 +3,8 @@
 The random interleavings live in test_block_manager_state_machine.py.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import snapshot
@@ -19,7 +21,7 @@ def raises_unchanged(bm, error, call, *args, match=None):
 
 
 def ref_counts(bm, block_ids):
-    return [bm.gpu_pool.blocks[b].ref_count for b in block_ids]
+    return [bm.kv_pool.blocks[b].ref_count for b in block_ids]
 
 
 def allocate_computed(bm, seq_id, token_ids):
@@ -32,7 +34,7 @@ def allocate_computed(bm, seq_id, token_ids):
 # ---- construction ----
 
 @pytest.mark.parametrize("args, kwargs", [
-    ((0,), {}), ((-1,), {}), ((4, 0), {}), ((4, -2), {}), ((4, 4), {"num_cpu_blocks": -1}),
+    ((0,), {}), ((-1,), {}), ((4, 0), {}), ((4, -2), {}), ((4, 4), {"num_swap_blocks": -1}),
 ])
 def test_bad_constructor_arguments(args, kwargs):
     with pytest.raises(ValueError):
@@ -40,11 +42,32 @@ def test_bad_constructor_arguments(args, kwargs):
 
 
 def test_new_manager_is_empty():
-    bm = BlockManager(8, 4, num_cpu_blocks=3)
-    assert (bm.num_gpu_blocks, bm.block_size, bm.num_cpu_blocks) == (8, 4, 3)
-    assert bm.num_free_blocks == 8 and bm.num_free_cpu_blocks == 3
+    bm = BlockManager(8, 4, num_swap_blocks=3)
+    assert (bm.num_kv_blocks, bm.block_size, bm.num_swap_blocks) == (8, 4, 3)
+    assert bm.num_free_blocks == 8 and bm.num_free_swap_blocks == 3
     stats = bm.stats()
-    assert stats.gpu_blocks_used == 0 and stats.num_tokens == 0 and stats.utilization == 0.0
+    assert stats.kv_blocks_used == 0 and stats.num_tokens == 0 and stats.utilization == 0.0
+
+
+
+def test_the_old_gpu_and_cpu_names_still_work_and_warn():
+    """num_gpu_blocks / num_cpu_blocks named a pool that is on the engine's device (often the CPU) and the swap
+    space: the keywords and attributes keep working, with a DeprecationWarning."""
+    with pytest.warns(DeprecationWarning) as record:
+        bm = BlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=3)
+    assert sorted(str(w.message) for w in record) == ["num_cpu_blocks is deprecated; use num_swap_blocks",
+                                                      "num_gpu_blocks is deprecated; use num_kv_blocks"]
+    assert (bm.num_kv_blocks, bm.num_swap_blocks) == (8, 3)
+    stats = bm.stats()
+    for obj, old, value in [(bm, "num_gpu_blocks", 8), (bm, "num_cpu_blocks", 3), (bm, "num_free_cpu_blocks", 3),
+                            (stats, "num_gpu_blocks", 8), (stats, "gpu_blocks_used", 0), (stats, "gpu_blocks_free", 8),
+                            (stats, "gpu_blocks_cached", 0), (stats, "cpu_blocks_used", 0),
+                            (stats, "gpu_blocks_by_attention_type", {"global": 0})]:
+        with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
+            assert getattr(obj, old) == value
+    assert "gpu_blocks_used" not in dataclasses.asdict(stats)
+    with pytest.raises(TypeError, match="'num_kv_blocks' and its deprecated name 'num_gpu_blocks'"):
+        BlockManager(num_kv_blocks=8, num_gpu_blocks=8)
 
 
 def test_error_is_a_runtime_error_exported_by_the_package():
@@ -71,7 +94,7 @@ def test_allocate_exact_fit_and_out_of_blocks():
     bm = BlockManager(3, 4)
     assert bm.can_allocate(range(12)) and not bm.can_allocate(range(13))
     assert bm.can_allocate(range(8), keep_free=1) and not bm.can_allocate(range(9), keep_free=1)
-    raises_unchanged(bm, OutOfBlocksError, bm.allocate, "a", range(13), match="needs 4 free GPU blocks.*only 3")
+    raises_unchanged(bm, OutOfBlocksError, bm.allocate, "a", range(13), match="needs 4 free KV blocks.*only 3")
     bm.allocate("a", range(5))
     assert not bm.can_allocate(range(5))
     raises_unchanged(bm, OutOfBlocksError, bm.allocate, "b", range(5), match="needs 2 .*only 1")
@@ -91,7 +114,7 @@ def test_free_releases_blocks_and_rejects_double_free():
     bm = BlockManager(4, 2)
     bm.allocate(0, range(3))
     bm.free(0)
-    assert bm.num_free_blocks == 4 and bm.stats().gpu_blocks_used == 0
+    assert bm.num_free_blocks == 4 and bm.stats().kv_blocks_used == 0
     raises_unchanged(bm, KeyError, bm.free, 0, match="unknown sequence 0")
     raises_unchanged(bm, KeyError, bm.free, "never")
 
@@ -117,11 +140,11 @@ def test_append_slot_out_of_blocks_only_at_a_block_boundary():
     assert bm.can_append_slot(0)
     bm.append_slot(0, 8)  # fills the only block
     assert not bm.can_append_slot(0)
-    raises_unchanged(bm, OutOfBlocksError, bm.append_slot, 0, 9, match="needs 1 free GPU blocks.*only 0")
+    raises_unchanged(bm, OutOfBlocksError, bm.append_slot, 0, 9, match="needs 1 free KV blocks.*only 0")
 
 
 def test_append_slot_errors():
-    bm = BlockManager(2, 2, num_cpu_blocks=2)
+    bm = BlockManager(2, 2, num_swap_blocks=2)
     raises_unchanged(bm, KeyError, bm.append_slot, "x", 1)
     with pytest.raises(KeyError):
         bm.can_append_slot("x")
@@ -259,7 +282,7 @@ def test_blocks_are_hit_only_once_marked_computed():
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     bm.allocate("a", range(10))  # slots handed out; the KV is not written yet
     assert bm.allocate("b", range(10)) == 0  # (same step: computes its own copy)
-    assert bm.stats().gpu_blocks_used == 6
+    assert bm.stats().kv_blocks_used == 6
     bm.mark_computed("a", 7)  # only the first block is entirely written
     assert bm.allocate("c", range(10)) == 4
     bm.mark_computed("a")
@@ -282,13 +305,13 @@ def test_a_failed_step_publishes_nothing():
     bm.free("aborted")
     bm.free("sample")
     stats = bm.stats()
-    assert stats.gpu_blocks_cached == 0 and stats.gpu_blocks_used == 2
+    assert stats.kv_blocks_cached == 0 and stats.kv_blocks_used == 2
     assert len(bm.prefix_cache.hash_to_block_id) == 1  # only [0..3], written by a completed step
     assert bm.allocate("next", range(9)) == 4
 
 
 def test_mark_computed_errors_change_nothing():
-    bm = BlockManager(8, 2, num_cpu_blocks=4, enable_prefix_caching=True)
+    bm = BlockManager(8, 2, num_swap_blocks=4, enable_prefix_caching=True)
     bm.allocate(0, range(5))
     raises_unchanged(bm, KeyError, bm.mark_computed, 1)
     raises_unchanged(bm, ValueError, bm.mark_computed, 0, 6, match="holds 5 tokens")
@@ -301,7 +324,7 @@ def test_mark_computed_errors_change_nothing():
 # ---- arguments that are not what they should be ----
 
 @pytest.mark.parametrize("args, kwargs", [
-    ((8.0,), {}), ((8, 16.0), {}), ((8, True), {}), ((8, "4"), {}), ((8, 4), {"num_cpu_blocks": 2.5}),
+    ((8.0,), {}), ((8, 16.0), {}), ((8, True), {}), ((8, "4"), {}), ((8, 4), {"num_swap_blocks": 2.5}),
 ])
 def test_constructor_refuses_non_integers(args, kwargs):
     with pytest.raises(ValueError, match="must be an integer"):
@@ -349,9 +372,9 @@ def test_freed_cached_blocks_stay_reusable_and_count_as_free():
     allocate_computed(bm, 0, range(9))
     bm.free(0)
     stats = bm.stats()
-    assert bm.num_free_blocks == 4 and stats.gpu_blocks_cached == 2 and stats.gpu_blocks_used == 0
+    assert bm.num_free_blocks == 4 and stats.kv_blocks_cached == 2 and stats.kv_blocks_used == 0
     assert allocate_computed(bm, 1, range(9)) == 8
-    assert bm.stats().gpu_blocks_cached == 0
+    assert bm.stats().kv_blocks_cached == 0
 
 
 def test_evictable_hits_count_against_free_memory():
@@ -381,12 +404,12 @@ def test_plain_free_blocks_are_used_before_cached_ones_and_eviction_is_lru():
     bm.free("old")
     bm.free("new")  # cached: [1 1] (least recently used), [2 2]; 3 plain free blocks
     allocate_computed(bm, "x", [3, 3, 9])  # takes 2 plain free blocks
-    assert bm.stats().gpu_blocks_cached == 2
+    assert bm.stats().kv_blocks_cached == 2
     bm.free("x")  # cached: [1 1], [2 2], [3 3]; 2 plain free blocks
     allocate_computed(bm, "y", [7] * 5)  # 3 blocks: the 2 plain free ones, then evicts [1 1]
-    assert bm.stats().gpu_blocks_cached == 2
+    assert bm.stats().kv_blocks_cached == 2
     assert allocate_computed(bm, "b", [2, 2, 9]) == 2  # hits [2 2], and its fresh block evicts [3 3]
-    assert bm.stats().gpu_blocks_cached == 0
+    assert bm.stats().kv_blocks_cached == 0
     bm.free("y")
     assert allocate_computed(bm, "a", [1, 1, 9]) == 0
 
@@ -435,7 +458,7 @@ def test_a_hit_needs_the_exact_parent_not_just_equal_tokens(monkeypatch):
 # ---- swapping ----
 
 def test_swap_out_and_in_a_forked_group_moves_shared_blocks_once():
-    bm = BlockManager(6, 2, num_cpu_blocks=6)
+    bm = BlockManager(6, 2, num_swap_blocks=6)
     bm.allocate(0, range(5))
     bm.fork(0, 1)
     bm.append_slot(1, 7)  # copy-on-write: 2 shared blocks plus a last block each
@@ -447,12 +470,12 @@ def test_swap_out_and_in_a_forked_group_moves_shared_blocks_once():
     for s in (0, 1):
         assert bm.is_swapped_out(s) and bm.block_table(s) == [to_cpu[b] for b in gpu_tables[s]]
     assert bm.block_table(0)[:2] == bm.block_table(1)[:2]  # still shared, on the CPU
-    assert bm.num_free_blocks == 6 and bm.num_free_cpu_blocks == 2
-    assert bm.stats().cpu_blocks_used == 4 and bm.stats().num_tokens == 0
+    assert bm.num_free_blocks == 6 and bm.num_free_swap_blocks == 2
+    assert bm.stats().swap_blocks_used == 4 and bm.stats().num_tokens == 0
 
     assert bm.can_swap_in([1, 0])
     back = dict(bm.swap_in([1, 0]))
-    assert len(back) == 4 and bm.num_free_cpu_blocks == 6
+    assert len(back) == 4 and bm.num_free_swap_blocks == 6
     for s in (0, 1):
         assert not bm.is_swapped_out(s) and bm.block_table(s) == [back[to_cpu[b]] for b in gpu_tables[s]]
     assert ref_counts(bm, bm.block_table(0)) == [2, 2, 1]
@@ -460,7 +483,7 @@ def test_swap_out_and_in_a_forked_group_moves_shared_blocks_once():
 
 
 def test_swapping_part_of_a_sharing_group_copies_the_shared_block():
-    bm = BlockManager(4, 2, num_cpu_blocks=4)
+    bm = BlockManager(4, 2, num_swap_blocks=4)
     bm.allocate(0, range(4))
     bm.fork(0, 1)
     mapping = bm.swap_out([1])
@@ -468,11 +491,11 @@ def test_swapping_part_of_a_sharing_group_copies_the_shared_block():
 
 
 def test_swap_out_of_memory_and_errors():
-    bm = BlockManager(4, 2, num_cpu_blocks=1)
+    bm = BlockManager(4, 2, num_swap_blocks=1)
     bm.allocate(0, range(3))
     bm.allocate(1, range(1))
     assert not bm.can_swap_out([0])
-    raises_unchanged(bm, OutOfBlocksError, bm.swap_out, [0], match="needs 2 free CPU blocks, but only 1")
+    raises_unchanged(bm, OutOfBlocksError, bm.swap_out, [0], match="needs 2 free swap blocks, but only 1")
     raises_unchanged(bm, KeyError, bm.swap_out, [1, "zzz"])
     raises_unchanged(bm, ValueError, bm.swap_out, [1, 1], match="duplicate")
     raises_unchanged(bm, ValueError, bm.swap_in, [1], match="not swapped out")
@@ -486,32 +509,32 @@ def test_swap_out_of_memory_and_errors():
 
 
 def test_swap_in_out_of_memory():
-    bm = BlockManager(2, 2, num_cpu_blocks=2)
+    bm = BlockManager(2, 2, num_swap_blocks=2)
     bm.allocate(0, range(4))
     bm.swap_out([0])
     bm.allocate(1, [5])
     assert not bm.can_swap_in([0])
-    raises_unchanged(bm, OutOfBlocksError, bm.swap_in, [0], match="needs 2 free GPU blocks, but only 1")
+    raises_unchanged(bm, OutOfBlocksError, bm.swap_in, [0], match="needs 2 free KV blocks, but only 1")
     bm.free(1)
     assert bm.can_swap_in([0]) and len(bm.swap_in([0])) == 2
 
 
 def test_fork_and_free_while_swapped_out():
-    bm = BlockManager(2, 2, num_cpu_blocks=2)
+    bm = BlockManager(2, 2, num_swap_blocks=2)
     bm.allocate(0, range(3))
     bm.swap_out([0])
     bm.fork(0, 1)
-    assert bm.is_swapped_out(1) and [bm.cpu_pool.blocks[b].ref_count for b in bm.block_table(1)] == [2, 2]
+    assert bm.is_swapped_out(1) and [bm.swap_pool.blocks[b].ref_count for b in bm.block_table(1)] == [2, 2]
     bm.free(0)
     bm.free(1)
-    assert bm.num_free_cpu_blocks == 2 and bm.num_free_blocks == 2
+    assert bm.num_free_swap_blocks == 2 and bm.num_free_blocks == 2
 
 
 def test_swapped_out_cached_blocks_stay_hittable_and_swap_in_recaches():
-    bm = BlockManager(4, 2, num_cpu_blocks=4, enable_prefix_caching=True)
+    bm = BlockManager(4, 2, num_swap_blocks=4, enable_prefix_caching=True)
     allocate_computed(bm, 0, range(5))
     bm.swap_out([0])
-    assert bm.stats().gpu_blocks_cached == 2  # the GPU copies of [0 1] [2 3] are still valid
+    assert bm.stats().kv_blocks_cached == 2  # the GPU copies of [0 1] [2 3] are still valid
     assert allocate_computed(bm, 1, [0, 1, 2, 3, 8]) == 4
     bm.free(1)
     allocate_computed(bm, 2, [9] * 8)  # evicts both cached blocks
@@ -526,17 +549,17 @@ def test_swapped_out_cached_blocks_stay_hittable_and_swap_in_recaches():
 # ---- accounting ----
 
 def test_stats_report_sharing_and_fragmentation():
-    bm = BlockManager(10, 4, num_cpu_blocks=2)
+    bm = BlockManager(10, 4, num_swap_blocks=2)
     bm.allocate(0, range(6))  # 2 blocks, 2 empty slots in the last
     bm.fork(0, 1)  # shares both blocks, the same last block
     bm.allocate(2, range(8))  # 2 full blocks
     stats = bm.stats()
-    assert stats.gpu_blocks_used == 4 and stats.gpu_blocks_free == 6 and stats.gpu_blocks_cached == 0
+    assert stats.kv_blocks_used == 4 and stats.kv_blocks_free == 6 and stats.kv_blocks_cached == 0
     assert stats.num_tokens == 20 and stats.logical_blocks == 6 and stats.blocks_saved_by_sharing == 2
     assert stats.internal_fragmentation == 2 and stats.utilization == pytest.approx(14 / 16)
     bm.append_slot(1, 0)  # copy-on-write: two last blocks now, with 2 and 1 empty slots
     stats = bm.stats()
-    assert stats.gpu_blocks_used == 5 and stats.internal_fragmentation == 3
+    assert stats.kv_blocks_used == 5 and stats.internal_fragmentation == 3
     assert stats.blocks_saved_by_sharing == 1 and stats.utilization == pytest.approx(17 / 20)
 
 
@@ -552,7 +575,7 @@ def test_a_windowed_group_releases_blocks_once_no_later_query_sees_them():
     assert bm.block_table(0, 1)[0] == PAD_BLOCK_ID and PAD_BLOCK_ID not in bm.block_table(0, 1)[1:]
     bm.mark_computed(0)  # from 13 on: positions 8 .. ; blocks 0 and 1 are dead
     assert bm.block_table(0, 1)[:2] == [PAD_BLOCK_ID] * 2 and PAD_BLOCK_ID not in bm.block_table(0)
-    assert bm.stats().gpu_blocks_by_attention_type == {"global": 4, "sliding_window": 2}
+    assert bm.stats().kv_blocks_by_attention_type == {"global": 4, "sliding_window": 2}
     assert bm.num_free_blocks == 26 and bm.num_blocks_held([0]) == 6
     with pytest.raises(ValueError, match="released"):
         bm.slot_mapping(0, 7, 9, group=1)
@@ -564,7 +587,7 @@ def test_a_windowed_group_releases_blocks_once_no_later_query_sees_them():
     bm.mark_computed(0)  # from 17 on: positions 12 ..; block 2 is dead too
     assert bm.block_table(0, 1)[:3] == [PAD_BLOCK_ID] * 3
     bm.free(0)
-    assert bm.num_free_blocks == 32 and bm.stats().gpu_blocks_used == 0
+    assert bm.num_free_blocks == 32 and bm.stats().kv_blocks_used == 0
 
 
 def test_append_slots_copies_on_write_in_every_group():
@@ -585,20 +608,20 @@ def test_append_slots_copies_on_write_in_every_group():
 
 
 def test_fork_and_swap_keep_the_released_entries_released():
-    bm = BlockManager(24, 4, num_cpu_blocks=24, group_windows=(None, 4))
+    bm = BlockManager(24, 4, num_swap_blocks=24, group_windows=(None, 4))
     bm.allocate(0, list(range(1, 11)))  # 10 tokens, 3 blocks per group
     bm.mark_computed(0)  # from 10 on: positions 7 ..: group 1 releases block 0
     bm.fork(0, 1)
     assert bm.block_tables(1) == bm.block_tables(0) and bm.block_table(1, 1)[0] == PAD_BLOCK_ID
     before = bm.block_tables(0)
     mapping = bm.swap_out([0, 1])
-    assert len(mapping) == 5 and bm.num_free_cpu_blocks == 19  # 3 + 2 distinct blocks, moved once
+    assert len(mapping) == 5 and bm.num_free_swap_blocks == 19  # 3 + 2 distinct blocks, moved once
     assert bm.block_table(0, 1)[0] == PAD_BLOCK_ID and bm.block_tables(0) == bm.block_tables(1)
     bm.swap_in([0, 1])
     after = bm.block_tables(0)
     assert [[b == PAD_BLOCK_ID for b in table] for table in after] == [[b == PAD_BLOCK_ID for b in table]
                                                                       for table in before]
-    assert bm.block_tables(1) == after and bm.num_free_blocks == 19 and bm.num_free_cpu_blocks == 24
+    assert bm.block_tables(1) == after and bm.num_free_blocks == 19 and bm.num_free_swap_blocks == 24
     for seq_id in (0, 1):
         bm.free(seq_id)
     assert bm.num_free_blocks == 24
@@ -619,7 +642,7 @@ def test_a_prefix_hit_needs_the_windowed_groups_blocks_in_its_window():
     free = bm.num_free_blocks
     assert free % 2 == 0
     bm.allocate("c", [7] * (free // 2 * 4))  # takes every free block: evicts group 1's cached blocks 0-3
-    assert bm.num_free_blocks == 0 and bm.stats().gpu_blocks_cached == 0
+    assert bm.num_free_blocks == 0 and bm.stats().kv_blocks_cached == 0
     assert bm.cached_prefix_length(tokens + [200]) == 0
     for seq_id in ("b", "c"):
         bm.free(seq_id)

@@ -37,12 +37,12 @@ def kv(tokens, position):
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_gpu_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 3, 4]),
-                num_cpu_blocks=st.integers(0, 8), enable_prefix_caching=st.booleans(),
+    @initialize(num_kv_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 3, 4]),
+                num_swap_blocks=st.integers(0, 8), enable_prefix_caching=st.booleans(),
                 hash_kind=st.sampled_from(["chained", "chained", "weak", "constant"]),
                 group_windows=st.sampled_from([(None,), (None,), (None, 1), (None, 3), (None, 2, 5), (None, None, 4),
                                                (4,), (2, None)]))
-    def setup(self, num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching, hash_kind, group_windows):
+    def setup(self, num_kv_blocks, block_size, num_swap_blocks, enable_prefix_caching, hash_kind, group_windows):
         # "weak" drops the parent from the hash and "constant" makes every block collide: neither may ever
         # produce a wrong hit, which the read-back invariant would catch.
         self.real_hash = prefix_cache._block_hash
@@ -52,13 +52,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             prefix_cache._block_hash = lambda parent_hash, token_ids: 0
         if enable_prefix_caching and group_windows[0] is not None:
             with pytest.raises(ValueError, match="group 0 must be global"):
-                BlockManager(num_gpu_blocks, block_size, enable_prefix_caching=True, group_windows=group_windows)
+                BlockManager(num_kv_blocks, block_size, enable_prefix_caching=True, group_windows=group_windows)
             enable_prefix_caching = False
-        self.bm = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+        self.bm = BlockManager(num_kv_blocks, block_size, num_swap_blocks=num_swap_blocks,
                                enable_prefix_caching=enable_prefix_caching, group_windows=group_windows)
         self.floor = {}  # seq_id -> no query before this position is still to come
-        self.gpu_cache = [EMPTY] * (num_gpu_blocks * block_size)
-        self.cpu_cache = [EMPTY] * (num_cpu_blocks * block_size)
+        self.kv_cache = [EMPTY] * (num_kv_blocks * block_size)
+        self.swap_cache = [EMPTY] * (num_swap_blocks * block_size)
         self.expected = {}  # seq_id -> the tokens the sequence must read back
         self.past_prompts = []  # token lists of current and earlier sequences, to draw shared prefixes from
         self.next_seq_id = 0
@@ -93,8 +93,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def write(self, slot, value):
         # Whoever writes a slot must be the only owner of its block.
-        assert self.bm.gpu_pool.blocks[slot // self.bm.block_size].ref_count == 1
-        self.gpu_cache[slot] = value
+        assert self.bm.kv_pool.blocks[slot // self.bm.block_size].ref_count == 1
+        self.kv_cache[slot] = value
 
     def copy_block(self, src_cache, src, dst_cache, dst):
         bs = self.bm.block_size
@@ -123,8 +123,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             slots, cows = bm.append_slots(seq_id, token)
         assert len(slots) == bm.num_groups
         for src, dst in cows:
-            assert src != dst and bm.gpu_pool.blocks[src].ref_count >= 1
-            self.copy_block(self.gpu_cache, src, self.gpu_cache, dst)
+            assert src != dst and bm.kv_pool.blocks[src].ref_count >= 1
+            self.copy_block(self.kv_cache, src, self.kv_cache, dst)
         tokens.append(token)
         return slots
 
@@ -230,8 +230,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         mapping = self.bm.swap_out(group)
         assert len({gpu for gpu, _ in mapping}) == len({cpu for _, cpu in mapping}) == len(mapping)
-        for gpu_block, cpu_block in mapping:
-            self.copy_block(self.gpu_cache, gpu_block, self.cpu_cache, cpu_block)
+        for kv_block, swap_block in mapping:
+            self.copy_block(self.kv_cache, kv_block, self.swap_cache, swap_block)
 
     @rule(indices=st.lists(st.integers(0, 1000), min_size=1, max_size=3))
     def swap_in(self, indices):
@@ -243,8 +243,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         mapping = self.bm.swap_in(group)
         assert len({cpu for cpu, _ in mapping}) == len({gpu for _, gpu in mapping}) == len(mapping)
-        for cpu_block, gpu_block in mapping:
-            self.copy_block(self.cpu_cache, cpu_block, self.gpu_cache, gpu_block)
+        for swap_block, kv_block in mapping:
+            self.copy_block(self.swap_cache, swap_block, self.kv_cache, kv_block)
         for seq_id in group:
             self.mark(seq_id)
 
@@ -283,18 +283,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         def holders(swapped_out):
             return Counter(b for s in bm.seqs.values() if s.swapped_out == swapped_out for table in s.block_tables
                            for b in table if b != PAD_BLOCK_ID)
-        gpu_holders, cpu_holders = holders(False), holders(True)
-        assert [b.ref_count for b in bm.gpu_pool.blocks] == [gpu_holders[i] for i in range(bm.num_gpu_blocks)]
-        assert [b.ref_count for b in bm.cpu_pool.blocks] == [cpu_holders[i] for i in range(bm.num_cpu_blocks)]
-        assert bm.gpu_pool.num_refs == sum(gpu_holders.values()) and bm.cpu_pool.num_refs == sum(cpu_holders.values())
+        kv_holders, swap_holders = holders(False), holders(True)
+        assert [b.ref_count for b in bm.kv_pool.blocks] == [kv_holders[i] for i in range(bm.num_kv_blocks)]
+        assert [b.ref_count for b in bm.swap_pool.blocks] == [swap_holders[i] for i in range(bm.num_swap_blocks)]
+        assert bm.kv_pool.num_refs == sum(kv_holders.values()) and bm.swap_pool.num_refs == sum(swap_holders.values())
 
-        free, evictable = list(bm.gpu_pool.free_block_ids), list(bm.prefix_cache.evictable_block_ids)
-        free_cpu = list(bm.cpu_pool.free_block_ids)
-        assert len(set(free)) == len(free) and len(set(free_cpu)) == len(free_cpu)
-        assert not set(free) & set(evictable) and not set(free + evictable) & set(gpu_holders)
-        assert not set(free_cpu) & set(cpu_holders)
-        assert len(free) + len(evictable) + len(gpu_holders) == bm.num_gpu_blocks == len(bm.gpu_pool.blocks)
-        assert len(free_cpu) + len(cpu_holders) == bm.num_cpu_blocks == len(bm.cpu_pool.blocks)
+        free, evictable = list(bm.kv_pool.free_block_ids), list(bm.prefix_cache.evictable_block_ids)
+        free_swap = list(bm.swap_pool.free_block_ids)
+        assert len(set(free)) == len(free) and len(set(free_swap)) == len(free_swap)
+        assert not set(free) & set(evictable) and not set(free + evictable) & set(kv_holders)
+        assert not set(free_swap) & set(swap_holders)
+        assert len(free) + len(evictable) + len(kv_holders) == bm.num_kv_blocks == len(bm.kv_pool.blocks)
+        assert len(free_swap) + len(swap_holders) == bm.num_swap_blocks == len(bm.swap_pool.blocks)
         assert bm.num_free_blocks == len(free) + len(evictable)
 
         # The prefix cache: its dict and its entries agree; plain free blocks are uncached, evictable ones cached.
@@ -322,9 +322,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 # exactly the blocks a query still to come can see are held
                 assert [b == PAD_BLOCK_ID for b in table] == [i < first // bs for i in range(len(table))], seq_id
                 if bm.is_swapped_out(seq_id):
-                    read = [self.cpu_cache[table[i // bs] * bs + i % bs] for i in range(first, len(tokens))]
+                    read = [self.swap_cache[table[i // bs] * bs + i % bs] for i in range(first, len(tokens))]
                 else:
-                    read = [self.gpu_cache[slot] for slot in bm.slot_mapping(seq_id, first, len(tokens), group)]
+                    read = [self.kv_cache[slot] for slot in bm.slot_mapping(seq_id, first, len(tokens), group)]
                     if first:
                         self.expect_unchanged(ValueError, bm.slot_mapping, seq_id, first - 1, len(tokens), group)
                 assert read == [kv(tokens, i) for i in range(first, len(tokens))], (seq_id, group)
@@ -334,7 +334,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """Every cached block holds the KV of its tokens, all after one same prefix (never garbage or nothing)."""
         bs = self.bm.block_size
         for block_id, entry in self.bm.prefix_cache.entries.items():
-            stored = self.gpu_cache[block_id * bs:(block_id + 1) * bs]
+            stored = self.kv_cache[block_id * bs:(block_id + 1) * bs]
             assert all(isinstance(value, tuple) and value != GARBAGE for value in stored), stored
             prefix = stored[0][:-1]
             assert stored == [prefix + entry.token_ids[:i + 1] for i in range(bs)], stored
@@ -343,19 +343,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def stats_agree(self):
         bm, bs = self.bm, self.bm.block_size
         stats = bm.stats()
-        gpu_seqs = [s for s in self.expected if not bm.is_swapped_out(s)]
-        used = sum(b.ref_count > 0 for b in bm.gpu_pool.blocks)
-        assert stats.gpu_blocks_used == used and stats.gpu_blocks_free == bm.num_gpu_blocks - used
-        assert stats.gpu_blocks_cached == len(bm.prefix_cache.evictable_block_ids)
-        assert stats.cpu_blocks_used == sum(b.ref_count > 0 for b in bm.cpu_pool.blocks)
-        assert stats.num_tokens == sum(len(self.expected[s]) for s in gpu_seqs)
-        assert stats.logical_blocks == sum(b != PAD_BLOCK_ID for s in gpu_seqs for t in bm.block_tables(s) for b in t)
+        resident_seqs = [s for s in self.expected if not bm.is_swapped_out(s)]
+        used = sum(b.ref_count > 0 for b in bm.kv_pool.blocks)
+        assert stats.kv_blocks_used == used and stats.kv_blocks_free == bm.num_kv_blocks - used
+        assert stats.kv_blocks_cached == len(bm.prefix_cache.evictable_block_ids)
+        assert stats.swap_blocks_used == sum(b.ref_count > 0 for b in bm.swap_pool.blocks)
+        assert stats.num_tokens == sum(len(self.expected[s]) for s in resident_seqs)
+        assert stats.logical_blocks == sum(b != PAD_BLOCK_ID for s in resident_seqs for t in bm.block_tables(s)
+                                           for b in t)
         assert stats.blocks_saved_by_sharing == stats.logical_blocks - used >= 0
-        assert sum(stats.gpu_blocks_by_attention_type.values()) == used
+        assert sum(stats.kv_blocks_by_attention_type.values()) == used
         windowed = [g for g, w in enumerate(bm.group_windows) if w is not None]
-        assert stats.gpu_blocks_by_attention_type.get("sliding_window", 0) == len(
-            {b for s in gpu_seqs for g in windowed for b in bm.block_table(s, g) if b != PAD_BLOCK_ID})
-        filled_slots = {slot for s in gpu_seqs for g in range(bm.num_groups)
+        assert stats.kv_blocks_by_attention_type.get("sliding_window", 0) == len(
+            {b for s in resident_seqs for g in windowed for b in bm.block_table(s, g) if b != PAD_BLOCK_ID})
+        filled_slots = {slot for s in resident_seqs for g in range(bm.num_groups)
                         for slot in bm.slot_mapping(s, self.first_visible(s, g), len(self.expected[s]), g)}
         assert stats.internal_fragmentation == used * bs - len(filled_slots)
         assert 0.0 <= stats.utilization <= 1.0

@@ -302,9 +302,9 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
     throw CaseError("the decode at head_dim " + std::to_string(head_dim) + ", GROUP " +
                     std::to_string(plan.group_variant) + " is not emulated");
   }
-  std::printf("decode plan: %lld items, partitions %d of %d tokens in %lld slots, group variant %d, head chunks %d\n",
-              static_cast<long long>(num_items), plan.num_partitions, plan.partition_size,
-              static_cast<long long>(plan.grid.z), plan.group_variant, plan.head_chunks);
+  std::printf("decode plan: %lld items, partitions %d of %d tokens in %lld partition slots, group variant %d, "
+              "blocks per group %d\n", static_cast<long long>(num_items), plan.num_partitions, plan.partition_size,
+              static_cast<long long>(plan.grid.z), plan.group_variant, plan.blocks_per_group);
 }
 
 // The launches of csrc/cuda/attention.cu: without query_start_loc the decode kernels; with it, for float16 and

@@ -28,7 +28,7 @@ CACHE = "csrc/cuda/paged_cache.cuh"
 CACHE_OPS = "csrc/cuda/cache_ops_kernels.cuh"
 VARLEN = "csrc/cuda/varlen_attention_kernels.cuh"
 DECODE_MMA = "csrc/cuda/decode_mma_kernels.cuh"
-DECODE_MMA_TESTS = "tensor_cores_chunks or single_pass_every_head_dim"  # the tensor-core decode kernel's cases
+DECODE_MMA_TESTS = "tensor_cores_tiles or single_pass_every_head_dim"  # the tensor-core decode kernel's cases
 VARLEN_TESTS = "varlen"  # pytest -k: the tensor-core kernel's mutants run only the variable-length tests
 NONFINITE_TESTS = "nonfinite"  # and the NaN / inf mutants only the tests that plant them
 SEVERAL_TILES_TESTS = "several_tiles"  # the CUDA-core decode over several tiles per partition
@@ -149,25 +149,25 @@ MUTANTS = {
         "      total += w * s[u];",
         "      if (w == 0.0f) continue;\n      total += w * s[u];", NONFINITE_TESTS),
     # the tensor-core decode kernel (decode_mma_kernels.cuh): its cp.async pipeline and fragments
-    "tensor-core decode: the chunk is read without waiting for its copies": (
+    "tensor-core decode: the tile is read without waiting for its copies": (
         DECODE_MMA,
-        "      cp_async_wait<1>();  // this chunk's group",
-        "      // cp_async_wait<1>();  // this chunk's group", DECODE_MMA_TESTS),
-    "tensor-core decode: the wait leaves the chunk's own group pending (wait<2>)": (
+        "      cp_async_wait<1>();  // this tile's group",
+        "      // cp_async_wait<1>();  // this tile's group", DECODE_MMA_TESTS),
+    "tensor-core decode: the wait leaves the tile's own group pending (wait<2>)": (
         DECODE_MMA,
-        "      cp_async_wait<1>();  // this chunk's group",
-        "      cp_async_wait<2>();  // this chunk's group", DECODE_MMA_TESTS),
+        "      cp_async_wait<1>();  // this tile's group",
+        "      cp_async_wait<2>();  // this tile's group", DECODE_MMA_TESTS),
     "tensor-core decode: no __syncwarp between the copies' wait and the warp's reads of them": (
         DECODE_MMA,
         "      __syncwarp();        // and every lane's copies of it are visible to the whole warp",
         "", DECODE_MMA_TESTS),
-    "tensor-core decode: no __syncwarp before the next chunk is copied over the stage just read": (
+    "tensor-core decode: no __syncwarp before the next tile is copied over the stage just read": (
         DECODE_MMA,
         "      __syncwarp();  // every lane is done with this stage before the next iteration copies into it",
         "", DECODE_MMA_TESTS),
-    "tensor-core decode: stale block-table entries (the prefetched chunk's entries not reloaded)": (
+    "tensor-core decode: stale block-table entries (the prefetched tile's entries not reloaded)": (
         DECODE_MMA,
-        "          next_blocks = load_chunk_blocks(block_table, next + kDecodeWarps, task.end, block_shift);\n"
+        "          next_blocks = load_tile_blocks(block_table, next + kDecodeWarps, task.end, block_shift);\n"
         "        }\n      }",
         "        }\n      }", DECODE_MMA_TESTS),
     "tensor-core decode: P^T not transposed (the accumulator layout taken as the B layout)": (

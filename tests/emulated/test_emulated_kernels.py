@@ -226,7 +226,7 @@ def check_attention(driver, case: Case, tmp_path):
 
 
 HEAD_DIMS = [32, 64, 80, 96, 112, 120, 128, 192, 256]
-# (num_heads, num_kv_heads): groups 1, 2, 3, 4, 8, 10, 16 (above 8: several head chunks per kv head)
+# (num_heads, num_kv_heads): groups 1, 2, 3, 4, 8, 10, 16 (above 8: several thread blocks per kv head)
 GROUPS = [(4, 4), (4, 2), (6, 2), (8, 2), (8, 1), (10, 1), (16, 1)]
 BLOCK_SIZES = [8, 16, 32]
 
@@ -263,7 +263,7 @@ def test_attention_alibi_window_soft_cap(driver, tmp_path, feature, split):
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", GROUPS, ids=[f"group{h // k}" for h, k in GROUPS])
 def test_attention_every_group_size_split_and_strided(driver, tmp_path, num_heads, num_kv_heads):
-    """Groups 1 to 16 (above 8: several head chunks per kv head), caches as the two halves of one allocation and the
+    """Groups 1 to 16 (above 8: several thread blocks per kv head), caches as the two halves of one allocation and the
     query a slice of a fused QKV tensor, split-KV."""
     case = attention_case([1, 45, 70], num_heads, num_kv_heads, 64, 8, torch.float16, layout="strided", split=True)
     check_attention(driver, case, tmp_path)
@@ -304,10 +304,10 @@ def test_attention_cuda_core_kernel_for_half_and_bfloat16(driver, tmp_path, dtyp
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("window", [None, 37], ids=["no_window", "window37"])
-def test_attention_tensor_cores_chunks_and_pipeline(driver, tmp_path, block_size, window):
-    """The tensor-core decode kernel's 16-token chunks: sequences shorter than a chunk, ending inside one or at its
-    edge, long enough for each warp's two-stage pipeline to wrap many times (200 tokens: 13 chunks over 4 warps),
-    windows and partitions of 24 tokens that start inside a chunk, block size 8 (two cache blocks per chunk)."""
+def test_attention_tensor_cores_tiles_and_pipeline(driver, tmp_path, block_size, window):
+    """The tensor-core decode kernel's 16-token tiles: sequences shorter than a tile, ending inside one or at its
+    edge, long enough for each warp's two-stage pipeline to wrap many times (200 tokens: 13 tiles over 4 warps),
+    windows and partitions of 24 tokens that start inside a tile, block size 8 (two cache blocks per tile)."""
     seq_lens = [3, 16, 47, 200]
     for split in (False, True):
         case = attention_case(seq_lens, 8, 1, 64, block_size, torch.bfloat16, sliding_window=window, split=split,
@@ -373,7 +373,7 @@ def test_attention_partitions_looped_inside_a_thread_block(driver, tmp_path, win
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float", "bf16"])
 def test_attention_partition_sizes_of_the_default_plan(driver, tmp_path, num_sms, blocks_per_sm, size, dtype):
     """The default plan's partition sizes (multiples of 64 tokens up to 512, by shape): 192 and 320 tokens, across
-    the CUDA-core kernel's 256-token tiles (float32) and the tensor-core kernel's 4 warps of 16-token chunks (bf16),
+    the CUDA-core kernel's 256-token tiles (float32) and the tensor-core kernel's 4 warps of 16-token tiles (bf16),
     for sequences ending inside a partition, at its edge, and in the first one; with a window of 300 that starts
     inside a partition."""
     for window in (None, 300):
@@ -490,10 +490,10 @@ def test_varlen_mixed_batch(driver, tmp_path, dtype, head_dim):
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", GROUPS + [(80, 1)],
-                         ids=[f"group{h // k}" for h, k in GROUPS] + ["group80 (two head chunks)"])
+                         ids=[f"group{h // k}" for h, k in GROUPS] + ["group80 (two thread blocks)"])
 def test_varlen_every_group_size(driver, tmp_path, num_heads, num_kv_heads):
-    """Tiles of 64 (token, head) rows: 64 tokens of one head down to one token of 40 heads (group 80: two chunks);
-    groups that do not divide 64 leave rows unused."""
+    """Query tiles of 64 (token, head) rows: 64 tokens of one head down to one token of 40 heads (group 80: two
+    thread blocks); groups that do not divide 64 leave rows unused."""
     specs = [(45, 45), (9, 1), (70, 23)]
     check_varlen(driver, varlen_case(specs, num_heads, num_kv_heads, 64, 8, torch.float16), tmp_path)
 
@@ -698,17 +698,17 @@ def test_copy_blocks_of_one_packed_half_leaves_the_other_alone(driver, tmp_path)
 # merge_attention_states: the merge of attention over keys [0, k) and [k, n) against the float64 reference merge of
 # the same parts (within one rounding of the dtype), the edges (-inf, +inf, NaN) as documented in paged_attn/ops.py
 
-@pytest.mark.parametrize("dtype, num_heads, head_size", [(torch.float32, 5, 64), (torch.float16, 4, 128),
-                                                         (torch.bfloat16, 3, 40)],
-                         ids=["float-5x64 (a spare warp)", "half-4x128", "bf16-3x40 (lanes past head_size)"])
-def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_size):
+@pytest.mark.parametrize("dtype, num_heads, head_dim", [(torch.float32, 5, 64), (torch.float16, 4, 128),
+                                                        (torch.bfloat16, 3, 40)],
+                         ids=["float-5x64 (a spare warp)", "half-4x128", "bf16-3x40 (lanes past head_dim)"])
+def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_dim):
     """Random split points per row; rows with edges: a part with no key (-inf), FA2's +inf, both parts empty, a NaN
     lse, a NaN value. out lives in a NaN-filled wider allocation (nothing else may be written), lse_b is vLLM's
     [num_heads, num_tokens] layout transposed, lse too."""
     num_tokens, num_keys = 6, 40
-    query = torch.randn(num_tokens, num_heads, head_size, dtype=torch.float64)
-    keys = torch.randn(num_keys, num_heads, head_size, dtype=torch.float64)
-    values = torch.randn(num_keys, num_heads, head_size, dtype=torch.float64)
+    query = torch.randn(num_tokens, num_heads, head_dim, dtype=torch.float64)
+    keys = torch.randn(num_keys, num_heads, head_dim, dtype=torch.float64)
+    values = torch.randn(num_keys, num_heads, head_dim, dtype=torch.float64)
     out_a, lse_a = reference.attention_with_lse(query, keys[:17], values[:17])
     out_b, lse_b = reference.attention_with_lse(query, keys[17:], values[17:])
     out_a, out_b, lse_a, lse_b = out_a.to(dtype), out_b.to(dtype), lse_a.float(), lse_b.float()
@@ -717,7 +717,7 @@ def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_size):
     lse_a[2, 0], lse_b[2, 0] = -math.inf, -math.inf
     lse_a[3, 2] = NAN
     out_b[4, 1, 3] = NAN
-    out_alloc = torch.full((num_tokens, num_heads + 1, head_size), NAN, dtype=dtype)
+    out_alloc = torch.full((num_tokens, num_heads + 1, head_dim), NAN, dtype=dtype)
     lse_alloc = torch.full((num_heads, num_tokens), NAN)
     lse_b_heads_first = lse_b.t().contiguous()
     tensors = dict(out=out_alloc[:, 1:], lse=lse_alloc.t(), out_a=out_a, lse_a=lse_a, out_b=out_b,
@@ -730,7 +730,7 @@ def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_size):
     torch.testing.assert_close(result["lse"], want_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert (result["out"][2, 0] == 0).all() and result["lse"][2, 0] == -math.inf
     assert result["out"][3, 2].isnan().all() and result["lse"][3, 2].isnan()
-    assert result["out"].isnan().sum() == head_size + 1  # the NaN lse's row and the one NaN value
+    assert result["out"].isnan().sum() == head_dim + 1  # the NaN lse's row and the one NaN value
     buffer_id = case.buffer_ids[out_alloc.untyped_storage().data_ptr()]
     data = bytearray((run_directory(tmp_path) / f"out{buffer_id}.bin").read_bytes())
     assert torch.frombuffer(data, dtype=dtype).view(out_alloc.shape)[:, 0].isnan().all()
@@ -788,7 +788,7 @@ def check_fp8_attention(driver, case: Case, tmp_path):
     (torch.bfloat16, (8, 2), 128, False),   # group 4: 8-byte vectors of 8 values, 8 rows per batch
     (torch.float16, (8, 1), 64, True),      # group 8; split-KV and the reduce
     (torch.bfloat16, (4, 4), 80, True),     # group 1: 16-byte vectors of 16 values
-    (torch.float16, (16, 1), 256, False),   # two head chunks of 8
+    (torch.float16, (16, 1), 256, False),   # two thread blocks of 8 heads
     (torch.float32, (8, 2), 128, True),     # float32 queries: group 4, split-KV
     (torch.float32, (4, 4), 64, False),     # float32 queries: group 1
 ], ids=["bf16-group4-128", "half-group8-64-split", "bf16-group1-80-split", "half-group16-256", "float-group4-128-split",
@@ -1053,7 +1053,7 @@ def check_sinks_and_lse(driver, case: Case, tmp_path):
 DECODE_KERNELS = {  # name -> (dtype, num_heads, num_kv_heads, head_dim, tensor_cores)
     "cuda_core-float": (torch.float32, 8, 2, 64, True),
     "tensor_cores-bf16": (torch.bfloat16, 8, 2, 128, True),
-    "cuda_core-half-group16": (torch.float16, 16, 1, 64, False),  # two head chunks
+    "cuda_core-half-group16": (torch.float16, 16, 1, 64, False),  # two thread blocks per kv head
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import paged_attn
-from paged_attn.__main__ import main
+from paged_attn.__main__ import main, parse_args
 
 # A one-token job: short even where a missed error lets the model load and run.
 QUICK = ["--max-tokens", "1", "--prompt", "hi", "--mode", "greedy", "--no-progress"]
@@ -48,7 +48,7 @@ BAD_OPTIONS = [
     ["--top-p", "0"], ["--top-p", "1.5"], ["--top-p", "nan"], ["--top-p", "-0.1"],
     ["--max-tokens", "-1"], ["--max-tokens", "0"], ["--n", "-1"], ["--n", "0"], ["--beam-width", "-1"],
     ["--beam-width", "0"], ["--top-k", "-1"], ["--block-size", "-1"], ["--block-size", "0"],
-    ["--num-cpu-blocks", "-1"], ["--num-gpu-blocks", "-1"], ["--num-gpu-blocks", "0"], ["--max-num-seqs", "-1"],
+    ["--num-swap-blocks", "-1"], ["--num-kv-blocks", "-1"], ["--num-kv-blocks", "0"], ["--max-num-seqs", "-1"],
     ["--max-num-seqs", "0"], ["--max-tokens", "2.5"],
 ]
 
@@ -67,6 +67,23 @@ def test_bad_options_exit_2_before_loading_the_model(argv, tmp_path, capsys, no_
 def test_cuda_without_a_gpu_exits_2(capsys, no_model):
     code, err = run_main(["--device", "cuda"] + QUICK, capsys)
     assert code == 2 and "Traceback" not in err and "argument --device" in err
+
+
+
+def test_the_old_gpu_and_cpu_block_flags_still_work_and_warn(capsys):
+    """--num-gpu-blocks / --num-cpu-blocks: deprecated spellings of --num-kv-blocks / --num-swap-blocks (the pool is
+    on the engine's device, often the CPU), still accepted, with a DeprecationWarning and a note on stderr."""
+    with pytest.warns(DeprecationWarning) as record:
+        args = parse_args(["--num-gpu-blocks", "8", "--num-cpu-blocks", "4"] + QUICK)
+    assert (args.num_kv_blocks, args.num_swap_blocks) == (8, 4)
+    assert [str(w.message) for w in record] == ["--num-gpu-blocks is deprecated; use --num-kv-blocks",
+                                                "--num-cpu-blocks is deprecated; use --num-swap-blocks"]
+    assert "--num-gpu-blocks is deprecated" in capsys.readouterr().err
+    assert (parse_args(QUICK).num_kv_blocks, parse_args(QUICK).num_swap_blocks) == (None, 0)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "--num-kv-blocks" in out and "--num-gpu-blocks" not in out
 
 
 def test_help_states_the_kv_cache_unit(capsys):

@@ -100,16 +100,16 @@ def test_weights_and_tokenizer_equal_transformers(model, hf_model):
     dict(),
     dict(max_num_seqs=2),  # requests join as others finish
     # admission_headroom=0: admit whenever a prompt fits, so that the small pools overflow and force preemption
-    dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, admission_headroom=0),  # preemption by swapping
-    dict(block_size=4, num_gpu_blocks=24, admission_headroom=0),  # preemption by recomputation
+    dict(block_size=4, num_kv_blocks=24, num_swap_blocks=64, admission_headroom=0),  # preemption by swapping
+    dict(block_size=4, num_kv_blocks=24, admission_headroom=0),  # preemption by recomputation
     dict(block_size=8, enable_prefix_caching=True),
     dict(block_size=8, enable_prefix_caching=True, max_num_seqs=2),  # later requests hit earlier ones' blocks
-    dict(block_size=4, num_gpu_blocks=17, enable_prefix_caching=True, admission_headroom=0),  # hits cached blocks
+    dict(block_size=4, num_kv_blocks=17, enable_prefix_caching=True, admission_headroom=0),  # hits cached blocks
     # chunked prefill: 16 tokens a step (decodes included), so each prompt (31 to 49 tokens) takes several steps
     dict(max_num_batched_tokens=16, max_num_seqs=4),
-    dict(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64, admission_headroom=0, max_num_batched_tokens=16,
+    dict(block_size=4, num_kv_blocks=24, num_swap_blocks=64, admission_headroom=0, max_num_batched_tokens=16,
          max_num_seqs=4),
-    dict(block_size=4, num_gpu_blocks=24, admission_headroom=0, max_num_batched_tokens=16, max_num_seqs=4),
+    dict(block_size=4, num_kv_blocks=24, admission_headroom=0, max_num_batched_tokens=16, max_num_seqs=4),
     dict(block_size=8, enable_prefix_caching=True, max_num_batched_tokens=16, max_num_seqs=4),
 ], ids=["default", "max_num_seqs=2", "swap", "recompute", "prefix_caching", "prefix_caching+max_num_seqs=2",
         "recompute+prefix_caching", "chunked", "chunked+swap", "chunked+recompute", "chunked+prefix_caching"])
@@ -117,10 +117,10 @@ def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
     llm = make_llm(**config)
     assert greedy_tokens(llm, prompts) == hf_greedy
     stats = llm.stats()
-    assert stats.peak_gpu_blocks_used <= stats.num_gpu_blocks
-    if config.get("num_gpu_blocks"):
+    assert stats.peak_kv_blocks_used <= stats.num_kv_blocks
+    if config.get("num_kv_blocks"):
         assert stats.num_preemptions > 0
-        assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
+        assert (stats.num_swapped_out if config.get("num_swap_blocks") else stats.num_recomputed) > 0
     if config.get("max_num_batched_tokens"):
         assert stats.num_mixed_steps > 0  # prompt chunks computed next to decodes
     if config.get("enable_prefix_caching"):
@@ -170,12 +170,12 @@ def test_prefix_cache_hits_the_full_block_of_a_shared_block_and_a_half(make_llm,
     assert stats.num_prefill_tokens == len(prompts[0]) + len(prompts[1]) - 16
 
 
-@pytest.mark.parametrize("num_cpu_blocks", [64, 0], ids=["swap", "recompute"])
-def test_preemption_half_way_through_a_prompt(make_llm, prompts, hf_greedy, num_cpu_blocks):
+@pytest.mark.parametrize("num_swap_blocks", [64, 0], ids=["swap", "recompute"])
+def test_preemption_half_way_through_a_prompt(make_llm, prompts, hf_greedy, num_swap_blocks):
     """21 blocks of 4: the 31-token prompt (8 blocks) decodes while the 49-token one (13 blocks) is computed 15
     tokens a step; when the first needs a ninth block, the second, 16 tokens in, is preempted. Swapped out, it goes
     on from its 16th token once back; dropped, it is computed again from the start."""
-    llm = make_llm(block_size=4, num_gpu_blocks=21, num_cpu_blocks=num_cpu_blocks, admission_headroom=0,
+    llm = make_llm(block_size=4, num_kv_blocks=21, num_swap_blocks=num_swap_blocks, admission_headroom=0,
                    max_num_batched_tokens=16, max_num_seqs=4)
     preempted, preempt = [], llm.scheduler._preempt
 
@@ -187,7 +187,7 @@ def test_preemption_half_way_through_a_prompt(make_llm, prompts, hf_greedy, num_
     assert greedy_tokens(llm, [prompts[2], prompts[3]]) == [hf_greedy[2], hf_greedy[3]]
     assert preempted == [(False, 16, 49)]
     stats = llm.stats()
-    if num_cpu_blocks:
+    if num_swap_blocks:
         assert stats.num_swapped_out == 1 and stats.num_prefill_tokens == 31 + 49
     else:
         assert stats.num_recomputed == 1 and stats.num_prefill_tokens == 31 + 16 + 49
@@ -195,8 +195,8 @@ def test_preemption_half_way_through_a_prompt(make_llm, prompts, hf_greedy, num_
 
 @pytest.mark.parametrize("config", [
     dict(),
-    dict(block_size=4, num_gpu_blocks=42, num_cpu_blocks=64),
-    dict(block_size=4, num_gpu_blocks=42),
+    dict(block_size=4, num_kv_blocks=42, num_swap_blocks=64),
+    dict(block_size=4, num_kv_blocks=42),
 ], ids=["default", "swap", "recompute"])
 def test_beam_search_equals_transformers_best_beam(make_llm, prompts, hf_greedy, hf_beams, config):
     # A greedy request goes first, so when blocks run out the newest request preempted is a beam search.
@@ -213,7 +213,7 @@ def test_beam_search_equals_transformers_best_beam(make_llm, prompts, hf_greedy,
     stats = llm.stats()
     assert stats.peak_blocks_saved_by_sharing > 0  # beams share their prefix blocks
     if config:
-        assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
+        assert (stats.num_swapped_out if config.get("num_swap_blocks") else stats.num_recomputed) > 0
 
 
 def test_parallel_sampling_shares_prompt_blocks_and_is_reproducible(make_llm, prompts):
@@ -256,8 +256,8 @@ def test_mixed_requests_survive_preemption_unchanged(make_llm, prompts):
         return [[c.token_ids for c in output.outputs] for output in outputs], llm.stats()
 
     expected, _ = run()
-    for config in [dict(block_size=4, num_gpu_blocks=38, num_cpu_blocks=16, admission_headroom=0),
-                   dict(block_size=2, num_gpu_blocks=75, enable_prefix_caching=True, admission_headroom=0)]:
+    for config in [dict(block_size=4, num_kv_blocks=38, num_swap_blocks=16, admission_headroom=0),
+                   dict(block_size=2, num_kv_blocks=75, enable_prefix_caching=True, admission_headroom=0)]:
         outputs, stats = run(**config)
         assert stats.num_preemptions > 0, config
         assert outputs == expected, config
@@ -268,20 +268,20 @@ def test_reservation_policies_admit_fewer_requests_and_generate_the_same(make_ll
                                                                         kv_reservation, block_size):
     """The contiguous-allocator baselines: each request reserves its worst case at admission, so fewer run at once
     in the same pool and none is ever preempted; the tokens stay those of transformers."""
-    probe = make_llm(block_size=block_size, num_gpu_blocks=1, kv_reservation=kv_reservation).scheduler
+    probe = make_llm(block_size=block_size, num_kv_blocks=1, kv_reservation=kv_reservation).scheduler
     params = SamplingParams(max_tokens=MAX_TOKENS)
     reservations = sorted(probe.reservation.max_blocks(len(prompt), params) for prompt in prompts)
     pool = 2 * reservations[-1]  # any two requests fit
     fit = max(k for k in range(len(prompts) + 1) if sum(reservations[:k]) <= pool)
     assert 2 <= fit < len(prompts)
 
-    reserved = make_llm(block_size=block_size, num_gpu_blocks=pool, kv_reservation=kv_reservation)
+    reserved = make_llm(block_size=block_size, num_kv_blocks=pool, kv_reservation=kv_reservation)
     assert greedy_tokens(reserved, prompts) == hf_greedy
     stats = reserved.stats()
     assert 2 <= stats.peak_running_seqs <= fit
     assert stats.num_preemptions == 0
 
-    paged = make_llm(block_size=block_size, num_gpu_blocks=pool)
+    paged = make_llm(block_size=block_size, num_kv_blocks=pool)
     assert greedy_tokens(paged, prompts) == hf_greedy
     assert paged.stats().peak_running_seqs > stats.peak_running_seqs
     assert paged.stats().num_decode_steps < stats.num_decode_steps
@@ -290,8 +290,8 @@ def test_reservation_policies_admit_fewer_requests_and_generate_the_same(make_ll
 def test_admission_headroom_avoids_preemption(make_llm, prompts, hf_greedy):
     """Admitting only while every running sequence keeps room to grow: the same tokens, fewer preemptions (each
     preemption by recomputation redoes a prefill)."""
-    eager = make_llm(block_size=4, num_gpu_blocks=24, admission_headroom=0)
-    careful = make_llm(block_size=4, num_gpu_blocks=24, admission_headroom=2)
+    eager = make_llm(block_size=4, num_kv_blocks=24, admission_headroom=0)
+    careful = make_llm(block_size=4, num_kv_blocks=24, admission_headroom=2)
     assert greedy_tokens(eager, prompts) == hf_greedy == greedy_tokens(careful, prompts)
     assert eager.stats().num_preemptions > 0
     assert careful.stats().num_preemptions < eager.stats().num_preemptions
@@ -341,7 +341,7 @@ def test_bad_input_raises_value_error(make_llm, prompts):
                    dict(n=2, beam_width=2)]:
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
-    llm = make_llm(block_size=4, num_gpu_blocks=16, max_num_seqs=4)
+    llm = make_llm(block_size=4, num_kv_blocks=16, max_num_seqs=4)
     short = SamplingParams(max_tokens=2)
     with pytest.raises(ValueError, match="empty prompt"):
         llm.generate([prompts[0], []], short, use_tqdm=False)
@@ -358,12 +358,12 @@ def test_bad_input_raises_value_error(make_llm, prompts):
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, llm.config.vocab_size]], short, use_tqdm=False)
     with pytest.raises(ValueError, match="not both"):
-        make_llm(num_gpu_blocks=8, kv_cache_memory=2**20)
+        make_llm(num_kv_blocks=8, kv_cache_memory=2**20)
     with pytest.raises(ValueError, match="at least one block"):
         make_llm(kv_cache_memory=1000)
     with pytest.raises(ValueError, match="kv_reservation"):
         make_llm(kv_reservation="contiguous")
-    reserving = make_llm(block_size=16, num_gpu_blocks=64, kv_reservation="max_model_len")  # a context is 512
+    reserving = make_llm(block_size=16, num_kv_blocks=64, kv_reservation="max_model_len")  # a context is 512
     with pytest.raises(ValueError, match="never fit"):
         reserving.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
     # Nothing was admitted by the failed calls; the engine still serves.

@@ -41,14 +41,14 @@ PARAMS = [SamplingParams(max_tokens=9, ignore_eos=True),
           SamplingParams(max_tokens=8, stop_token_ids=[5, 9])]
 
 CONFIGS = {
-    "plain": dict(num_gpu_blocks=64),
-    "prefix": dict(num_gpu_blocks=64, enable_prefix_caching=True),
-    "prefix+swap": dict(num_gpu_blocks=22, num_cpu_blocks=32, enable_prefix_caching=True, admission_headroom=0),
-    "prefix+recompute": dict(num_gpu_blocks=22, enable_prefix_caching=True, admission_headroom=0),
+    "plain": dict(num_kv_blocks=64),
+    "prefix": dict(num_kv_blocks=64, enable_prefix_caching=True),
+    "prefix+swap": dict(num_kv_blocks=22, num_swap_blocks=32, enable_prefix_caching=True, admission_headroom=0),
+    "prefix+recompute": dict(num_kv_blocks=22, enable_prefix_caching=True, admission_headroom=0),
     # chunked prefill: prompts of 14 to 22 tokens computed 10 tokens a step (decodes included)
-    "chunked+prefix+swap": dict(num_gpu_blocks=22, num_cpu_blocks=32, enable_prefix_caching=True,
+    "chunked+prefix+swap": dict(num_kv_blocks=22, num_swap_blocks=32, enable_prefix_caching=True,
                                 admission_headroom=0, max_num_batched_tokens=10, max_num_seqs=10),
-    "chunked+prefix+recompute": dict(num_gpu_blocks=22, enable_prefix_caching=True, admission_headroom=0,
+    "chunked+prefix+recompute": dict(num_kv_blocks=22, enable_prefix_caching=True, admission_headroom=0,
                                      max_num_batched_tokens=10, max_num_seqs=10),
 }
 
@@ -78,8 +78,8 @@ def expected(model):
         llm = make_llm(model, config)
         results[name] = generate(llm)
         stats = llm.stats()
-        assert (stats.num_preemptions > 0) == (config["num_gpu_blocks"] < 64), name
-        assert (stats.num_swapped_out > 0) == ("num_cpu_blocks" in config), name
+        assert (stats.num_preemptions > 0) == (config["num_kv_blocks"] < 64), name
+        assert (stats.num_swapped_out > 0) == ("num_swap_blocks" in config), name
         if "max_num_batched_tokens" in config:
             assert stats.num_mixed_steps > 0, name  # prompt chunks next to decodes
     assert len({str(r) for r in results.values()}) == 1  # paging policy never changes a token
@@ -119,7 +119,7 @@ def is_decode_filling_a_block(batch, kv_caches, *scales):
 # name -> (where: (object, attribute) of the engine to patch, which calls count, what is raised)
 def points(llm):
     scheduler, model = llm.scheduler, llm.model
-    cpu_caches = {t.data_ptr() for pair in llm.runner.cpu_kv_pairs for t in pair}
+    cpu_caches = {t.data_ptr() for pair in llm.runner.swap_kv_pairs for t in pair}
     return {
         "prefill": ((model, "forward"), computes_a_prompt, KeyboardInterrupt()),
         "decode": ((model, "forward"), decodes, Injected("decode")),
@@ -167,9 +167,9 @@ def assert_clean(llm):
     manager = scheduler.block_manager
     assert not scheduler.waiting and not scheduler.running and not scheduler.swapped
     assert not manager.seqs
-    assert manager.num_free_blocks == manager.num_gpu_blocks
-    assert manager.num_free_cpu_blocks == manager.num_cpu_blocks
-    assert llm.stats().gpu_blocks_used == 0
+    assert manager.num_free_blocks == manager.num_kv_blocks
+    assert manager.num_free_swap_blocks == manager.num_swap_blocks
+    assert llm.stats().kv_blocks_used == 0
     for block_id in manager.prefix_cache.hash_to_block_id.values():  # every cached block holds written KV in every layer
         for key_cache, value_cache in llm.runner.kv_caches:
             assert torch.isfinite(key_cache[block_id]).all() and torch.isfinite(value_cache[block_id]).all(), block_id
@@ -183,7 +183,7 @@ def test_generate_recovers_from_an_exception_anywhere(model, expected, monkeypat
     with inject(monkeypatch, probe, point) as counter:
         assert generate(probe) == expected[config_name]
     if counter.calls == 0:  # e.g. no swapping without CPU blocks
-        assert point in ("swap_out", "swap_in") and "num_cpu_blocks" not in config
+        assert point in ("swap_out", "swap_in") and "num_swap_blocks" not in config
         return
     # the first call, the last and one at random (seeded by the case)
     rng = random.Random(f"{config_name}/{point}")
@@ -257,8 +257,8 @@ def test_an_interrupted_call_leaves_the_engines_generator_as_it_was(model, monke
 
 
 FP8_CONFIGS = {
-    "fp8": dict(num_gpu_blocks=64, enable_prefix_caching=True, kv_cache_dtype="fp8_e4m3", calibrate_kv_scales=True),
-    "fp8+chunked": dict(num_gpu_blocks=64, enable_prefix_caching=True, kv_cache_dtype="fp8_e4m3",
+    "fp8": dict(num_kv_blocks=64, enable_prefix_caching=True, kv_cache_dtype="fp8_e4m3", calibrate_kv_scales=True),
+    "fp8+chunked": dict(num_kv_blocks=64, enable_prefix_caching=True, kv_cache_dtype="fp8_e4m3",
                         calibrate_kv_scales=True, max_num_batched_tokens=10, max_num_seqs=10),
 }
 

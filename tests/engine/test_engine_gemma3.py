@@ -58,7 +58,7 @@ def path():
 @pytest.fixture(scope="module")
 def model(path):
     """The model as ``LLM(model=<the GGUF path>)`` loads it."""
-    return LLM(path, num_gpu_blocks=1).model
+    return LLM(path, num_kv_blocks=1).model
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_the_window_changes_the_answer(model, hf_model, prompts, hf_greedy):
              for window in (WINDOW, WINDOW - 1, WINDOW + 1, context)}
     assert error[WINDOW] < 1e-3
     assert min(error[WINDOW - 1], error[WINDOW + 1], error[context]) > 1e-2, error
-    unwindowed = LLM(with_windows(model, context), num_gpu_blocks=128, window_kv_memory=False)
+    unwindowed = LLM(with_windows(model, context), num_kv_blocks=128, window_kv_memory=False)
     tokens = greedy_tokens(unwindowed, prompts)
     assert [tokens[i] for i in SHORT] == [hf_greedy[i] for i in SHORT]
     assert all(tokens[i] != hf_greedy[i] for i in LONG)
@@ -181,10 +181,10 @@ def test_the_window_changes_the_answer(model, hf_model, prompts, hf_greedy):
     dict(block_size=16),
     dict(block_size=8),
     # tiny pools (a block holds 3 of the 18 layers): a long prompt is preempted once the short ones grow
-    dict(block_size=16, num_gpu_blocks=342, num_cpu_blocks=768, admission_headroom=0, max_num_batched_tokens=100),
-    dict(block_size=8, num_gpu_blocks=678, admission_headroom=0, max_num_batched_tokens=100),
+    dict(block_size=16, num_kv_blocks=342, num_swap_blocks=768, admission_headroom=0, max_num_batched_tokens=100),
+    dict(block_size=8, num_kv_blocks=678, admission_headroom=0, max_num_batched_tokens=100),
     # the same with every layer's blocks kept (a block holds all 18 layers)
-    dict(block_size=16, num_gpu_blocks=109, num_cpu_blocks=128, admission_headroom=0, window_kv_memory=False),
+    dict(block_size=16, num_kv_blocks=109, num_swap_blocks=128, admission_headroom=0, window_kv_memory=False),
     dict(block_size=16, max_num_batched_tokens=100, enable_prefix_caching=True),
 ], ids=["block16", "block8", "swap", "recompute", "swap_all_layers", "chunked+prefix_caching"])
 def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
@@ -192,8 +192,8 @@ def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
     assert llm.stats().num_kv_cache_groups == (1 if config.get("window_kv_memory") is False else 6)
     assert greedy_tokens(llm, prompts) == hf_greedy
     stats = llm.stats()
-    if config.get("num_gpu_blocks"):  # a long prompt is preempted once the short ones grow
-        assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
+    if config.get("num_kv_blocks"):  # a long prompt is preempted once the short ones grow
+        assert (stats.num_swapped_out if config.get("num_swap_blocks") else stats.num_recomputed) > 0
     if config.get("enable_prefix_caching"):
         # the second long prompt hits the 50 full blocks it shares with the first (past the window) ...
         assert stats.prefix_cache_hit_tokens == 800 and stats.num_mixed_steps > 0
@@ -204,9 +204,9 @@ def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
 
 @pytest.mark.parametrize("config, greedy, beams", [
     (dict(), SHORT[3], [SHORT[1], LONG[0]]),
-    (dict(block_size=16, num_gpu_blocks=56, num_cpu_blocks=64, admission_headroom=0, window_kv_memory=False),
+    (dict(block_size=16, num_kv_blocks=56, num_swap_blocks=64, admission_headroom=0, window_kv_memory=False),
      LONG[1], [SHORT[1], SHORT[3]]),
-    (dict(block_size=16, num_gpu_blocks=56, admission_headroom=0, window_kv_memory=False),
+    (dict(block_size=16, num_kv_blocks=56, admission_headroom=0, window_kv_memory=False),
      LONG[1], [SHORT[1], SHORT[3]]),
 ], ids=["default", "swap", "recompute"])
 def test_beam_search_equals_transformers_best_beam(make_llm, prompts, hf_greedy, hf_beams, config, greedy, beams):
@@ -223,7 +223,7 @@ def test_beam_search_equals_transformers_best_beam(make_llm, prompts, hf_greedy,
     stats = llm.stats()
     assert stats.peak_blocks_saved_by_sharing > 0  # beams share their prefix blocks
     if config:
-        assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
+        assert (stats.num_swapped_out if config.get("num_swap_blocks") else stats.num_recomputed) > 0
 
 
 def test_windowed_blocks_are_released_and_reported(make_llm, prompts, hf_greedy):
@@ -243,14 +243,14 @@ def test_windowed_blocks_are_released_and_reported(make_llm, prompts, hf_greedy)
         while llm.scheduler.has_unfinished():
             tokens += [request_output(request, None).outputs[0].token_ids for request in llm._step()]
         assert tokens == [hf_greedy[LONG[0]]]
-        assert llm.stats().gpu_blocks_used == 0
+        assert llm.stats().kv_blocks_used == 0
     per_layer_block = stats.bytes_per_block // 18  # (the all-layer LLM's block)
     assert held[True] == {"global": 52 * 3 * per_layer_block, "sliding_window": 5 * 33 * 3 * per_layer_block}
     assert held[False] == {"global": 52 * 18 * per_layer_block}
 
 
 def test_llm_from_a_transformers_gemma3(hf_model, prompts, hf_greedy):
-    llm = LLM(hf_model, num_gpu_blocks=64)
+    llm = LLM(hf_model, num_kv_blocks=64)
     assert llm.model.config.sliding_windows[:6] == (WINDOW,) * 5 + (None,)
     assert greedy_tokens(llm, [prompts[i] for i in SHORT[:2]]) == [hf_greedy[i] for i in SHORT[:2]]
 

@@ -14,7 +14,7 @@ from paged_attn.engine import LLM, SamplingParams
 
 @pytest.fixture
 def llm(tiny_model):
-    return LLM(tiny_model, block_size=4, num_gpu_blocks=64)
+    return LLM(tiny_model, block_size=4, num_kv_blocks=64)
 
 
 def token_ids(outputs):
@@ -26,7 +26,7 @@ def token_ids(outputs):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn, "float32"])
 def test_unsupported_dtypes_are_refused_at_construction(tiny_model, dtype):
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16"):
-        LLM(tiny_model, dtype=dtype, num_gpu_blocks=8)
+        LLM(tiny_model, dtype=dtype, num_kv_blocks=8)
 
 
 def test_float16_is_refused_where_this_cpu_cannot_multiply_it(tiny_model, monkeypatch):
@@ -43,20 +43,20 @@ def test_float16_is_refused_where_this_cpu_cannot_multiply_it(tiny_model, monkey
 
     monkeypatch.setattr(LlamaModel, "_linear", staticmethod(no_half))
     with pytest.raises(ValueError, match=r"float16 is not supported on cpu.*supported here: float32, bfloat16"):
-        LLM(tiny_model, dtype=torch.float16, num_gpu_blocks=8)
+        LLM(tiny_model, dtype=torch.float16, num_kv_blocks=8)
 
 
 @pytest.mark.parametrize("device", ["meta", "foo", "cuda:x", 3.5])
 def test_unsupported_devices_are_refused(tiny_model, device):
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
-        LLM(tiny_model, device=device, num_gpu_blocks=8)
+        LLM(tiny_model, device=device, num_kv_blocks=8)
 
 
 def test_kv_reservation_none_is_a_deprecated_spelling_of_paged(tiny_model):
     prompts, params = [[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=3)
-    paged = LLM(tiny_model, block_size=4, num_gpu_blocks=64, kv_reservation="paged")
+    paged = LLM(tiny_model, block_size=4, num_kv_blocks=64, kv_reservation="paged")
     with pytest.warns(DeprecationWarning, match='"paged"'):
-        none = LLM(tiny_model, block_size=4, num_gpu_blocks=64, kv_reservation="none")
+        none = LLM(tiny_model, block_size=4, num_kv_blocks=64, kv_reservation="none")
     assert none.scheduler.reservation.policy == "paged"
     assert token_ids(none.generate(prompts, params, use_tqdm=False)) == \
         token_ids(paged.generate(prompts, params, use_tqdm=False))
@@ -69,12 +69,30 @@ def test_kv_cache_memory_must_be_a_positive_finite_number(tiny_model, kv_cache_m
         LLM(tiny_model, kv_cache_memory=kv_cache_memory)
 
 
+
+def test_the_old_gpu_and_cpu_block_keywords_still_work_and_warn(tiny_model):
+    """num_gpu_blocks / num_cpu_blocks: deprecated names of num_kv_blocks / num_swap_blocks (the pool is on the
+    engine's device, often the CPU), still accepted, with a DeprecationWarning; so are EngineStats' old fields."""
+    with pytest.warns(DeprecationWarning) as record:
+        llm = LLM(tiny_model, block_size=4, num_gpu_blocks=24, num_cpu_blocks=8)
+    assert sorted(str(w.message) for w in record) == ["num_cpu_blocks is deprecated; use num_swap_blocks",
+                                                      "num_gpu_blocks is deprecated; use num_kv_blocks"]
+    stats = llm.stats()
+    assert (stats.num_kv_blocks, stats.num_swap_blocks) == (24, 8)
+    for old, value in [("num_gpu_blocks", 24), ("num_cpu_blocks", 8), ("gpu_blocks_used", 0),
+                       ("peak_gpu_blocks_used", 0)]:
+        with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
+            assert getattr(stats, old) == value
+    with pytest.raises(TypeError, match="deprecated name 'num_gpu_blocks'"):
+        LLM(tiny_model, num_kv_blocks=8, num_gpu_blocks=8)
+
+
 def test_an_oversized_pool_fails_fast_and_says_why(tiny_model):
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=r"num_gpu_blocks=30000000 blocks .* GiB of KV cache"):
-        LLM(tiny_model, num_gpu_blocks=30_000_000)
-    with pytest.raises(ValueError, match=r"num_cpu_blocks=30000000 blocks"):
-        LLM(tiny_model, num_gpu_blocks=8, num_cpu_blocks=30_000_000)
+    with pytest.raises(ValueError, match=r"num_kv_blocks=30000000 blocks .* GiB of KV cache"):
+        LLM(tiny_model, num_kv_blocks=30_000_000)
+    with pytest.raises(ValueError, match=r"num_swap_blocks=30000000 blocks"):
+        LLM(tiny_model, num_kv_blocks=8, num_swap_blocks=30_000_000)
     assert time.perf_counter() - start < 5  # (was: half a minute and ~6 GB of Python lists, then an error)
 
 
@@ -157,9 +175,9 @@ def test_requests_sharing_a_prefix_with_one_being_computed_wait_one_step_and_sha
     prefix = list(range(20, 33))  # 13 tokens: 3 full blocks of 4
     prompts = [prefix + [40 + i, 50 + i] for i in range(4)] + [[60, 61, 62, 63, 64, 65]]
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    plain = LLM(tiny_model, block_size=4, num_gpu_blocks=64)
+    plain = LLM(tiny_model, block_size=4, num_kv_blocks=64)
     expected = token_ids(plain.generate(prompts, params, use_tqdm=False))
-    llm = LLM(tiny_model, block_size=4, num_gpu_blocks=64, enable_prefix_caching=True)
+    llm = LLM(tiny_model, block_size=4, num_kv_blocks=64, enable_prefix_caching=True)
     prefills = []  # per step: (request id, tokens computed) of each sequence in prefill
     schedule = llm.scheduler.schedule
 
@@ -184,14 +202,14 @@ def test_requests_sharing_a_prefix_with_one_being_computed_wait_one_step_and_sha
 
 def test_the_token_budget_must_cover_a_decode_of_every_running_sequence(tiny_model):
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be at least max_num_seqs \(16\)"):
-        LLM(tiny_model, num_gpu_blocks=8, max_num_batched_tokens=8, max_num_seqs=16)
+        LLM(tiny_model, num_kv_blocks=8, max_num_batched_tokens=8, max_num_seqs=16)
 
 
 @pytest.mark.parametrize("config", [
     dict(),
     dict(enable_prefix_caching=True),
-    dict(num_gpu_blocks=44, num_cpu_blocks=64, admission_headroom=0),
-    dict(num_gpu_blocks=44, admission_headroom=0),
+    dict(num_kv_blocks=44, num_swap_blocks=64, admission_headroom=0),
+    dict(num_kv_blocks=44, admission_headroom=0),
 ], ids=["chunked", "chunked+prefix_caching", "chunked+swap", "chunked+recompute"])
 def test_chunked_prefill_changes_no_token(tiny_model, config):
     """Prompts of up to 43 tokens computed 8 tokens a step (decodes included), with parallel sampling (which forks
@@ -203,15 +221,15 @@ def test_chunked_prefill_changes_no_token(tiny_model, config):
               SamplingParams(max_tokens=16, ignore_eos=True),
               SamplingParams(max_tokens=16, n=2, temperature=0.8, seed=2),
               SamplingParams(max_tokens=16, ignore_eos=True)]
-    expected = token_ids(LLM(tiny_model, block_size=4, num_gpu_blocks=128).generate(prompts, params, use_tqdm=False))
-    llm = LLM(tiny_model, block_size=4, max_num_batched_tokens=8, max_num_seqs=8, **{"num_gpu_blocks": 128, **config})
+    expected = token_ids(LLM(tiny_model, block_size=4, num_kv_blocks=128).generate(prompts, params, use_tqdm=False))
+    llm = LLM(tiny_model, block_size=4, max_num_batched_tokens=8, max_num_seqs=8, **{"num_kv_blocks": 128, **config})
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
     stats = llm.stats()
     assert stats.num_mixed_steps > 0
     assert stats.num_preemptions > 0 if "admission_headroom" in config else stats.num_preemptions == 0
     if config.get("enable_prefix_caching"):  # the last prompt shares 40 tokens with the first
         assert stats.prefix_cache_hit_tokens > 0
-    assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_gpu_blocks
+    assert llm.scheduler.block_manager.num_free_blocks == llm.scheduler.block_manager.num_kv_blocks
 
 
 # ---- torch_compile ----
@@ -223,9 +241,9 @@ def test_torch_compile_runs_large_steps_compiled_with_the_same_tokens(tiny_model
 
     prompts = [[(7 * i + 3 * j) % 100 + 1 for j in range(40 + i)] for i in range(4)]  # 166 prompt tokens
     params = SamplingParams(max_tokens=12)
-    eager = LLM(LlamaModel(tiny_model.config, tiny_model.state_dict()), block_size=4, num_gpu_blocks=128)
+    eager = LLM(LlamaModel(tiny_model.config, tiny_model.state_dict()), block_size=4, num_kv_blocks=128)
     model = LlamaModel(tiny_model.config, tiny_model.state_dict())
-    compiled = LLM(model, block_size=4, num_gpu_blocks=128, torch_compile=True)
+    compiled = LLM(model, block_size=4, num_kv_blocks=128, torch_compile=True)
     calls = []
 
     def counted(fn):
@@ -263,8 +281,8 @@ def test_torch_compile_is_the_engines_own_not_the_shared_models(tiny_model, monk
     prompts = [[(7 * i + 3 * j) % 100 + 1 for j in range(40 + i)] for i in range(4)]  # 166 prompt tokens
     params = SamplingParams(max_tokens=2)
     model = LlamaModel(tiny_model.config, tiny_model.state_dict())
-    compiled = LLM(model, block_size=4, num_gpu_blocks=128, torch_compile=True)
-    eager = LLM(model, block_size=4, num_gpu_blocks=128)
+    compiled = LLM(model, block_size=4, num_kv_blocks=128, torch_compile=True)
+    eager = LLM(model, block_size=4, num_kv_blocks=128)
     assert eager.model is compiled.model is model  # shared, not copied
     expected = eager.generate(prompts, params, use_tqdm=False)
     assert compiled_calls == [], "an engine built without torch_compile ran compiled kernels"
@@ -275,7 +293,7 @@ def test_torch_compile_is_the_engines_own_not_the_shared_models(tiny_model, monk
 def test_the_runners_paged_metadata_is_the_block_managers(tiny_model):
     """A step's slot mapping and block tables, as the runner builds them, are what the block manager's public
     methods give for the same sequences (one arithmetic for both): a chunked prefill and a decode next to it."""
-    llm = LLM(tiny_model, block_size=4, num_gpu_blocks=64, max_num_batched_tokens=12, max_num_seqs=4)
+    llm = LLM(tiny_model, block_size=4, num_kv_blocks=64, max_num_batched_tokens=12, max_num_seqs=4)
     scheduler, manager = llm.scheduler, llm.scheduler.block_manager
     for request_id, prompt in enumerate([[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]):
         scheduler.add(llm._make_request(request_id, prompt, SamplingParams(max_tokens=4)))

@@ -16,7 +16,7 @@ def generate(model, dtype, prompts, params, prefix_caching, monkeypatch, sharing
         monkeypatch.delenv(SWITCH, raising=False)
     else:
         monkeypatch.setenv(SWITCH, "1")
-    llm = LLM(model, dtype=dtype, block_size=4, num_gpu_blocks=256, enable_prefix_caching=prefix_caching)
+    llm = LLM(model, dtype=dtype, block_size=4, num_kv_blocks=256, enable_prefix_caching=prefix_caching)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.delenv(SWITCH, raising=False)
     completions = [(c.token_ids, c.cumulative_logprob) for output in outputs for c in output.outputs]
@@ -50,7 +50,7 @@ def test_decode_steps_pass_shared_plans(tiny_model, monkeypatch):
 
     prompt = torch.randint(0, 101, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_tokens=12, n=4, temperature=1.0, seed=7, ignore_eos=True)
-    plain = LLM(tiny_model, block_size=4, num_gpu_blocks=256).generate([prompt], params, use_tqdm=False)
+    plain = LLM(tiny_model, block_size=4, num_kv_blocks=256).generate([prompt], params, use_tqdm=False)
     seen = []
     attention = ops.paged_attention
 
@@ -63,7 +63,7 @@ def test_decode_steps_pass_shared_plans(tiny_model, monkeypatch):
         if switch_off:
             monkeypatch.setenv(SWITCH, "1")
         seen.clear()
-        llm = LLM(tiny_model, block_size=4, num_gpu_blocks=256)
+        llm = LLM(tiny_model, block_size=4, num_kv_blocks=256)
         llm.runner.plan_shared_blocks = True
         outputs = llm.generate([prompt], params, use_tqdm=False)
         assert [c.token_ids for c in outputs[0].outputs] == [c.token_ids for c in plain[0].outputs]

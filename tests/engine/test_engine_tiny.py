@@ -51,10 +51,10 @@ def assert_greedy(hf_model, device, prompt, tokens, atol=1e-3):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", [
-    dict(num_gpu_blocks=256),  # (by default a CUDA engine takes half the GPU's free memory)
+    dict(num_kv_blocks=256),  # (by default a CUDA engine takes half the GPU's free memory)
     # (admission_headroom=0: admit whenever a prompt fits, so that the small pool overflows)
-    dict(block_size=8, num_gpu_blocks=14, num_cpu_blocks=32, admission_headroom=0),  # preemption by swapping
-    dict(block_size=8, num_gpu_blocks=14, admission_headroom=0),  # preemption by recomputation
+    dict(block_size=8, num_kv_blocks=14, num_swap_blocks=32, admission_headroom=0),  # preemption by swapping
+    dict(block_size=8, num_kv_blocks=14, admission_headroom=0),  # preemption by recomputation
 ], ids=["default", "swap", "recompute"])
 def test_engine_greedy_matches_transformers(hf_model, prompts, device, config):
     from paged_attn.engine import LLM, SamplingParams
@@ -67,8 +67,8 @@ def test_engine_greedy_matches_transformers(hf_model, prompts, device, config):
     stats = llm.stats()
     if config.get("block_size"):
         assert stats.num_preemptions > 0
-        assert (stats.num_swapped_out if config.get("num_cpu_blocks") else stats.num_recomputed) > 0
-    assert stats.gpu_blocks_used == 0 and not llm.scheduler.block_manager.seqs
+        assert (stats.num_swapped_out if config.get("num_swap_blocks") else stats.num_recomputed) > 0
+    assert stats.kv_blocks_used == 0 and not llm.scheduler.block_manager.seqs
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -78,7 +78,7 @@ def test_engine_parallel_sampling_copies_on_write(hf_model, prompts, device):
     from paged_attn.engine import LLM, SamplingParams
 
     model = hf_model.to(device)
-    llm = LLM(model, device=device, dtype=torch.float32, block_size=8, num_gpu_blocks=64)
+    llm = LLM(model, device=device, dtype=torch.float32, block_size=8, num_kv_blocks=64)
     prompt = prompts[2][:-3]  # 37 tokens: 4 full blocks of 8 shared, and a partial one copied on write
     output = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, n=3, temperature=1.0, seed=7,
                                                    ignore_eos=True), use_tqdm=False)[0]
@@ -91,7 +91,7 @@ def test_engine_parallel_sampling_copies_on_write(hf_model, prompts, device):
             logprobs = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].double(), dim=-1)
         expected = logprobs.gather(-1, ids[0, len(prompt):, None]).sum().item()
         assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
-    assert llm.stats().gpu_blocks_used == 0
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_small_cpu_steps_run_elementwise_work_on_one_thread(hf_model, prompts, monkeypatch):
@@ -108,7 +108,7 @@ def test_small_cpu_steps_run_elementwise_work_on_one_thread(hf_model, prompts, m
 
     def run(serial_below):
         monkeypatch.setattr(layers, "SERIAL_ELEMENTWISE_TOKENS", serial_below)
-        llm = LLM(model, dtype=torch.float32, num_gpu_blocks=256)
+        llm = LLM(model, dtype=torch.float32, num_kv_blocks=256)
         steps = []  # per step: (tokens, thread counts seen by set_num_threads, thread counts of the projections)
         set_threads, linear, forward = torch.set_num_threads, llm.model._linear, llm.model.forward
 

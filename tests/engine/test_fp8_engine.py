@@ -38,7 +38,7 @@ def test_same_memory_holds_four_times_the_tokens_of_float32(model):
     float32 = LLM(model, kv_cache_memory=memory)
     fp8 = LLM(model, kv_cache_memory=memory, kv_cache_dtype="fp8_e4m3")
     assert fp8.stats().bytes_per_block * 4 == float32.stats().bytes_per_block
-    assert fp8.stats().num_gpu_blocks == 4 * float32.stats().num_gpu_blocks
+    assert fp8.stats().num_kv_blocks == 4 * float32.stats().num_kv_blocks
     assert (float32.stats().kv_cache_dtype, fp8.stats().kv_cache_dtype) == ("float32", "float8_e4m3fn")
     key_cache, value_cache = fp8.runner.kv_caches[0]
     assert key_cache.dtype == value_cache.dtype == torch.float8_e4m3fn
@@ -58,7 +58,7 @@ def test_bad_kv_cache_options_raise(model, kwargs, match):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_calibration_puts_the_first_prompts_largest_value_at_half_the_format_max(model, prompts, kv_cache_dtype):
-    llm = LLM(model, kv_cache_dtype=kv_cache_dtype, calibrate_kv_scales=True, num_gpu_blocks=64)
+    llm = LLM(model, kv_cache_dtype=kv_cache_dtype, calibrate_kv_scales=True, num_kv_blocks=64)
     for key_cache, value_cache in llm.runner.kv_caches:  # so that the unwritten slots read 0
         key_cache.view(torch.uint8).zero_()
         value_cache.view(torch.uint8).zero_()
@@ -81,14 +81,14 @@ def test_calibration_covers_the_first_prompts_whole_prefill_at_any_token_budget(
     first = prompts[:3]
 
     def calibrated_scales(**kwargs):
-        llm = LLM(model, kv_cache_dtype="fp8_e4m3", calibrate_kv_scales=True, num_gpu_blocks=64, **kwargs)
+        llm = LLM(model, kv_cache_dtype="fp8_e4m3", calibrate_kv_scales=True, num_kv_blocks=64, **kwargs)
         greedy(llm, first, max_tokens=1)
         return [(k.item(), v.item()) for k, v in llm.runner.kv_scales]
 
     default = calibrated_scales()
     assert calibrated_scales(max_num_batched_tokens=16, max_num_seqs=16) == default
     assert calibrated_scales(max_num_batched_tokens=1, max_num_seqs=1) == default
-    float32 = LLM(model, num_gpu_blocks=64)
+    float32 = LLM(model, num_kv_blocks=64)
     for key_cache, value_cache in float32.runner.kv_caches:  # so that the unwritten slots read 0
         key_cache.zero_()
         value_cache.zero_()
@@ -97,16 +97,16 @@ def test_calibration_covers_the_first_prompts_whole_prefill_at_any_token_budget(
     assert [scale for pair in default for scale in pair] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("num_cpu_blocks", [64, 0], ids=["swap", "recompute"])
-def test_preemption_with_an_fp8_cache_keeps_the_tokens(model, prompts, num_cpu_blocks):
+@pytest.mark.parametrize("num_swap_blocks", [64, 0], ids=["swap", "recompute"])
+def test_preemption_with_an_fp8_cache_keeps_the_tokens(model, prompts, num_swap_blocks):
     # Swapping copies fp8 blocks byte for byte; recomputation writes the same values again: the tokens are those of
     # a pool large enough for no preemption.
     expected = greedy(LLM(model, kv_cache_dtype="fp8_e4m3", block_size=4), prompts[:6])
-    llm = LLM(model, kv_cache_dtype="fp8_e4m3", block_size=4, num_gpu_blocks=40, num_cpu_blocks=num_cpu_blocks,
+    llm = LLM(model, kv_cache_dtype="fp8_e4m3", block_size=4, num_kv_blocks=40, num_swap_blocks=num_swap_blocks,
               admission_headroom=0)
     assert greedy(llm, prompts[:6]) == expected
     stats = llm.stats()
-    assert (stats.num_swapped_out if num_cpu_blocks else stats.num_recomputed) > 0
+    assert (stats.num_swapped_out if num_swap_blocks else stats.num_recomputed) > 0
 
 
 def test_fp8_accuracy_against_the_float32_cache(model):

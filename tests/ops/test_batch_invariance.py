@@ -1,8 +1,9 @@
 """Batch invariance of the CPU decode (issue 24, section 2): a query row's output bits depend only on its own query,
 keys, values and length.
 
-csrc/cpu/attention.cpp cuts every decode row's keys at fixed token positions (multiples of 512), attends each chunk
-from a fresh online-softmax state and merges the chunks left to right, whatever the batch and the thread count.
+csrc/cpu/attention.cpp cuts every decode row's keys into partitions at fixed token positions (multiples of 512),
+attends each from a fresh online-softmax state and merges them left to right, whatever the batch and the thread
+count.
 So a sequence's output must be bit-identical (torch.equal):
   (a) alone and in a batch with sequences of other lengths (long and short ones, which once changed how its row was
       split into partitions),
@@ -40,7 +41,7 @@ HEAD_DIM = 128
 FEATURES = {
     "plain": {},
     "alibi": {"alibi": True},
-    "window": {"sliding_window": 700},  # starts inside a chunk, and inside a tile, for most lengths
+    "window": {"sliding_window": 700},  # starts inside a partition, and inside a tile, for most lengths
     "soft_cap": {"logits_soft_cap": 20.0},
     "all": {"alibi": True, "sliding_window": 1000, "logits_soft_cap": 30.0, "scale": 0.05},
 }

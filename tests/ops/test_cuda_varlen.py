@@ -30,7 +30,7 @@ def test_head_dims_with_and_without_tensor_cores(head_dim, dtype):
     torch.testing.assert_close(attend(case), expected(case), **tolerance(dtype))
 
 
-def test_group_of_80_heads_takes_two_head_chunks():
+def test_group_of_80_heads_takes_two_thread_blocks():
     case = make_varlen_case([(60, 60), (9, 1), (100, 30)], 80, 1, 64, 16, torch.bfloat16, "cuda")
     torch.testing.assert_close(attend(case), expected(case), **tolerance(torch.bfloat16))
 

@@ -55,11 +55,11 @@ def fills_waves(blocks, slots):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Group variants (a thread block's registers are sized for 1, 4 or 8 query heads) and head chunks
+# Group variants (a thread block's registers are sized for 1, 4 or 8 query heads) and thread blocks per head group
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,variant,chunks,per_block",
+    "num_heads,num_kv_heads,variant,blocks,per_block",
     [
         (32, 32, 1, 1, 1),  # MHA: the 1-head variant
         (32, 16, 4, 1, 2),  # groups 2-4: the 4-head variant
@@ -67,21 +67,21 @@ def fills_waves(blocks, slots):
         (32, 8, 4, 1, 4),  # GQA-4
         (40, 8, 8, 1, 5),  # groups 5-8: the 8-head variant
         (64, 8, 8, 1, 8),
-        (10, 1, 8, 2, 5),  # larger groups: balanced chunks of at most 8 heads
+        (10, 1, 8, 2, 5),  # larger groups: balanced parts of at most 8 heads
         (16, 1, 8, 2, 8),
         (17, 1, 8, 3, 6),
         (24, 1, 8, 3, 8),
     ],
 )
-def test_group_variant_and_head_chunks(num_heads, num_kv_heads, variant, chunks, per_block):
+def test_group_variant_and_blocks_per_group(num_heads, num_kv_heads, variant, blocks, per_block):
     plan = attention_plan(num_seqs=64, num_heads=num_heads, num_kv_heads=num_kv_heads, num_sms=1, blocks_per_sm=1)
     assert plan["error"] is None
     group = num_heads // num_kv_heads
-    assert (plan["group_size"], plan["group_variant"], plan["head_chunks"], plan["heads_per_block"]) == (
-        group, variant, chunks, per_block)
+    assert (plan["group_size"], plan["group_variant"], plan["blocks_per_group"], plan["heads_per_block"]) == (
+        group, variant, blocks, per_block)
     assert plan["heads_per_block"] <= plan["group_variant"]
-    assert (chunks - 1) * per_block < group <= chunks * per_block  # every head in exactly one chunk
-    assert plan["grid"] == (64, num_kv_heads * chunks, 1)  # 64 waves or more on one slot: single pass
+    assert (blocks - 1) * per_block < group <= blocks * per_block  # every head in exactly one thread block
+    assert plan["grid"] == (64, num_kv_heads * blocks, 1)  # 64 waves or more on one slot: single pass
     assert plan["threads"] == 128 and plan["shared_bytes"] == 0
 
 
@@ -241,10 +241,10 @@ def test_plans_fill_whole_waves(heads, blocks_per_sm):
                                   blocks_per_sm)
             what = f"{heads} batch {num_seqs} context {context} blocks_per_sm {blocks_per_sm}: {plan}"
             assert plan["error"] is None, what
-            chunks = ceil_div(num_heads // num_kv_heads, 8)
-            base = num_seqs * num_kv_heads * chunks  # thread blocks per partition slot
+            blocks = ceil_div(num_heads // num_kv_heads, 8)
+            base = num_seqs * num_kv_heads * blocks  # thread blocks per partition slot
             grid_x, grid_y, grid_z = plan["grid"]
-            assert (grid_x, grid_y) == (num_seqs, num_kv_heads * chunks), what
+            assert (grid_x, grid_y) == (num_seqs, num_kv_heads * blocks), what
             max_context = max_blocks * block_size
             partitions, size = plan["num_partitions"], plan["partition_size"]
             assert 1 <= grid_z <= min(partitions, MAX_GRID_YZ), what
@@ -282,8 +282,8 @@ def test_many_sequences_are_launched_on_grid_x():
     "sizes,message",
     [
         (dict(num_seqs=2**31), "grid.x = num_seqs = 2147483648 is outside [1, 2147483647]"),
-        (dict(num_heads=70000, num_kv_heads=70000), "grid.y = num_kv_heads * head_chunks = 70000 is outside"),
-        (dict(num_heads=16 * 40000, num_kv_heads=40000), "grid.y = num_kv_heads * head_chunks = 80000 is outside"),
+        (dict(num_heads=70000, num_kv_heads=70000), "grid.y = num_kv_heads * blocks_per_group = 70000 is outside"),
+        (dict(num_heads=16 * 40000, num_kv_heads=40000), "grid.y = num_kv_heads * blocks_per_group = 80000 is outside"),
         (dict(num_heads=65536, num_kv_heads=8192), "grid.y = num_heads = 65536 is outside [1, 65535]"),
     ],
 )
@@ -333,24 +333,24 @@ def varlen_plan(num_seqs=4, num_tokens=100, num_heads=32, num_kv_heads=8, head_d
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,chunks,heads,tokens",
+    "num_heads,num_kv_heads,blocks,heads,tokens",
     [
         (32, 32, 1, 1, 64),  # MHA: 64 tokens of one head per tile
         (32, 8, 1, 4, 16),  # GQA-4: 16 tokens x 4 heads
         (6, 2, 1, 3, 21),  # 63 of the 64 rows used
         (64, 8, 1, 8, 8),
         (64, 1, 1, 64, 1),  # one token of 64 heads
-        (80, 1, 2, 40, 1),  # two chunks of 40 heads
+        (80, 1, 2, 40, 1),  # two thread blocks of 40 heads
         (128, 1, 2, 64, 1),
     ],
 )
-def test_varlen_tiles(num_heads, num_kv_heads, chunks, heads, tokens):
+def test_varlen_tiles(num_heads, num_kv_heads, blocks, heads, tokens):
     plan = varlen_plan(num_seqs=5, num_tokens=1000, num_heads=num_heads, num_kv_heads=num_kv_heads)
     assert plan["error"] is None
-    assert (plan["head_chunks"], plan["heads_per_tile"], plan["tokens_per_tile"]) == (chunks, heads, tokens)
+    assert (plan["blocks_per_group"], plan["heads_per_tile"], plan["tokens_per_tile"]) == (blocks, heads, tokens)
     group = num_heads // num_kv_heads
-    assert (chunks - 1) * heads < group <= chunks * heads and heads * tokens <= 64
-    assert plan["grid"] == (1000 // tokens + 5, num_kv_heads * chunks, 1) and plan["threads"] == 128
+    assert (blocks - 1) * heads < group <= blocks * heads and heads * tokens <= 64
+    assert plan["grid"] == (1000 // tokens + 5, num_kv_heads * blocks, 1) and plan["threads"] == 128
 
 
 def tiles_of_each_row(starts, tokens_per_tile):
@@ -402,7 +402,7 @@ def test_varlen_shared_memory():
         (dict(head_dim=32), "head_dim 32 has no tensor-core kernel"),
         (dict(element_bytes=4), "takes float16 and bfloat16"),
         (dict(block_size=64), "block_size 64 is not supported (supported: 8, 16, 32)"),
-        (dict(num_heads=70000, num_kv_heads=70000), "grid.y = num_kv_heads * head_chunks = 70000 is outside"),
+        (dict(num_heads=70000, num_kv_heads=70000), "grid.y = num_kv_heads * blocks_per_group = 70000 is outside"),
         (dict(num_seqs=0), "invalid sizes"),
         (dict(num_heads=6, num_kv_heads=4), "invalid sizes"),
     ],

@@ -16,12 +16,12 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def split_attention(num_tokens, num_heads, head_size, num_keys, split, dtype, device):
+def split_attention(num_tokens, num_heads, head_dim, num_keys, split, dtype, device):
     """The two parts (over keys [0, split) and [split, num_keys)), rounded to dtype (lse float32) as a kernel would
     write them, and the float64 attention over all keys."""
-    query = torch.randn(num_tokens, num_heads, head_size, dtype=torch.float64) * 2
-    keys = torch.randn(num_keys, num_heads, head_size, dtype=torch.float64)
-    values = torch.randn(num_keys, num_heads, head_size, dtype=torch.float64)
+    query = torch.randn(num_tokens, num_heads, head_dim, dtype=torch.float64) * 2
+    keys = torch.randn(num_keys, num_heads, head_dim, dtype=torch.float64)
+    values = torch.randn(num_keys, num_heads, head_dim, dtype=torch.float64)
     out_a, lse_a = reference.attention_with_lse(query, keys[:split], values[:split])
     out_b, lse_b = reference.attention_with_lse(query, keys[split:], values[split:])
     full = reference.attention_with_lse(query, keys, values)
@@ -161,7 +161,7 @@ def error_parts(device="cpu"):
 
 ERRORS = {
     "out_a rank": (lambda a, la, b, lb: ((a[0], la, b[0], lb), {}), r"out_a must have shape \[num_tokens, num_heads, "
-                   r"head_size\], got \[2, 32\]"),
+                   r"head_dim\], got \[2, 32\]"),
     "out_a dtype": (lambda a, la, b, lb: ((a.double(), la, b.double(), lb), {}),
                     "out_a must be float32, float16 or bfloat16, got Double"),
     "out_b dtype": (lambda a, la, b, lb: ((a, la, b.half(), lb), {}),

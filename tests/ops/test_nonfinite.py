@@ -4,9 +4,9 @@ A decode row of a sequence of length L with sliding window W sees tokens [max(0,
 cache holds may be anything, NaN and inf included, and must not reach the row: the tokens before its window, the
 unused slots of its partially filled last block, the tokens past L (block-table entries past the end that point at
 real, poisoned blocks), the unused tail of the kernel's 16-token tile (L not a multiple of 16), and, where a long
-row's 512-token chunks are merged (and cut between threads), the same around the chunk boundaries. Conversely a NaN
-the row does see makes its output NaN, and an inf value it sees makes that output element inf (as in the reference:
-the AVX-512 bf16 path once gave NaN, from a bf16 weight of 0 times the inf value).
+row's 512-token partitions are merged (and cut between threads), the same around the partition boundaries.
+Conversely a NaN the row does see makes its output NaN, and an inf value it sees makes that output element inf (as
+in the reference: the AVX-512 bf16 path once gave NaN, from a bf16 weight of 0 times the inf value).
 
 Each case is checked against paged_attn.reference.paged_attention in float64 (which sums over exactly the visible
 keys), within the query dtype's tolerance (test_attention.tolerance), NaN matching NaN and inf matching inf.
@@ -45,7 +45,7 @@ PATHS = {
     "float16q-e5m2": (torch.float16, E5M2, 80),
 }
 SEQ_LENS = [1, 7, 16, 20, 33, 50, 100]  # partial tiles and blocks, exact multiples, one token
-HEADS = [(4, 4), (8, 2), (6, 1)]  # MHA, GQA (group 4), MQA (group 6: head tiles of 4 and 2)
+HEADS = [(4, 4), (8, 2), (6, 1)]  # MHA, GQA (group 4), MQA (group 6: head passes of 4 and 2)
 
 
 def fp8_scales(cache_dtype):
@@ -101,7 +101,7 @@ def check_against_reference(args, kwargs, *, expect_finite):
 
 @pytest.fixture
 def threads(request):
-    """torch.set_num_threads(n) for the test (which thread takes which of a row's chunks depends on the count)."""
+    """torch.set_num_threads(n) for the test (which thread takes which of a row's partitions depends on the count)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param
@@ -129,9 +129,9 @@ def test_poison_outside_the_visible_range_never_reaches_a_row(path, heads, poiso
 @pytest.mark.parametrize("poison", [NAN, INF], ids=["nan", "inf"])
 @pytest.mark.parametrize("path", PATHS)
 def test_poison_outside_the_visible_range_with_split_partitions(path, poison, sliding_window, threads):
-    # Two long sequences on 4 threads: each is cut into 512-token chunks, and between threads, and the chunks
-    # merged (the cache holds more than 2 MiB of keys and values even in fp8, so that the kernel uses more than one
-    # thread); lengths and window leave partial tiles, chunks and blocks at both ends.
+    # Two long sequences on 4 threads: each is cut into 512-token partitions, and between threads, and the
+    # partitions merged (the cache holds more than 2 MiB of keys and values even in fp8, so that the kernel uses more
+    # than one thread); lengths and window leave partial tiles, partitions and blocks at both ends.
     query_dtype, cache_dtype, head_dim = PATHS[path]
     args, kwargs = make_poisoned_case([3001, 4100], 16, 4, head_dim, 16, query_dtype, cache_dtype, poison,
                                       sliding_window)
@@ -186,7 +186,7 @@ def test_a_visible_inf_value_gives_inf(path, seq_len, token, sign):
 @pytest.mark.parametrize("path", INF_PATHS)
 def test_a_visible_inf_value_gives_inf_with_split_partitions(path, threads):
     query_dtype, cache_dtype, head_dim = PATHS[path]
-    # One sequence on 4 threads: cut between them, an inf in the first, a middle and the last chunk.
+    # One sequence on 4 threads: cut between them, an inf in the first, a middle and the last partition.
     args, kwargs = make_poisoned_case([6001], 16, 4, head_dim, 16, query_dtype, cache_dtype, NAN)
     for token, element in [(0, 1), (3500, 2), (6000, 3)]:
         args[2][args[3][0, token // 16], token % 16, 1, element] = poison_value(cache_dtype, INF)

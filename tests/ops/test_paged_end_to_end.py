@@ -28,16 +28,16 @@ def dense_attention(query, keys, values):
 class PagedWorld:
     """GPU-side caches (on `device`), CPU swap space, a BlockManager, and the contiguous truth per sequence."""
 
-    def __init__(self, device, num_gpu_blocks=24, num_cpu_blocks=16, enable_prefix_caching=False):
+    def __init__(self, device, num_kv_blocks=24, num_swap_blocks=16, enable_prefix_caching=False):
         self.device = torch.device(device)
-        shape = (num_gpu_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        shape = (num_kv_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         self.key_cache = torch.full(shape, float("nan"), device=device)
         self.value_cache = torch.full(shape, float("nan"), device=device)
         pin = self.device.type == "cuda"
-        self.cpu_key_cache = torch.full((num_cpu_blocks,) + shape[1:], float("nan")).pin_memory() if pin else \
-            torch.full((num_cpu_blocks,) + shape[1:], float("nan"))
+        self.cpu_key_cache = torch.full((num_swap_blocks,) + shape[1:], float("nan")).pin_memory() if pin else \
+            torch.full((num_swap_blocks,) + shape[1:], float("nan"))
         self.cpu_value_cache = self.cpu_key_cache.clone()
-        self.manager = BlockManager(num_gpu_blocks, BLOCK_SIZE, num_cpu_blocks=num_cpu_blocks,
+        self.manager = BlockManager(num_kv_blocks, BLOCK_SIZE, num_swap_blocks=num_swap_blocks,
                                     enable_prefix_caching=enable_prefix_caching)
         self.prefix_caching = enable_prefix_caching
         self.tokens, self.keys, self.values = {}, {}, {}  # truth per sequence

@@ -1,10 +1,10 @@
-"""Shared blocks read once (issue 24, sections 1 and 2), CPU decode: paged_attention finds the chunks that several
-rows read in the same physical blocks (csrc/cpu/attention.cpp: find_shared_chunks) and attends each once for all of
-them, each row from its own state, so that a row's output bits cannot change.
+"""Shared blocks read once (issue 24, sections 1 and 2), CPU decode: paged_attention finds the partitions that several
+rows read in the same physical blocks (csrc/cpu/attention.cpp: find_shared_blocks) and attends each such shared
+segment once for all of them, each row from its own state, so that a row's output bits cannot change.
 
 The batches are trees of sharing, as fork, beam search and prefix caching make them: a 1,300-token prefix (it ends
-inside a chunk and inside a block) shared by six rows, three of them forking again at 2,100 tokens, tails of their own
-of other lengths, one row an exact fork of another (its partially filled last block shared too), and a row that
+inside a partition and inside a block) shared by six rows, three of them forking again at 2,100 tokens, tails of their
+own of other lengths, one row an exact fork of another (its partially filled last block shared too), and a row that
 shares nothing. Every row's output must be bit-identical (torch.equal):
   (a) with the shared blocks copied into distinct blocks of the same bytes (nothing left to share),
   (b) with the search for sharing switched off (PAGED_ATTN_NO_SHARED_BLOCKS=1),
@@ -13,7 +13,7 @@ shares nothing. Every row's output must be bit-identical (torch.equal):
 and close to paged_attn.reference.paged_attention in float64; for float32, float16, bfloat16 (the AVX-512 bf16 path
 where the CPU has it, and the portable path), a bf16 query over an fp8 cache with scales, GQA and MHA, ALiBi, a
 sliding window that ends inside the shared prefix, a soft cap, block sizes 1 to 64; and for the rows of a
-variable-length call, whose decode rows of one sequence share all but their last chunk. Unused cache slots hold NaN.
+variable-length call, whose decode rows of one sequence share all but their last partition. Unused cache slots hold NaN.
 """
 
 import os
@@ -148,9 +148,10 @@ def test_shared_blocks_for_every_block_size(block_size):
     check_tree("bfloat16", "gqa", "all", block_size)
 
 
-def test_many_rows_on_one_prefix_make_several_groups():
-    """40 rows behind one 1,024-token prefix (two whole chunks; more rows than a group holds), own 100-token tails,
-    and 2 rows of the set on 3 threads: the groups are cut, each reads the chunk once, the bits stay."""
+def test_many_rows_on_one_prefix_make_several_segments():
+    """40 rows behind one 1,024-token prefix (two whole partitions; more rows than a shared segment holds), own
+    100-token tails, and 2 rows of the set on 3 threads: the segments are cut, each reads the partition once, the
+    bits stay."""
     tree = [(1124, [("prefix", 1024)])] * 40
     rows = make_tree(8, 2, torch.bfloat16, torch.bfloat16, 21, tree)
     case = lay_out_shared(rows, 16, 22)
@@ -166,7 +167,7 @@ def test_many_rows_on_one_prefix_make_several_groups():
 @pytest.mark.parametrize("cache", ["float32", "bfloat16", "bf16q-e4m3"])
 def test_varlen_rows_share_their_sequence_and_prefix(cache, features):
     """A variable-length call: two sequences on one 1,300-token prefix, each with 3 query tokens (decode-kernel
-    rows, which share every chunk but the last with each other), and a 40-token prefill on the same prefix. Each
+    rows, which share every partition but the last with each other), and a 40-token prefill on the same prefix. Each
     decode row gives the bits of a decode call of its sequence cut to its position, alone; the prefill rows those of
     the prefill alone; all close to the float64 reference."""
     query_dtype, cache_dtype = CACHES[cache]

@@ -3,10 +3,10 @@ also counts S[h] as a logit without a value vector, unscaled, outside the soft c
 row: out = sum_t e^(x_t - M) v_t / (e^(S[h] - M) + sum_t e^(x_t - M)), M over the logits and the sink.
 
 Against paged_attn.reference.paged_attention(sinks=...) in float64 (itself checked here against openai/gpt-oss's
-torch/model.py sdpa, written out) for decode rows of several 512-token chunks (a sink added per chunk, or dropped,
-fails), tiled prefill rows and chunk rows, every feature and cache dtype, the AVX-512 and portable paths; the bits
-stay batch-invariant with sinks (alone, 1 or 2 threads, shared blocks or distinct copies); -inf sinks give the
-bits of no sinks; +inf and huge sinks give zeros, never NaN; float16/bfloat16 sinks are converted exactly; the lse
+torch/model.py sdpa, written out) for decode rows of several 512-token partitions (a sink added per partition, or
+dropped, fails), tiled prefill rows and chunk rows, every feature and cache dtype, the AVX-512 and portable paths;
+the bits stay batch-invariant with sinks (alone, 1 or 2 threads, shared blocks or distinct copies); -inf sinks give
+the bits of no sinks; +inf and huge sinks give zeros, never NaN; float16/bfloat16 sinks are converted exactly; the lse
 counts the sink, so a cascade that passes the sinks to one part merges into the full result; bad sinks are refused
 by the kernel and the fake with one message.
 """
@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import paged_attn
 from paged_attn import reference
 
-LENGTHS = [1500, 37, 3000, 1]  # 3,000 tokens: six 512-token chunks of the decode kernel
+LENGTHS = [1500, 37, 3000, 1]  # 3,000 tokens: six 512-token partitions of the decode kernel
 
 
 def make_sinks(num_heads, seed):
@@ -167,7 +167,7 @@ def test_half_precision_sinks_are_converted_exactly(dtype):
 @pytest.mark.parametrize("cache", ["float32", "bfloat16"])
 def test_sinks_over_shared_blocks_keep_the_bits_of_distinct_copies(cache):
     """Four rows on one 2,100-token prefix (in the same physical blocks, read once) against the same rows on
-    distinct copies of its blocks: the sink is added once per row, not per shared chunk."""
+    distinct copies of its blocks: the sink is added once per row, not per shared segment."""
     query_dtype, cache_dtype = CACHES[cache]
     num_heads, num_kv_heads = HEADS["gqa"]
     sinks = make_sinks(num_heads, 14)

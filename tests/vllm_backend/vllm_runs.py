@@ -9,7 +9,7 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
               served from its cached blocks (prefix caching on; ``num_cached_tokens`` recorded)
   shared      tiny Llama, a 544-token system prompt computed and cached by one request, then 8 requests behind it,
               each with its own question (prefix caching on): their block tables name the prompt's 17 cached
-              blocks, and our CPU op reads its first 512 tokens (a whole chunk of its decode kernel) once for all 8
+              blocks, and our CPU op reads its first 512 tokens (a whole partition of its decode kernel) once for all 8
   chunked     tiny Llama, the same prompts under ``max_num_batched_tokens=16`` (chunked prefill mixed with decodes)
   window      tiny Mistral whose sliding window (16) is shorter than most prompts
   gptoss      tiny gpt-oss (attention sinks, a sliding-window layer (16) and a full one, 4 experts, top-2), the
@@ -49,7 +49,7 @@ MAX_TOKENS = 24
 VOCAB_SIZE = 1024
 PROMPT_LENS = [5, 18, 33, 64, 97, 130]
 PREFIX_LEN = 96  # three full blocks of the 130-token prompt
-SYSTEM_PROMPT_LEN = 544  # the "shared" scenario's: 17 blocks, more than the CPU decode kernel's 512-token chunk
+SYSTEM_PROMPT_LEN = 544  # the "shared" scenario's: 17 blocks, more than the CPU decode kernel's 512-token partition
 SLIDING_WINDOW = 16
 GEMMA3_MAX_TOKENS = 16
 GEMMA3_WINDOW = 512
