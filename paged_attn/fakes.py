@@ -15,11 +15,16 @@ through both. Cache layout: see paged_attn/ops.py.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
 
 from . import _C  # noqa: F401  (defines the ops the fakes are registered for)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
 
 
 def _is_finite(x) -> bool:

@@ -1,0 +1,120 @@
+"""plan_shared_blocks: the shared-blocks plan of a decode batch for the CUDA kernel (``paged_attention``'s
+``shared_plan``), computed on the host from the batch's block tables. (The CPU kernel finds its shared blocks
+itself, csrc/cpu/attention.cpp.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .fakes import MAX_SHARED_TASKS, SHARED_PLAN_COLUMNS, SHARED_ROWS, _is_int
+
+
+def plan_shared_blocks(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    *,
+    num_queries_per_kv: int = 1,
+    min_shared_tokens: int = 64,
+) -> torch.Tensor:
+    """The shared-blocks plan of a decode batch, for :func:`paged_attention`'s ``shared_plan`` (CUDA): which rows
+    hold the same physical blocks at the same positions of their block tables, so that the kernel reads those
+    blocks once per kv head for all of them. Runs on the host, from tables the caller has there (an engine's
+    scheduler, vLLM's CPU-side block tables), so the CUDA launch never copies from the device; move the plan with
+    ``.to(device, non_blocking=True)``.
+
+    The rows' full blocks (``seq_lens[s] // block_size``) are sorted by their block-table entries; rows that agree
+    on their first ``n`` entries share those blocks. Each node of that prefix tree that two or more rows reach, and
+    that adds ``min_shared_tokens`` or more tokens to its parent, gives tasks: the node's block range ``[parent's
+    n, n)`` and up to ``8 // heads_per_block`` of its rows each (``heads_per_block``: the query heads a thread
+    block serves, ``num_queries_per_kv`` up to 8, else ``ceil(group / ceil(group / 8))``), each row in one task
+    per node, a lone leftover row in none. So samples of one prompt, beams forked at different steps and requests
+    behind one cached system prompt are found in one call, at any depth.
+
+    Args:
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]`` on the CPU, the tables of the call.
+        seq_lens: int32 ``[num_seqs]`` on the CPU, the tokens of each sequence (the tables' entries past a row's
+            full blocks are not looked at).
+        block_size: tokens per block of the cache.
+        num_queries_per_kv: ``num_heads // num_kv_heads``. From 5 up (one row per thread block) the kernel saves
+            nothing and the plan is empty.
+        min_shared_tokens: the least number of tokens a task's range holds (the kernel shares whole split-KV
+            partitions, 64 to 512 tokens, inside it).
+
+    Returns:
+        int32 ``[num_tasks, 11]`` on the CPU: per task ``(ref, first_block, end_block, row_0, ..., row_7)``, rows
+        ``-1`` past the last; ``ref`` is one of the rows, whose table the kernel reads.
+
+    The kernel's rules (``csrc/cuda/shared_blocks.cuh``): a listing of row ``r`` in a task is used where ``r``'s
+    place in the task is below ``8 // heads_per_block``, ``r``'s entries over the task's whole partitions equal
+    ``ref``'s, ``r``'s length reaches the end of them and its window (if any) covers them, with ALiBi ``r``'s
+    length is ``ref``'s (the samples or beams of one prompt; requests of other lengths are served without ALiBi
+    only), ``r`` is listed at most 8 times in the plan and no other listing of ``r`` overlaps them. Else the row
+    computes those partitions itself. A thread block of a task holds 8 head slots: the blocks are read once per
+    task and kv head, so a node of ``m`` rows reads them ``ceil(m / (8 // heads_per_block))`` times, not ``m``.
+
+    Example::
+
+        plan = paged_attn.plan_shared_blocks(block_tables_cpu, seq_lens_cpu, block_size,
+                                             num_queries_per_kv=num_heads // num_kv_heads)
+        out = paged_attn.paged_attention(q, key_cache, value_cache, block_tables, seq_lens,
+                                         shared_plan=plan.to(q.device, non_blocking=True))
+    """
+    for name, t, dim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != dim or t.device.type != "cpu":
+            raise ValueError(f"{name} must be an int32 CPU tensor with {dim} dimension(s), got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))} on "
+                             f"{getattr(t, 'device', None)}")
+    if seq_lens.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"seq_lens must have num_seqs = {block_tables.shape[0]} entries (block_tables' rows), got "
+                         f"{seq_lens.shape[0]}")
+    for name, value in (("block_size", block_size), ("num_queries_per_kv", num_queries_per_kv),
+                        ("min_shared_tokens", min_shared_tokens)):
+        if not (_is_int(value) and value >= 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    empty = torch.empty((0, SHARED_PLAN_COLUMNS), dtype=torch.int32)
+    blocks_per_group = -(-num_queries_per_kv // 8)  # thread blocks per head group (launch_plan.h)
+    rows_per_task = SHARED_ROWS // -(-num_queries_per_kv // blocks_per_group)
+    num_seqs, width = block_tables.shape
+    if rows_per_task < 2 or num_seqs < 2 or width == 0:
+        return empty
+    tables = block_tables.contiguous().numpy()
+    full = np.clip(seq_lens.numpy().astype(np.int64), 0, width * block_size) // block_size
+    min_blocks = -(-min_shared_tokens // block_size)
+    candidates = np.nonzero(full >= min_blocks)[0]
+    if candidates.size < 2:
+        return empty
+    # The candidates sorted by their full blocks' entries as byte strings: any lexicographic order puts the rows
+    # that share a prefix next to each other (a row that is a prefix of another sorts just before it); sorting the
+    # raw bytes compares each pair up to its first difference (np.lexsort would sort once per column).
+    order = np.array(sorted(candidates.tolist(), key=lambda r: tables[r, :full[r]].tobytes()))
+    width = int(full[candidates].max())
+    columns = np.arange(width)[None, :]
+    sorted_keys = tables[order, :width]
+    # lcp[i]: the entries sorted rows i and i + 1 agree on, within both rows' full blocks.
+    differ = (sorted_keys[1:] != sorted_keys[:-1]) | (columns >= np.minimum(full[order[1:]], full[order[:-1]])[:, None])
+    lcp = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+    # The prefix tree's nodes: the lcp intervals [lb, rb] of sorted rows with their depth n and their parent's.
+    tasks = []
+    stack = [(0, 0)]  # (depth, lb)
+    n = order.size
+    for i in range(1, n + 1):
+        depth = int(lcp[i - 1]) if i < n else 0
+        lb = i - 1
+        while depth < stack[-1][0]:
+            top_depth, lb = stack.pop()
+            parent = max(depth, stack[-1][0])
+            if (top_depth - parent) * block_size >= min_shared_tokens:
+                rows = [int(r) for r in order[lb:i]]
+                for start in range(0, len(rows), rows_per_task):
+                    task_rows = rows[start:start + rows_per_task]
+                    if len(task_rows) >= 2:
+                        tasks.append([task_rows[0], parent, top_depth] + task_rows +
+                                     [-1] * (SHARED_ROWS - len(task_rows)))
+        if depth > stack[-1][0]:
+            stack.append((depth, lb))
+    if not tasks:
+        return empty
+    return torch.tensor(tasks[:MAX_SHARED_TASKS], dtype=torch.int32)
