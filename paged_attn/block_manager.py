@@ -139,7 +139,6 @@ class BlockManager:
         return len(self.group_windows)
 
     # ---- capacity ----
-
     @property
     def num_free_blocks(self) -> int:
         """KV blocks an allocation could use now: free ones plus evictable cached ones."""
@@ -150,7 +149,6 @@ class BlockManager:
         return self.swap_pool.num_free
 
     # ---- new sequences ----
-
     def can_allocate(self, token_ids: Iterable[int], keep_free: int = 0) -> bool:
         """Whether ``allocate`` of ``token_ids`` would succeed (prefix-cache hits counted) and leave at least
         ``keep_free`` blocks free."""
@@ -200,7 +198,6 @@ class BlockManager:
             released_below=list(parent.released_below))
 
     # ---- decoding ----
-
     def can_append_slot(self, seq_id: Hashable) -> bool:
         seq = self._resident_seq(seq_id)
         return self._append_blocks_needed(seq) <= self.num_free_blocks
@@ -277,7 +274,6 @@ class BlockManager:
         del self.seqs[seq_id]
 
     # ---- paged metadata for the kernels ----
-
     def block_table(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """A copy of a group's block table (swap block ids while the sequence is swapped out)."""
         return list(self._seq(seq_id).block_tables[self._group_index(group)])
@@ -315,7 +311,6 @@ class BlockManager:
         return len(distinct_block_ids([self._seq(seq_id).block_tables for seq_id in seq_ids]))
 
     # ---- swapping ----
-
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         group = self._group(seq_ids, swapped_out=False)
         return len(distinct_block_ids([seq.block_tables for seq in group])) <= self.num_free_swap_blocks
@@ -354,13 +349,11 @@ class BlockManager:
         return mapping
 
     # ---- accounting ----
-
     def stats(self) -> BlockManagerStats:
         resident_seqs = [(len(seq.token_ids), seq.block_tables) for seq in self.seqs.values() if not seq.swapped_out]
         return measure(resident_seqs, self.group_windows, self.block_size, self.kv_pool, self.swap_pool)
 
     # ---- helpers ----
-
     def _seq(self, seq_id: Hashable) -> SeqState:
         seq = self.seqs.get(seq_id)
         if seq is None:

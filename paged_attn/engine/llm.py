@@ -182,7 +182,6 @@ class LLM:
         self._lock = threading.Lock()  # one generate at a time
 
     # ---- public API ----
-
     def generate(self, prompts: Union[str, SequenceType[str], SequenceType[SequenceType[int]]],
                  sampling_params: Union[SamplingParams, SequenceType[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -216,7 +215,6 @@ class LLM:
         return self.stats_collector.num_generated_tokens
 
     # ---- internals ----
-
     def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         first_request_id = self._next_request_id
         requests = [self._make_request(request_id, prompt, params) for request_id, (prompt, params)
