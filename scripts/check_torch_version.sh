@@ -19,7 +19,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
 # Only what the build and the extension's tests need.
-"$VENV/bin/python" -m pip install --quiet "torch==$VERSION" numpy ninja "setuptools>=77" wheel pytest pytest-xdist hypothesis
+"$VENV/bin/python" -m pip install --quiet "torch==$VERSION" numpy ninja "setuptools>=77" wheel pytest pytest-xdist \
+  hypothesis
 [ "$VENV_ONLY" = 1 ] && exit 0
 
 WORK="$(mktemp -d)"

@@ -753,7 +753,6 @@ def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_dim):
 # float16 / bfloat16 queries, the decode kernels for every row with float32 queries.
 
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the driver's fp8_format scalar
-FP8_MIXED = SHORT_MIXED
 
 
 def fp8_attention(case: Case, fp8, query_dtype) -> Case:
@@ -825,7 +824,7 @@ def test_fp8_varlen_tensor_cores(driver, tmp_path, fp8, dtype, head_dim, feature
     """query_start_loc with float16 / bfloat16 queries: the tensor-core kernel (the fp8 values converted into shared
     memory) next to the decode kernels, on vLLM's packed layout (prompts, chunks, decodes, empty sequences)."""
     features = dict(alibi=dict(alibi=True), sliding_window=dict(sliding_window=30), soft_cap=dict(soft_cap=30.0))
-    case = varlen_case(FP8_MIXED, 8, 2, head_dim, 16, torch.float32, layout="packed", **features.get(feature, {}))
+    case = varlen_case(SHORT_MIXED, 8, 2, head_dim, 16, torch.float32, layout="packed", **features.get(feature, {}))
     check_fp8_attention(driver, fp8_attention(case, fp8, dtype), tmp_path)
 
 
@@ -1094,7 +1093,7 @@ def test_varlen_sinks_and_lse(driver, tmp_path, dtype, every_row):
 def test_fp8_sinks_and_lse(driver, tmp_path, query_start_loc):
     """fp8 caches (v_scale applied with the sink's normalization): decode split-KV, and the tensor-core kernel."""
     if query_start_loc:
-        case = varlen_case(FP8_MIXED, 8, 2, 64, 16, torch.float32, sliding_window=30)
+        case = varlen_case(SHORT_MIXED, 8, 2, 64, 16, torch.float32, sliding_window=30)
     else:
         case = attention_case([1, 31, 33, 70], 8, 2, 64, 16, torch.float32, split=True)
     case = fp8_attention(case, torch.float8_e4m3fn, torch.bfloat16)
