@@ -55,6 +55,30 @@ def validation():
     paged_attn.set_validation(before)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_read_once():
+    """Each GGUF file parsed once per test process: ``gguf.GGUFReader`` memoized by file (path, size, mtime). gguf-py
+    takes 9-23 s to parse Gemma 3's 262k-token vocabulary (2 s SmolLM2's), and transformers' loaders read a file
+    again for the config, the weights and the tokenizer; our loader and theirs only read from the reader."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    original, readers = gguf.GGUFReader, {}
+
+    def read_once(path, mode="r"):
+        status = os.stat(path)
+        key = (os.path.realpath(path), mode, status.st_size, status.st_mtime_ns, status.st_ino)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = read_once
+    yield
+    gguf.GGUFReader = original
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A small random Llama (2 layers, GQA 4:2, head_dim 16, vocab 101, EOS 7) built in place, on the CPU: for
