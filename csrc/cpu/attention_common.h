@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "attention_params.h"
 #include "paged_cache.h"
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -56,6 +57,9 @@
 
 namespace paged_attn {
 namespace {
+
+using cpu::AttentionParams;
+using cpu::kMinPrefillQueryLen;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVecSize = Vec::size();
@@ -216,40 +220,6 @@ struct Prefetcher {
       __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
     }
   }
-};
-
-// The call's tensors and sizes (as csrc/cuda's AttentionParams), and the work as query rows: row r is a query token
-// at position row_len(r) - 1 of sequence row_seq(r), attending to that sequence's tokens [window_start(r),
-// row_len(r)). Decode: row r is sequence r's last token.
-template <typename scalar_t, typename cache_t>
-struct AttentionParams {  // every field set by name (attention.cpp: paged_attention_cpu)
-  PagedKV<cache_t> kv;
-  const scalar_t* query = nullptr;  // [num_rows, num_heads, head_dim], strides query_row_stride, query_head_stride
-  int64_t query_row_stride = 0, query_head_stride = 0;
-  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
-  const int32_t* row_lens = nullptr;      // [num_rows]: position + 1 (decode: seq_lens)
-  const int32_t* row_seqs = nullptr;      // [num_rows]: the row's sequence, or nullptr: row r is sequence r (decode)
-  const int32_t* row_tokens = nullptr;    // [num_rows]: the row's index in query and out, or nullptr: r
-  const float* alibi_slopes = nullptr;    // [num_heads] or nullptr
-  int64_t max_blocks_per_seq = 0, block_size = 0, num_heads = 0, num_kv_heads = 0, group_size = 0, head_dim = 0;
-  int64_t sliding_window = 0;
-  float scale = 0.f, logits_soft_cap = 0.f;  // scale includes k_scale (fp8 caches)
-  float v_scale = 1.f;                       // multiplies the output (1 but for fp8 caches)
-  float* lse = nullptr;  // [num_tokens, num_heads]: each row's log-sum-exp of its logits (return_lse), or nullptr
-  const float* sinks = nullptr;  // [num_heads]: each head's sink logit (gpt-oss), or nullptr
-  bool avx512_bf16 = false;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
-  bool amx = false;          // and within it the AMX path for the decode steps (amx_kernels.h)
-
-  int64_t row_len(int64_t row) const { return row_lens[row]; }
-  int64_t token(int64_t row) const { return row_tokens ? row_tokens[row] : row; }
-  const int32_t* block_table(int64_t row) const {
-    return block_tables + (row_seqs ? row_seqs[row] : row) * max_blocks_per_seq;
-  }
-  // The first token a query at `position` sees (the sliding window's start; 0 without one).
-  int64_t first_visible(int64_t position) const {
-    return sliding_window > 0 ? std::max<int64_t>(0, position - sliding_window + 1) : 0;
-  }
-  int64_t window_start(int64_t row) const { return first_visible(row_lens[row] - 1); }
 };
 
 // How a row's final state (max, sum of exp(x - max), acc) of one head becomes its output and log-sum-exp:

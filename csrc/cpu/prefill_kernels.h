@@ -33,7 +33,6 @@
 namespace paged_attn {
 namespace {
 
-constexpr int64_t kMinPrefillQueryLen = 4;
 constexpr int64_t kPrefillRows = 48;  // rows of a query tile (a multiple of the micro-kernels' 6)
 constexpr int64_t kPrefillKeys = 32;  // keys of a key tile: two AVX-512 vectors of logits per row
 constexpr int kMicroRows = 6;
