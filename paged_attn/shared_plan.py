@@ -1,6 +1,6 @@
 """plan_shared_blocks: the shared-blocks plan of a decode batch for the CUDA kernel (``paged_attention``'s
 ``shared_plan``), computed on the host from the batch's block tables. (The CPU kernel finds its shared blocks
-itself, csrc/cpu/attention.cpp.)
+itself, csrc/cpu/decode.cpp.)
 """
 
 from __future__ import annotations

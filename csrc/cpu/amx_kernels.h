@@ -1,6 +1,6 @@
 // The AMX decode path (Intel AMX-BF16; chosen at run time): steps 1-3 of the decode kernel (decode_kernels.h) for a
 // bfloat16 query over a bfloat16 or fp8 cache, as tile matrix products (TDPBF16PS), for every query row of a unit
-// (tile of 16 tokens, kv head) at once: the row alone, or the rows of a shared segment (attention.cpp).
+// (tile of 16 tokens, kv head) at once: the row alone, or the rows of a shared segment (decode.cpp).
 //
 // Per unit, the tile's key and value rows are laid out once for the products, and every row uses that layout:
 //   key_t   [head_dim / 32][16 dim pairs][16 tokens]: the keys as bf16 pairs (elements 2r, 2r + 1 of a 32-element

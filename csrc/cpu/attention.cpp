@@ -7,10 +7,10 @@
 // The decode kernel is batch-invariant: a query row's keys are cut into partitions at fixed token positions (the
 // multiples of kPartitionTokens = 512), each partition is attended from a fresh online-softmax state (max, sum, acc
 // in float32), and the partitions' states are merged strictly left to right, M = max(M, m), s = e^(M_old - M) s +
-// e^(m - M) s_partition, acc likewise; always, whatever the batch and the thread count (see paged_attention_kernel).
-// So a row's output bits do not depend on the other rows of the call, on the thread count, or on which physical
-// blocks hold its keys. Threads share out (row, partition) items, so that a few long rows still keep every thread
-// busy.
+// e^(m - M) s_partition, acc likewise; always, whatever the batch and the thread count (decode.cpp:
+// paged_attention_kernel). So a row's output bits do not depend on the other rows of the call, on the thread count,
+// or on which physical blocks hold its keys. Threads share out (row, partition) items, so that a few long rows still
+// keep every thread busy.
 // Shared blocks: where several rows read a partition's first tokens (or all) as the same tokens in the same physical
 // blocks, that shared segment is attended once for them, then each row goes on alone to its partition's end
 // (find_shared_blocks, attend_shared_blocks), each row from its own state, before the rest; the rows merge its state
@@ -19,14 +19,15 @@
 // anything, NaN included.
 //
 // This file: the entry point (argument checks, the dispatch by dtype, the split of a varlen batch between the
-// decode and the prefill kernels), the decode kernel's partitions, their split among the threads, and the merge of
-// a row's partitions. The pieces, all included into this one translation unit:
+// decode and the prefill kernels). The pieces, in three translation units that compile in parallel (this one,
+// decode.cpp, prefill.cpp), meeting in attention_params.h (AttentionParams, decode_attention, prefill_attention):
 //  - attention_common.h: the at::vec setup (first: it must precede any include of Vectorized), constants, fp8
-//    tables and load helpers, AttentionParams, Tile, Prefetcher, Scratch (addresses: paged_cache.h, shared with
-//    cache_ops.cpp);
+//    tables and load helpers, Tile, Prefetcher, Scratch (addresses: paged_cache.h, shared with cache_ops.cpp);
+//  - decode.cpp: the decode kernel's host side (partitions.h: row states, partitions, their split among the
+//    threads; then shared blocks, and the merge of a row's partitions);
 //  - decode_kernels.h: the decode steps (logits, softmax, values) on the portable path, and a task's tile loop;
-//  - avx512_kernels.h: the same steps as AVX-512 bf16 micro-kernels;
-//  - prefill_kernels.h: the tiled prefill kernel.
+//  - avx512_kernels.h, amx_kernels.h: the same steps as AVX-512 bf16 and AMX micro-kernels;
+//  - prefill_kernels.h: the tiled prefill kernel (instantiated in prefill.cpp).
 
 #include "amx_kernels.h"  // (attention_common.h first): use_amx, avx512_bf16_path
 
@@ -55,7 +56,9 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
                              sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
                              sinks, shared_plan);
   const int64_t block_size = key_cache.size(1);
-  if (query_start_loc.has_value()) check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
+  if (query_start_loc.has_value()) {
+    check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
+  }
   check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size, query_start_loc, sliding_window);
   check_kv_scale_values(k_scale, v_scale);
   check_sink_values(sinks);

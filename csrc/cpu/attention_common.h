@@ -1,7 +1,7 @@
-// What every piece of the CPU attention kernels shares (attention.cpp includes it first, then decode_kernels.h,
-// avx512_kernels.h and prefill_kernels.h, all into the one translation unit, so that everything here keeps internal
-// linkage): the at::vec setup, the constants, fp8 decoding tables and load helpers, the AttentionParams (the call's
-// tensors and the work, as query rows), and the decode kernel's Tile, Prefetcher and Scratch. Words as in the
+// What every piece of the CPU attention kernels shares (attention.cpp, decode.cpp and prefill.cpp include it first;
+// everything here has internal linkage, a copy in each translation unit, but AttentionParams, which they pass to
+// one another: attention_params.h): the at::vec setup, the constants, fp8 decoding tables and load helpers, and the
+// decode kernel's Tile, Prefetcher and Scratch. Words as in the
 // glossary of paged_attn/ops.py (tile, partition, row, shared blocks...).
 //
 // Math, per sequence s of length L, query head h (reading kv head h / group_size) and token t in [start, L),
@@ -24,8 +24,8 @@
 // sets per file. setup.py and CMakeLists.txt compile this extension with -march=x86-64-v3 (AVX2, FMA, F16C) on
 // x86_64, so select the AVX2 implementation here, in a CPU_CAPABILITY namespace of our own so that these inline
 // functions can never be confused with another library's build of the same headers. Elsewhere Vectorized falls
-// back to its portable implementation. This is the one place the macros are set: attention.cpp and every header
-// of its pieces include this header first.
+// back to its portable implementation. This is the one place the macros are set: the three .cpp files and every
+// header of their pieces include this header first.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CPU_CAPABILITY_AVX2
 #define CPU_CAPABILITY paged_attn_avx2

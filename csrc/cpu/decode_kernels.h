@@ -3,14 +3,14 @@
 // portable (attend_tile, below), AVX-512 bf16 (attend_tile_avx512, avx512_kernels.h) or AMX (attend_tile_amx,
 // amx_kernels.h), picked per call (AttentionParams::avx512_bf16, AttentionParams::amx), with each path's set-up in a
 // function of its own (prescale_queries, AmxRows).
-// Cutting the rows into partitions, running them on the threads and merging each row's partitions: attention.cpp.
+// Cutting the rows into partitions, running them on the threads and merging each row's partitions: decode.cpp.
 //
 // Work mapping: a query row's keys are cut into partitions at fixed token positions (kPartitionTokens); a thread
 // walks a run of consecutive partitions of a row (attend) a tile at a time: up to kTileTokens = 16 consecutive
 // tokens at absolute positions [16 i, 16 (i + 1)), whatever the block size (a tile may span blocks; the tile holds
 // each token's row pointers, looked up in the block table once), each partition from a fresh online-softmax state.
 // Within a tile it serves each kv head's whole head group in turn, so every key/value row is read from memory once
-// (GQA reuse); in shared blocks (several rows, attention.cpp), each row in turn, while the rows are in L1.
+// (GQA reuse); in shared blocks (several rows, decode.cpp), each row in turn, while the rows are in L1.
 // Per (tile, kv head), in passes of up to 4 query heads of the head group:
 //   1. logits of the heads for the tile's tokens,
 //   2. online softmax: when a logit exceeds a head's running max, raise the max (rescaling the running sum and
@@ -285,7 +285,7 @@ void attend_unit(const AttentionParams<scalar_t, cache_t>& params, int64_t kv_he
 
 // Attends every query head of the query rows rows[0], ..., rows[n - 1] to their sequences' tokens [begin, end),
 // which start at a partition boundary or at the rows' window start (or, with fresh = false, at a tile boundary where
-// an earlier call left the rows' states in scs: the rest of a partition after a shared segment, see attention.cpp)
+// an earlier call left the rows' states in scs: the rest of a partition after a shared segment, see decode.cpp)
 // and end at a partition boundary, at the rows' end, or at a tile boundary where a later call goes on; for n > 1
 // these are the same tokens in the same physical blocks for every row (a shared segment), read once for all: each
 // tile's rows are worked on by every row in turn while they are in L1. scs[i] is row i's scratch. The partitions

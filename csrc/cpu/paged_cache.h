@@ -1,5 +1,6 @@
-// The paged KV cache on the CPU, and all of its address arithmetic: the CPU attention kernels (attention.cpp and
-// the headers it includes) and the CPU cache ops (cache_ops.cpp) reach cache memory through PagedCache. It mirrors
+// The paged KV cache on the CPU, and all of its address arithmetic: the CPU attention kernels (attention.cpp,
+// decode.cpp, prefill.cpp and their headers) and the CPU cache ops (cache_ops.cpp) reach cache memory through
+// PagedCache. It mirrors
 // csrc/cuda/paged_cache.cuh, with the same names (block, token, slot_row, row, block_row), so that one reading of
 // the layout serves both backends.
 //
