@@ -75,6 +75,9 @@ void check_same_layout(const at::Tensor& a, const char* a_name, const at::Tensor
 // key_cache and value_cache: each a valid cache (check_cache), the two of the same shape, dtype and device.
 void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache);
 
+// t (key or query) has the cache's dtype, or, for an fp8 cache, one of float32, float16, bfloat16.
+void check_dtype_for_cache(const at::Tensor& t, const char* name, const at::Tensor& key_cache);
+
 // An index tensor: given dtype and rank, on the given device.
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
                         const at::Device& device);

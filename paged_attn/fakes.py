@@ -3,8 +3,9 @@ is imported (``paged_attn/ops.py`` imports it, so ``import paged_attn`` register
 
 torch.compile traces the ops with them, and an eager call with an argument on the meta device dispatches to them
 (meta wins over CPU and CUDA). The ops only mutate their arguments and return nothing, so all a fake does is check:
-the shape, dtype and device rules of csrc/common.cpp, with the same messages, so that bad input fails while tracing
-and an index tensor on the meta device next to real caches is refused instead of ignored. Strides, memory overlap,
+the shape, dtype and device rules of csrc/common.cpp and csrc/attention_checks.cpp, with the same messages, so that
+bad input fails while tracing and an index tensor on the meta device next to real caches is refused instead of
+ignored. Strides, memory overlap,
 index ranges and scale values need the real tensors; the kernels check those when they run (on CUDA index ranges and
 scale values only with validation on). The one value a fake can know: a scale made as a constant while tracing
 (torch.tensor([0.0]) inside the traced code) carries it, and is checked (_known_value).
