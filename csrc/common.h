@@ -139,6 +139,6 @@ void check_block_table_range(const at::Tensor& block_tables_cpu, const at::Tenso
                              int64_t sliding_window);
 
 // (address_of is in overlap.h; access_width, the widest access that divides a set of addresses and strides, is in
-// cuda/launch_plan.h.)
+// cuda/copy_plan.h.)
 
 }  // namespace paged_attn

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cuda/copy_plan.h"
 #include "cuda/launch_plan.h"
 
 namespace {

@@ -30,6 +30,7 @@
 
 #include "../common.h"
 #include "attention_launch.cuh"
+#include "copy_plan.h"  // access_width
 #include "paged_cache_host.h"
 
 namespace paged_attn {

@@ -26,7 +26,8 @@
 // Grid (plan.grid): (num_items, num_kv_heads * blocks_per_group, partition slots), kAttentionThreads threads. A
 // thread block serves one item (x), one kv head and up to heads_per_block <= GROUP query heads of its head group (y;
 // groups larger than kMaxGroup are split among blocks_per_group thread blocks), and the partitions z, z + gridDim.z,
-// ... of the row's tokens (z = blockIdx.z; the plan bounds the slots, gridDim.z <= num_partitions, to fill the GPU's waves).
+// ... of the row's tokens (z = blockIdx.z; the plan bounds the slots, gridDim.z <= num_partitions, to fill the GPU's
+// waves).
 // K/V bytes are read once per thread block, so once in total for groups up to kMaxGroup.
 //   - single pass (num_partitions = 1): the thread block covers the whole sequence and writes `out`.
 //   - split-KV (flash-decoding, vLLM's v2): each of its partitions (partition_size tokens) is computed on its own,

@@ -19,7 +19,7 @@
 #include <cstdint>
 
 #include "device.cuh"
-#include "launch_plan.h"
+#include "copy_plan.h"
 #include "paged_cache.cuh"
 
 namespace paged_attn {

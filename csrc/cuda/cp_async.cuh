@@ -49,8 +49,8 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool in_
 
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "l"(src)
                : "memory");
 #else
   __trap();

@@ -18,7 +18,7 @@
 
 #include <cstdint>
 
-#include "launch_plan.h"
+#include "grid.h"  // Grid
 
 namespace paged_attn {
 inline dim3 to_dim3(const Grid& grid) {  // after grid_error(grid) == ""

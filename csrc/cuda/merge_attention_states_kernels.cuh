@@ -22,7 +22,7 @@
 #include <cstdint>
 
 #include "device.cuh"
-#include "launch_plan.h"
+#include "copy_plan.h"
 
 namespace paged_attn {
 namespace merge_detail {

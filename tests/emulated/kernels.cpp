@@ -1,6 +1,6 @@
 // The CUDA kernels of csrc/cuda, run by the SIMT emulator (simt.h) on cases that tests/test_emulated_kernels.py
-// writes: the same launch plans (launch_plan.h) and kernels (attention_kernels.cuh, cache_ops_kernels.cuh) as the
-// torch-facing launchers, on buffers read from files and written back after the run.
+// writes: the same launch plans (launch_plan.h, copy_plan.h) and kernels (attention_kernels.cuh,
+// cache_ops_kernels.cuh) as the torch-facing launchers, on buffers read from files and written back after the run.
 //
 //   kernels CASE_FILE ORDER SEED     ORDER: forward | reverse | random
 //

@@ -36,7 +36,7 @@ from paged_attn import reference
 ROOT = Path(__file__).resolve().parents[2]
 EMULATED = ROOT / "tests" / "emulated"
 SOURCES = [EMULATED / "kernels.cpp", EMULATED / "simt.h", *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
-           ROOT / "csrc" / "cuda" / "launch_plan.h"]
+           *sorted((ROOT / "csrc" / "cuda").glob("*.h"))]
 # -fno-strict-aliasing: the kernels read 16-byte vectors as uint4 and reinterpret them (as nvcc allows); -g1 as in
 # test_emulator.py
 FLAGS = ["-std=c++17", "-O1", "-g1", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-fno-strict-aliasing"]

@@ -98,8 +98,7 @@ def build_programs(name, source, builds, flags, sources):
 
 
 # The kernel headers selftest.cpp includes (mma.cuh and cp_async.cuh, and theirs): a change rebuilds it.
-SELFTEST_INCLUDES = [ROOT / "csrc" / "cuda" / name for name in ("mma.cuh", "cp_async.cuh", "device.cuh",
-                                                                 "launch_plan.h")]
+SELFTEST_INCLUDES = [ROOT / "csrc" / "cuda" / name for name in ("mma.cuh", "cp_async.cuh", "device.cuh", "grid.h")]
 
 
 @pytest.fixture(scope="session")
