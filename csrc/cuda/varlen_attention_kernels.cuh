@@ -17,13 +17,15 @@
 // threads. A thread block serves one query tile: kVarlenRows = 64 rows of (query token, query head) pairs,
 // token-major, of tokens_per_tile consecutive query tokens of one sequence and heads_per_tile query heads of one kv
 // head's head group (y: kv head and its thread block; groups larger than 64 heads are split among blocks_per_group
-// thread blocks). The group's heads share the K/V tiles. Sequence s owns the grid.x range starting at qsl[s] / tokens_per_tile + s (enough tiles for its rows,
-// at most one more: launch_plan.h); a block finds its sequence by binary search over query_start_loc. The range is
-// walked backwards, so that the tiles with the most keys (the last rows of long sequences) start first.
+// thread blocks). The group's heads share the K/V tiles. Sequence s owns the grid.x range starting at
+// qsl[s] / tokens_per_tile + s (enough tiles for its rows, at most one more: launch_plan.h); a block finds its
+// sequence by binary search over query_start_loc. The range is walked backwards, so that the tiles with the most
+// keys (the last rows of long sequences) start first.
 //
 // Q (64 rows, zeros where there is no row) is copied into shared memory once; warp w owns rows 16w .. 16w + 15.
 // The keys some row of the tile sees, [key_begin, key_end), are walked in steps of N = varlen_key_tile keys (64;
-// 16 at head dim 256). Per step, with two stages of K and V in shared memory:
+// 16 at head dim 256). Per step (VarlenBlock::step, each numbered part a member function of VarlenBlock), with two
+// stages of K and V in shared memory:
 //   0. offsets  threads 0 .. N - 1 compute the next step's K and V row offsets (one block-table load per key, no
 //               division per row) into shared memory (FlashInfer's kv_offset_smem); the copies read them there.
 //   1. K        wait for this step's K; barrier; the next step's K rows start copying into the other stage
@@ -212,70 +214,120 @@ struct alignas(16) KeyRows {
   const C* value;
 };
 
+// One thread block's query tile, as the steps see it: the tile, its shared memory, its keys' rows in the caches, and
+// this lane's rows (g and g + 8 of its warp's 16: positions, slopes, running max and sum, O). The softmax runs in
+// base 2: run_max is the max of logit * log2(e), p = 2^(logit * log2(e) - run_max) = exp(logit - max).
 template <typename T, typename C, int HEAD_DIM>  // C: the cache's element type (T, or Fp8)
-__global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(const AttentionParams<T, C> p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  __trap();  // mma.sync on bfloat16 and cp.async need sm_80; the launcher takes the decode kernel's path before
-#else
+struct VarlenBlock {
   using S = VarlenShape<T, C, HEAD_DIM>;
-  constexpr int N = S::N, ROW = S::ROW;
-  constexpr VarlenSmem kSmem = S::kSmem;
+  static constexpr int N = S::N, ROW = S::ROW;
+  static constexpr float kLog2e = 1.4426950408889634f;
 
-  const VarlenTile tile = varlen_tile(p);
-  if (!tile.active) return;  // uniform across the thread block
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const AttentionParams<T, C>& p;
+  const VarlenTile& tile;
+  const int tid, warp, lane, g, t;
+  const int W;  // the sliding window (0: none)
+  // Shared memory (varlen_smem): Q, the K/V tiles, the key rows of two steps, each row's position and slope.
+  T* const q_s;                // [kVarlenRows][ROW]
+  T* const tiles;              // 4 x [N][ROW]
+  KeyRows<C>* const rows_s;    // [2][N]
+  int* const row_pos_s;        // [kVarlenRows]; -1: no row
+  float* const row_slope_s;    // [kVarlenRows]
+  // The keys' rows (step 0): the tile's kv head's rows of token 0 of block 0, and the strides as unsigned (block
+  // entries are >= 0).
+  const int32_t* const block_table;
+  const int block_size, block_shift;  // 8, 16 or 32 (plan_varlen_attention)
+  const C* const key_head;
+  const C* const value_head;
+  const uint64_t key_block_stride, key_token_stride, value_block_stride, value_token_stride;
+  // This lane's rows.
+  int pos[2];
+  float slope[2], run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
+  float o[S::DTILES][4];  // O: tile jd, (row g, dims 8 jd + 2t, + 1), (row g + 8, the same dims)
+  const float inv_soft_cap, logit_scale, logit_scale2;
+  // ldmatrix row addresses (lane l passes row l % 8 of matrix l / 8; mma.cuh):
+  //   Q (A, 16 x 16 at rows 16 w, dims 16 kk):  matrix m = (rows 8 (m & 1) .., dims 8 (m >> 1) ..);
+  //   K (B of two 8-key tiles, 16 dims):         matrix m = (keys 8 (m >> 1) .., dims 8 (m & 1) ..);
+  //   V (B of two 8-dim tiles, 16 keys, .trans): matrix m = (keys 8 (m & 1) .., dims 8 (m >> 1) ..).
+  const int q_lds, k_lds, v_lds;
 
-  PA_EXTERN_SHARED(uint4, smem_u4);
-  char* const smem = reinterpret_cast<char*>(smem_u4);
-  T* const q_s = reinterpret_cast<T*>(smem + kSmem.q);          // [kVarlenRows][ROW]
-  T* const tiles = reinterpret_cast<T*>(smem + kSmem.tiles);    // 4 x [N][ROW]
-  KeyRows<C>* const rows_s = reinterpret_cast<KeyRows<C>*>(smem + kSmem.offsets);  // [2][N]
-  int* const row_pos_s = reinterpret_cast<int*>(smem + kSmem.row_pos);                // [kVarlenRows]; -1: no row
-  float* const row_slope_s = reinterpret_cast<float*>(smem + kSmem.row_slope);        // [kVarlenRows]
+  __device__ __forceinline__ VarlenBlock(const AttentionParams<T, C>& p_, const VarlenTile& tile_, char* smem)
+      : p(p_),
+        tile(tile_),
+        tid(threadIdx.x),
+        warp(tid / 32),
+        lane(tid % 32),
+        g(lane / 4),
+        t(lane % 4),
+        W(p_.sliding_window),
+        q_s(reinterpret_cast<T*>(smem + S::kSmem.q)),
+        tiles(reinterpret_cast<T*>(smem + S::kSmem.tiles)),
+        rows_s(reinterpret_cast<KeyRows<C>*>(smem + S::kSmem.offsets)),
+        row_pos_s(reinterpret_cast<int*>(smem + S::kSmem.row_pos)),
+        row_slope_s(reinterpret_cast<float*>(smem + S::kSmem.row_slope)),
+        block_table(p_.block_tables + static_cast<int64_t>(tile_.seq) * p_.max_blocks_per_seq),
+        block_size(p_.key_cache.block_size),
+        block_shift(block_size == 8 ? 3 : block_size == 16 ? 4 : 5),
+        key_head(p_.key_cache.data + tile_.kv_head * p_.key_cache.head_stride),
+        value_head(p_.value_cache.data + tile_.kv_head * p_.value_cache.head_stride),
+        key_block_stride(p_.key_cache.block_stride),
+        key_token_stride(p_.key_cache.token_stride),
+        value_block_stride(p_.value_cache.block_stride),
+        value_token_stride(p_.value_cache.token_stride),
+        inv_soft_cap(p_.logits_soft_cap > 0.0f ? 1.0f / p_.logits_soft_cap : 0.0f),
+        logit_scale(p_.k_scale != nullptr ? p_.scale * *p_.k_scale : p_.scale),
+        logit_scale2(logit_scale * kLog2e),
+        q_lds((warp * 16 + lane % 8 + 8 * ((lane / 8) & 1)) * ROW + 8 * (lane / 16)),
+        k_lds((lane % 8 + 8 * (lane / 16)) * ROW + 8 * ((lane / 8) & 1)),
+        v_lds((lane % 8 + 8 * ((lane / 8) & 1)) * ROW + 8 * (lane / 16)) {
+#pragma unroll
+    for (int jd = 0; jd < S::DTILES; ++jd) o[jd][0] = o[jd][1] = o[jd][2] = o[jd][3] = 0.0f;
+  }
+
   // Stage s's K and V tiles (T = C: K stages 0, 1, V stages 0, 1; fp8: one K and one V tile of T), and for fp8 the
   // stored bytes' stages (K [N][HEAD_DIM], then V).
-  const auto k_tile = [&](int stage) { return tiles + (S::kFp8 ? 0 : stage) * S::TILE; };
-  const auto v_tile = [&](int stage) { return tiles + (S::kFp8 ? 1 : 2 + stage) * S::TILE; };
-  const auto stored = [&](int stage) { return reinterpret_cast<C*>(tiles + 2 * S::TILE) + stage * 2 * N * HEAD_DIM; };
-
-  // The tile's rows (token-major (token, head) pairs): positions, slopes, queries (zeros where there is no row).
-  const auto has_row = [&](int r) { return r / p.heads_per_block < tile.tokens && r % p.heads_per_block < tile.heads; };
-  for (int r = tid; r < kVarlenRows; r += kVarlenThreads) {
-    const bool row = has_row(r);
-    row_pos_s[r] = row ? tile.first_pos + r / p.heads_per_block : -1;  // -1 sees no key
-    row_slope_s[r] = row && p.alibi_slopes != nullptr ? p.alibi_slopes[tile.first_head + r % p.heads_per_block] : 0.f;
+  __device__ __forceinline__ T* k_tile(int stage) const { return tiles + (S::kFp8 ? 0 : stage) * S::TILE; }
+  __device__ __forceinline__ T* v_tile(int stage) const { return tiles + (S::kFp8 ? 1 : 2 + stage) * S::TILE; }
+  __device__ __forceinline__ C* stored(int stage) const {
+    return reinterpret_cast<C*>(tiles + 2 * S::TILE) + stage * 2 * N * HEAD_DIM;
   }
-  for (int i = tid; i < kVarlenRows * HEAD_DIM; i += kVarlenThreads) {
-    const int r = i / HEAD_DIM, d = i % HEAD_DIM;
-    T x;
-    from_float(x, 0.0f);
-    if (has_row(r)) {
-      const int64_t row = tile.first_row + r / p.heads_per_block;
-      x = p.query[row * p.query_row_stride + (tile.first_head + r % p.heads_per_block) * p.query_head_stride + d];
+  // Row r of the tile (token-major (token, head) pairs) exists; a row at row_pos sees key.
+  __device__ __forceinline__ bool has_row(int r) const {
+    return r / p.heads_per_block < tile.tokens && r % p.heads_per_block < tile.heads;
+  }
+  __device__ __forceinline__ bool sees(int row_pos, int key) const {
+    return key <= row_pos && (W == 0 || key > row_pos - W);
+  }
+
+  // The tile's rows into shared memory: positions, slopes, queries (zeros where there is no row).
+  __device__ __forceinline__ void load_rows() {
+    for (int r = tid; r < kVarlenRows; r += kVarlenThreads) {
+      const bool row = has_row(r);
+      row_pos_s[r] = row ? tile.first_pos + r / p.heads_per_block : -1;  // -1 sees no key
+      row_slope_s[r] = row && p.alibi_slopes != nullptr ? p.alibi_slopes[tile.first_head + r % p.heads_per_block]
+                                                        : 0.f;
     }
-    q_s[r * ROW + d] = x;
+    for (int i = tid; i < kVarlenRows * HEAD_DIM; i += kVarlenThreads) {
+      const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+      T x;
+      from_float(x, 0.0f);
+      if (has_row(r)) {
+        const int64_t row = tile.first_row + r / p.heads_per_block;
+        x = p.query[row * p.query_row_stride + (tile.first_head + r % p.heads_per_block) * p.query_head_stride + d];
+      }
+      q_s[r * ROW + d] = x;
+    }
+  }
+  // This lane's rows' positions and slopes (after the barrier that follows load_rows).
+  __device__ __forceinline__ void load_lane_rows() {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      pos[r] = row_pos_s[warp * 16 + g + 8 * r], slope[r] = row_slope_s[warp * 16 + g + 8 * r];
+    }
   }
 
-  // The steps: i = 0 .. steps - 1 covers keys [key_begin + N i, + N). Unmasked: [lo, hi), where every row of the
-  // tile sees every key (key + N - 1 <= first_pos, and with a window key > last_pos - window); masked: the others.
-  const int W = p.sliding_window;
-  const int steps = (tile.key_end - tile.key_begin + N - 1) / N;
-  const int last_pos = tile.first_pos + tile.tokens - 1;
-  const int window_room = last_pos - W - tile.key_begin;  // (W > 0) steps i with N i > window_room
-  const int causal_room = tile.first_pos - tile.key_begin - N + 1;  // steps i with N i <= causal_room
-  const int lo = min(W == 0 || window_room < 0 ? 0 : window_room / N + 1, steps);
-  const int hi = max(min(causal_room < 0 ? 0 : causal_room / N + 1, steps), lo);
-
-  // Step 0 (the keys' rows) and the copies (steps 1 and 4).
-  const int32_t* block_table = p.block_tables + static_cast<int64_t>(tile.seq) * p.max_blocks_per_seq;
-  const int block_size = p.key_cache.block_size;  // 8, 16 or 32 (plan_varlen_attention)
-  const int block_shift = block_size == 8 ? 3 : block_size == 16 ? 4 : 5;
-  // (the tile's kv head's rows of token 0 of block 0, and the strides as unsigned: block entries are >= 0)
-  const C* const key_head = p.key_cache.data + tile.kv_head * p.key_cache.head_stride;
-  const C* const value_head = p.value_cache.data + tile.kv_head * p.value_cache.head_stride;
-  const uint64_t key_block_stride = p.key_cache.block_stride, key_token_stride = p.key_cache.token_stride;
-  const uint64_t value_block_stride = p.value_cache.block_stride, value_token_stride = p.value_cache.token_stride;
-  const auto fill_rows = [&](int slot, int step) {
+  // Step 0: the K and V rows of step `step`'s keys into slot `slot` (threads 0 .. N - 1, a key each).
+  __device__ __forceinline__ void fill_rows(int slot, int step) {
     if (tid < N) {
       const int key = tile.key_begin + step * N + tid;
       KeyRows<C> rows{nullptr, nullptr};
@@ -287,11 +339,14 @@ __global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(con
       }
       rows_s[slot * N + tid] = rows;
     }
-  };
-  // FULL: every key of the step is before key_end (the unmasked steps'), so no copy needs the zero fill. The rows'
+  }
+
+  // Steps 1 and 4: this thread's copies of the keys' K (keys) or V rows of slot `slot` start (cp.async). FULL:
+  // every key of the step is before key_end (the unmasked steps'), so no copy needs the zero fill. The rows'
   // addresses are loaded first, then the copies start back to back (ptxas pads each run of LDGSTS that follows
   // another shared-memory access with three no-ops).
-  const auto copy_rows = [&](auto full_tag, bool keys, int slot) {
+  template <bool FULL>
+  __device__ __forceinline__ void copy_rows(bool keys, int slot) {
     const KeyRows<C>* const rows = rows_s + slot * N;
     char* const tile_base = S::kFp8 ? reinterpret_cast<char*>(stored(slot) + (keys ? 0 : N * HEAD_DIM))
                                     : reinterpret_cast<char*>(keys ? k_tile(slot) : v_tile(slot));
@@ -301,7 +356,7 @@ __global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(con
     for (int c = 0; c < S::PER_THREAD; ++c) {
       const typename S::Copy copy = S::copy(tid, c);
       const C* const row = copy.exists ? (keys ? rows[copy.row].key : rows[copy.row].value) : nullptr;
-      if constexpr (decltype(full_tag)::value) {
+      if constexpr (FULL) {
         src[c] = row + copy.element;  // (not null)
       } else {
         src[c] = row != nullptr ? row + copy.element : nullptr;
@@ -312,17 +367,18 @@ __global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(con
 #pragma unroll
     for (int c = 0; c < S::PER_THREAD; ++c) {
       if (S::copy(tid, c).exists) {
-        if constexpr (decltype(full_tag)::value) {
+        if constexpr (FULL) {
           cp_async_16(tile_base + dst[c], src[c]);
         } else {
           cp_async_16(tile_base + dst[c], src[c] != nullptr ? src[c] : p.key_cache.data, src[c] != nullptr);
         }
       }
     }
-  };
+  }
+
   // fp8: this thread's copies of stage `slot` converted into the K or V tile; whether one is an inf or NaN.
   // T = C: whether one of this thread's copies in the V tile is an inf or NaN.
-  const auto own_rows = [&](bool keys, int slot) {
+  __device__ __forceinline__ bool own_rows(bool keys, int slot) {
     bool nonfinite = false;
 #pragma unroll
     for (int c = 0; c < S::PER_THREAD; ++c) {
@@ -338,50 +394,10 @@ __global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(con
       }
     }
     return nonfinite;
-  };
+  }
 
-  // This lane's rows (g and g + 8 of the warp's 16): positions, slopes, running max and sum; O. The softmax runs
-  // in base 2: run_max is the max of logit * log2(e), p = 2^(logit * log2(e) - run_max) = exp(logit - max).
-  int pos[2];
-  float slope[2], run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
-  float o[S::DTILES][4];  // O: tile jd, (row g, dims 8 jd + 2t, + 1), (row g + 8, the same dims)
-#pragma unroll
-  for (int jd = 0; jd < S::DTILES; ++jd) o[jd][0] = o[jd][1] = o[jd][2] = o[jd][3] = 0.0f;
-  constexpr float kLog2e = 1.4426950408889634f;
-  const float inv_soft_cap = p.logits_soft_cap > 0.0f ? 1.0f / p.logits_soft_cap : 0.0f;
-  const float logit_scale = p.k_scale != nullptr ? p.scale * *p.k_scale : p.scale;
-  const float logit_scale2 = logit_scale * kLog2e;
-  // Without soft cap and ALiBi, and with a positive scale, the max of the logits is the scaled max of q . k: the
-  // unmasked steps then take one FFMA and one ex2 per logit.
-  const bool plain = p.logits_soft_cap == 0.0f && p.alibi_slopes == nullptr && logit_scale2 > 0.0f;
-  const auto sees = [&](int row_pos, int key) { return key <= row_pos && (W == 0 || key > row_pos - W); };
-  // ldmatrix row addresses (lane l passes row l % 8 of matrix l / 8; mma.cuh):
-  //   Q (A, 16 x 16 at rows 16 w, dims 16 kk):  matrix m = (rows 8 (m & 1) .., dims 8 (m >> 1) ..);
-  //   K (B of two 8-key tiles, 16 dims):         matrix m = (keys 8 (m >> 1) .., dims 8 (m & 1) ..);
-  //   V (B of two 8-dim tiles, 16 keys, .trans): matrix m = (keys 8 (m & 1) .., dims 8 (m >> 1) ..).
-  const int q_lds = (warp * 16 + lane % 8 + 8 * ((lane / 8) & 1)) * ROW + 8 * (lane / 16);
-  const int k_lds = (lane % 8 + 8 * (lane / 16)) * ROW + 8 * ((lane / 8) & 1);
-  const int v_lds = (lane % 8 + 8 * ((lane / 8) & 1)) * ROW + 8 * (lane / 16);
-
-  // One step: keys [key_begin + N i, + N) from stage `slot`; `next` (-1: none) is copied into stage slot ^ 1.
-  // MASKED: the causal/window mask and the inf/NaN values (and `next` may need the zero fill); FEATURES: soft cap,
-  // ALiBi, any scale (else `plain`).
-  const auto step = [&](auto masked_tag, auto features_tag, int i, int next, int slot) {
-    constexpr bool MASKED = decltype(masked_tag)::value, FEATURES = decltype(features_tag)::value;
-    const std::integral_constant<bool, !MASKED> full;  // every key of `next` is before key_end
-    const int key0 = tile.key_begin + i * N;
-    // 0. the next step's rows (read by its copies, after the barrier below)
-    if (next >= 0) fill_rows(slot ^ 1, next);
-    // 1. this step's K is here (its V may not be); the next step's K starts copying
-    cp_async_wait<1>();
-    if constexpr (S::kFp8) (void)own_rows(true, slot);
-    __syncthreads();  // K and the rows visible; every warp is done with the previous step
-    if (next >= 0) copy_rows(full, true, slot ^ 1);
-    cp_async_commit();
-
-    // 2. S = Q K^T
-    const T* const k_s = k_tile(slot);
-    float x[S::NTILES][4];
+  // Step 2: S = Q K^T (16 x N per warp) from K tile k_s.
+  __device__ __forceinline__ void logits(float (&x)[S::NTILES][4], const T* k_s) const {
 #pragma unroll
     for (int j = 0; j < S::NTILES; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.0f;
 #pragma unroll
@@ -397,9 +413,13 @@ __global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(con
         mma_m16n8k16<T>(x[j + 1], a, b1, x[j + 1]);
       }
     }
+  }
 
-    // 3. softmax: element (j, e) is row g + 8 (e >> 1), key key0 + 8j + 2t + (e & 1); x becomes logit * log2(e)
-    // (FEATURES or MASKED), or stays q . k (plain: the max is taken on it, then scaled)
+  // Step 3: softmax: element (j, e) is row g + 8 (e >> 1), key key0 + 8j + 2t + (e & 1); x becomes logit * log2(e)
+  // (FEATURES or MASKED), or stays q . k (plain: the max is taken on it, then scaled); then P, rounded to T (the A
+  // fragments of P V, two 8-key tiles each), and O rescaled.
+  template <bool MASKED, bool FEATURES>
+  __device__ __forceinline__ void softmax(float (&x)[S::NTILES][4], uint32_t (&prob)[S::NTILES][2], int key0) {
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < S::NTILES; ++j) {
@@ -445,50 +465,34 @@ __global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(con
     for (int jd = 0; jd < S::DTILES; ++jd) {
       o[jd][0] *= rescale[0], o[jd][1] *= rescale[0], o[jd][2] *= rescale[1], o[jd][3] *= rescale[1];
     }
-    uint32_t prob[S::NTILES][2];  // P, rounded to T: the A fragments of P V, two 8-key tiles each
 #pragma unroll
     for (int j = 0; j < S::NTILES; ++j) {
       prob[j][0] = pack2<T>(x[j][0], x[j][1]), prob[j][1] = pack2<T>(x[j][2], x[j][3]);
     }
+  }
 
-    // 4. this step's V is here; the next step's V starts copying (masked steps: after 5)
-    cp_async_wait<1>();
-    bool fix_values = false;
-    if constexpr (S::kFp8) {
-      const bool nonfinite = own_rows(false, slot);
-      if constexpr (MASKED) fix_values = __syncthreads_or(nonfinite);
-    } else if constexpr (MASKED) {
-      fix_values = __syncthreads_or(own_rows(false, slot));
+  // Step 5a (masked steps whose V holds an inf or NaN): the values as they are go to values_s (this step's K tile,
+  // free: every warp is done with it), V keeps them with each inf or NaN replaced by 0, and P goes to p_s for 5b.
+  __device__ __forceinline__ void set_aside_nonfinite_values(T* v_s, T* values_s, T* p_s,
+                                                             const uint32_t (&prob)[S::NTILES][2]) {
+    for (int i = tid; i < N * (HEAD_DIM / 8); i += kVarlenThreads) {
+      const int j = i / (HEAD_DIM / 8), e = 8 * (i % (HEAD_DIM / 8));
+      uint4* const value = reinterpret_cast<uint4*>(v_s + j * ROW + e);
+      const uint4 stored_value = *value;
+      *reinterpret_cast<uint4*>(values_s + j * ROW + e) = stored_value;
+      bool unused = false;
+      *value = zero_nonfinite<T>(stored_value, unused);
     }
-    if constexpr (!MASKED) {
-      __syncthreads();  // V visible; every warp is done with this step's K
-      if (next >= 0) copy_rows(full, false, slot ^ 1);
-      cp_async_commit();
-    }
-    T* const v_s = v_tile(slot);
-    // 5a. (masked steps whose V holds an inf or NaN) the values as they are go to this step's K tile (free: every
-    // warp is done with it), V keeps them with each inf or NaN replaced by 0, and P goes to shared memory (T = C:
-    // the next V stage, not yet copied into; fp8: this step's stored bytes, converted) for 5b.
-    T* const p_s = (S::kFp8 ? reinterpret_cast<T*>(stored(slot)) : v_tile(slot ^ 1)) + warp * 16 * N;  // [16][N]
-    T* const values_s = const_cast<T*>(k_s);
-    if (MASKED && fix_values) {  // uniform across the thread block
-      for (int i = tid; i < N * (HEAD_DIM / 8); i += kVarlenThreads) {
-        const int j = i / (HEAD_DIM / 8), e = 8 * (i % (HEAD_DIM / 8));
-        uint4* const value = reinterpret_cast<uint4*>(v_s + j * ROW + e);
-        const uint4 stored_value = *value;
-        *reinterpret_cast<uint4*>(values_s + j * ROW + e) = stored_value;
-        bool unused = false;
-        *value = zero_nonfinite<T>(stored_value, unused);
-      }
 #pragma unroll
-      for (int j = 0; j < S::NTILES; ++j) {
-        *reinterpret_cast<uint32_t*>(p_s + g * N + 8 * j + 2 * t) = prob[j][0];
-        *reinterpret_cast<uint32_t*>(p_s + (g + 8) * N + 8 * j + 2 * t) = prob[j][1];
-      }
-      __syncthreads();
+    for (int j = 0; j < S::NTILES; ++j) {
+      *reinterpret_cast<uint32_t*>(p_s + g * N + 8 * j + 2 * t) = prob[j][0];
+      *reinterpret_cast<uint32_t*>(p_s + (g + 8) * N + 8 * j + 2 * t) = prob[j][1];
     }
+    __syncthreads();
+  }
 
-    // 5. O += P V: the A fragment of keys 16 kk .. 16 kk + 15 is P's tiles 2 kk and 2 kk + 1
+  // Step 5: O += P V: the A fragment of keys 16 kk .. 16 kk + 15 is P's tiles 2 kk and 2 kk + 1.
+  __device__ __forceinline__ void values(const uint32_t (&prob)[S::NTILES][2], const T* v_s) {
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk) {
       const uint32_t a[4] = {prob[2 * kk][0], prob[2 * kk][1], prob[2 * kk + 1][0], prob[2 * kk + 1][1]};
@@ -501,85 +505,159 @@ __global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(con
         mma_m16n8k16<T>(o[jd + 1], a, b1, o[jd + 1]);
       }
     }
+  }
 
-    if constexpr (MASKED) {
-      // 5b. O += p v for the inf and NaN values each row sees (p as P V used it)
-      if (fix_values) {  // uniform across the thread block
+  // Step 5b: O += p v for the inf and NaN values each row sees (p as P V used it, from p_s).
+  __device__ __forceinline__ void add_nonfinite_values(const T* values_s, const T* p_s, int key0) {
 #pragma unroll 1
-        for (int c = 0; c < N; ++c) {
-          const int key = key0 + c;
-          const bool see0 = sees(pos[0], key), see1 = sees(pos[1], key);
-          const float p0 = to_float(p_s[g * N + c]), p1 = to_float(p_s[(g + 8) * N + c]);
+    for (int c = 0; c < N; ++c) {
+      const int key = key0 + c;
+      const bool see0 = sees(pos[0], key), see1 = sees(pos[1], key);
+      const float p0 = to_float(p_s[g * N + c]), p1 = to_float(p_s[(g + 8) * N + c]);
 #pragma unroll
-          for (int jd = 0; jd < S::DTILES; ++jd) {
+      for (int jd = 0; jd < S::DTILES; ++jd) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float v = to_float(values_s[c * ROW + 8 * jd + 2 * t + e]);
-              if (!(fabsf(v) < INFINITY)) {
-                if (see0) o[jd][e] += p0 * v;
-                if (see1) o[jd][2 + e] += p1 * v;
-              }
-            }
+        for (int e = 0; e < 2; ++e) {
+          const float v = to_float(values_s[c * ROW + 8 * jd + 2 * t + e]);
+          if (!(fabsf(v) < INFINITY)) {
+            if (see0) o[jd][e] += p0 * v;
+            if (see1) o[jd][2 + e] += p1 * v;
           }
         }
-        __syncthreads();  // every warp is done with P and the values before the next copies overwrite them
       }
-      if (next >= 0) copy_rows(full, false, slot ^ 1);
+    }
+    __syncthreads();  // every warp is done with P and the values before the next copies overwrite them
+  }
+
+  // One step: keys [key_begin + N i, + N) from stage `slot`; `next` (-1: none) is copied into stage slot ^ 1.
+  // MASKED: the causal/window mask and the inf/NaN values (and `next` may need the zero fill); FEATURES: soft cap,
+  // ALiBi, any scale (else `plain`).
+  template <bool MASKED, bool FEATURES>
+  __device__ __forceinline__ void step(int i, int next, int slot) {
+    constexpr bool FULL = !MASKED;  // every key of `next` is before key_end
+    const int key0 = tile.key_begin + i * N;
+    // 0. the next step's rows (read by its copies, after the barrier below)
+    if (next >= 0) fill_rows(slot ^ 1, next);
+    // 1. this step's K is here (its V may not be); the next step's K starts copying
+    cp_async_wait<1>();
+    if constexpr (S::kFp8) (void)own_rows(true, slot);
+    __syncthreads();  // K and the rows visible; every warp is done with the previous step
+    if (next >= 0) copy_rows<FULL>(true, slot ^ 1);
+    cp_async_commit();
+    // 2. S = Q K^T; 3. softmax
+    const T* const k_s = k_tile(slot);
+    float x[S::NTILES][4];
+    logits(x, k_s);
+    uint32_t prob[S::NTILES][2];
+    softmax<MASKED, FEATURES>(x, prob, key0);
+    // 4. this step's V is here; the next step's V starts copying (masked steps: after 5)
+    cp_async_wait<1>();
+    bool fix_values = false;
+    if constexpr (S::kFp8) {
+      const bool nonfinite = own_rows(false, slot);
+      if constexpr (MASKED) fix_values = __syncthreads_or(nonfinite);
+    } else if constexpr (MASKED) {
+      fix_values = __syncthreads_or(own_rows(false, slot));
+    }
+    if constexpr (!MASKED) {
+      __syncthreads();  // V visible; every warp is done with this step's K
+      if (next >= 0) copy_rows<FULL>(false, slot ^ 1);
       cp_async_commit();
     }
-  };
+    T* const v_s = v_tile(slot);
+    // 5a. P to shared memory (T = C: the next V stage, not yet copied into; fp8: this step's stored bytes,
+    // converted) and the values as they are to this step's K tile, where V holds an inf or NaN
+    T* const p_s = (S::kFp8 ? reinterpret_cast<T*>(stored(slot)) : v_tile(slot ^ 1)) + warp * 16 * N;  // [16][N]
+    T* const values_s = const_cast<T*>(k_s);
+    if (MASKED && fix_values) set_aside_nonfinite_values(v_s, values_s, p_s, prob);  // uniform
+    // 5. O += P V
+    values(prob, v_s);
+    if constexpr (MASKED) {
+      // 5b. O += p v for the inf and NaN values each row sees
+      if (fix_values) add_nonfinite_values(values_s, p_s, key0);  // uniform across the thread block
+      if (next >= 0) copy_rows<FULL>(false, slot ^ 1);
+      cp_async_commit();
+    }
+  }
+
+  // out = O / l, from the accumulators: rows g and g + 8 of this warp.
+  __device__ __forceinline__ void write_out() {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      run_sum[r] += __shfl_xor_sync(0xffffffffu, run_sum[r], 1);
+      run_sum[r] += __shfl_xor_sync(0xffffffffu, run_sum[r], 2);
+      const int row = warp * 16 + g + 8 * r;
+      if (!has_row(row)) continue;
+      const float max = run_max[r] * (1.0f / kLog2e);  // back to the natural log's units
+      const float v_scale = p.v_scale != nullptr ? *p.v_scale : 1.0f;
+      // pos < 0: a row that sees no key (an invalid query_start_loc): 0. Else run_sum >= 1, or NaN (a NaN logit),
+      // or 0 when every logit it sees is -inf (0 / 0 = NaN, as the reference).
+      const int head = tile.first_head + row % p.heads_per_block;
+      const float sink = sink_of(p.sinks, head);
+      const float inv_sum = pos[r] >= 0 ? v_scale / row_sum(max, run_sum[r], sink) : 0.0f;
+      const int64_t out_row = static_cast<int64_t>(tile.first_row + row / p.heads_per_block) * p.num_heads + head;
+      if (t == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(max, run_sum[r], sink);
+      T* const out = p.out + out_row * HEAD_DIM;
+#pragma unroll
+      for (int jd = 0; jd < S::DTILES; ++jd) {
+        *reinterpret_cast<uint32_t*>(out + 8 * jd + 2 * t) =
+            pack2<T>(o[jd][2 * r] * inv_sum, o[jd][2 * r + 1] * inv_sum);
+      }
+    }
+  }
+};
+
+// The kernel: the tile's rows into shared memory, then its key steps (the masked ones, then the unmasked), each
+// copying the one after it, then out.
+template <typename T, typename C, int HEAD_DIM>  // C: the cache's element type (T, or Fp8)
+__global__ void __launch_bounds__(kVarlenThreads, 2) varlen_attention_kernel(const AttentionParams<T, C> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // mma.sync on bfloat16 and cp.async need sm_80; the launcher takes the decode kernel's path before
+#else
+  constexpr int N = VarlenShape<T, C, HEAD_DIM>::N;
+  const VarlenTile tile = varlen_tile(p);
+  if (!tile.active) return;  // uniform across the thread block
+  PA_EXTERN_SHARED(uint4, smem_u4);
+  VarlenBlock<T, C, HEAD_DIM> b(p, tile, reinterpret_cast<char*>(smem_u4));
+  b.load_rows();
+
+  // The steps: i = 0 .. steps - 1 covers keys [key_begin + N i, + N). Unmasked: [lo, hi), where every row of the
+  // tile sees every key (key + N - 1 <= first_pos, and with a window key > last_pos - window); masked: the others.
+  const int W = p.sliding_window;
+  const int steps = (tile.key_end - tile.key_begin + N - 1) / N;
+  const int last_pos = tile.first_pos + tile.tokens - 1;
+  const int window_room = last_pos - W - tile.key_begin;  // (W > 0) steps i with N i > window_room
+  const int causal_room = tile.first_pos - tile.key_begin - N + 1;  // steps i with N i <= causal_room
+  const int lo = min(W == 0 || window_room < 0 ? 0 : window_room / N + 1, steps);
+  const int hi = max(min(causal_room < 0 ? 0 : causal_room / N + 1, steps), lo);
+  // Without soft cap and ALiBi, and with a positive scale, the max of the logits is the scaled max of q . k: the
+  // unmasked steps then take one FFMA and one ex2 per logit.
+  const bool plain = p.logits_soft_cap == 0.0f && p.alibi_slopes == nullptr && b.logit_scale2 > 0.0f;
 
   // The prologue: the first step's rows and copies. Then the masked steps ([0, lo), then [hi, steps)), then the
   // unmasked ones; each step copies the one after it.
   const int first_masked = lo > 0 ? 0 : hi;
   const int first = first_masked < steps ? first_masked : lo < hi ? lo : -1;
-  if (first >= 0) fill_rows(0, first);
+  if (first >= 0) b.fill_rows(0, first);
   __syncthreads();  // the rows, Q, the rows' positions and slopes
-#pragma unroll
-  for (int r = 0; r < 2; ++r) pos[r] = row_pos_s[warp * 16 + g + 8 * r], slope[r] = row_slope_s[warp * 16 + g + 8 * r];
-  if (first >= 0) copy_rows(std::false_type{}, true, 0);
+  b.load_lane_rows();
+  if (first >= 0) b.template copy_rows<false>(true, 0);
   cp_async_commit();
-  if (first >= 0) copy_rows(std::false_type{}, false, 0);
+  if (first >= 0) b.template copy_rows<false>(false, 0);
   cp_async_commit();
   int slot = 0;
   for (int i = first_masked; i < steps; slot ^= 1) {
     const int following = i + 1 == lo ? hi : i + 1;  // the next masked step (steps: none)
-    step(std::true_type{}, std::true_type{}, i, following < steps ? following : lo < hi ? lo : -1, slot);
+    b.template step<true, true>(i, following < steps ? following : lo < hi ? lo : -1, slot);
     i = following;
   }
   if (plain) {  // uniform across the thread block
-    for (int i = lo; i < hi; ++i, slot ^= 1) {
-      step(std::false_type{}, std::false_type{}, i, i + 1 < hi ? i + 1 : -1, slot);
-    }
+    for (int i = lo; i < hi; ++i, slot ^= 1) b.template step<false, false>(i, i + 1 < hi ? i + 1 : -1, slot);
   } else {
-    for (int i = lo; i < hi; ++i, slot ^= 1) {
-      step(std::false_type{}, std::true_type{}, i, i + 1 < hi ? i + 1 : -1, slot);
-    }
+    for (int i = lo; i < hi; ++i, slot ^= 1) b.template step<false, true>(i, i + 1 < hi ? i + 1 : -1, slot);
   }
   cp_async_wait_all();  // (only empty groups are left)
-
-  // out = O / l, from the accumulators: rows g and g + 8 of this warp.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    run_sum[r] += __shfl_xor_sync(0xffffffffu, run_sum[r], 1);
-    run_sum[r] += __shfl_xor_sync(0xffffffffu, run_sum[r], 2);
-    const int row = warp * 16 + g + 8 * r;
-    if (!has_row(row)) continue;
-    const float max = run_max[r] * (1.0f / kLog2e);  // back to the natural log's units
-    const float v_scale = p.v_scale != nullptr ? *p.v_scale : 1.0f;
-    // pos < 0: a row that sees no key (an invalid query_start_loc): 0. Else run_sum >= 1, or NaN (a NaN logit), or
-    // 0 when every logit it sees is -inf (0 / 0 = NaN, as the reference).
-    const int head = tile.first_head + row % p.heads_per_block;
-    const float sink = sink_of(p.sinks, head);
-    const float inv_sum = pos[r] >= 0 ? v_scale / row_sum(max, run_sum[r], sink) : 0.0f;
-    const int64_t out_row = static_cast<int64_t>(tile.first_row + row / p.heads_per_block) * p.num_heads + head;
-    if (t == 0 && p.lse != nullptr) p.lse[out_row] = row_lse(max, run_sum[r], sink);
-    T* const out = p.out + out_row * HEAD_DIM;
-#pragma unroll
-    for (int jd = 0; jd < S::DTILES; ++jd) {
-      *reinterpret_cast<uint32_t*>(out + 8 * jd + 2 * t) = pack2<T>(o[jd][2 * r] * inv_sum, o[jd][2 * r + 1] * inv_sum);
-    }
-  }
+  b.write_out();
 #endif
 }
 
