@@ -87,8 +87,8 @@ MUTANTS = {
         "  if (true) {", "copy_blocks"),
     "tensor-core kernel: a causal bound off by one (a row sees the next token)": (
         VARLEN,
-        "const auto sees = [&](int row_pos, int key) { return key <= row_pos &&",
-        "const auto sees = [&](int row_pos, int key) { return key <= row_pos + 1 &&", VARLEN_TESTS),
+        "    return key <= row_pos && (W == 0",
+        "    return key <= row_pos + 1 && (W == 0", VARLEN_TESTS),
     "tensor-core kernel: the last key step is skipped (key_end one short)": (
         VARLEN,
         "tile.key_end = max(tile.first_pos + tile.tokens, 0);",
@@ -151,33 +151,34 @@ MUTANTS = {
     # the tensor-core decode kernel (decode_mma_kernels.cuh): its cp.async pipeline and fragments
     "tensor-core decode: the tile is read without waiting for its copies": (
         DECODE_MMA,
-        "      cp_async_wait<1>();  // this tile's group",
-        "      // cp_async_wait<1>();  // this tile's group", DECODE_MMA_TESTS),
+        "    cp_async_wait<1>();  // this tile's group",
+        "    // cp_async_wait<1>();  // this tile's group", DECODE_MMA_TESTS),
     "tensor-core decode: the wait leaves the tile's own group pending (wait<2>)": (
         DECODE_MMA,
-        "      cp_async_wait<1>();  // this tile's group",
-        "      cp_async_wait<2>();  // this tile's group", DECODE_MMA_TESTS),
+        "    cp_async_wait<1>();  // this tile's group",
+        "    cp_async_wait<2>();  // this tile's group", DECODE_MMA_TESTS),
     "tensor-core decode: no __syncwarp between the copies' wait and the warp's reads of them": (
         DECODE_MMA,
-        "      __syncwarp();        // and every lane's copies of it are visible to the whole warp",
+        "    __syncwarp();        // and every lane's copies of it are visible to the whole warp",
         "", DECODE_MMA_TESTS),
     "tensor-core decode: no __syncwarp before the next tile is copied over the stage just read": (
         DECODE_MMA,
-        "      __syncwarp();  // every lane is done with this stage before the next iteration copies into it",
+        "    __syncwarp();  // every lane is done with this stage before the next iteration copies into it",
         "", DECODE_MMA_TESTS),
     "tensor-core decode: stale block-table entries (the prefetched tile's entries not reloaded)": (
         DECODE_MMA,
-        "          next_blocks = load_tile_blocks(block_table, next + kDecodeWarps, task.end, block_shift);\n"
-        "        }\n      }",
-        "        }\n      }", DECODE_MMA_TESTS),
+        "        next_blocks = load_tile_blocks(block_table, next + kDecodeWarps, task.end, block_shift);\n"
+        "      }\n    }",
+        "      }\n    }", DECODE_MMA_TESTS),
     "tensor-core decode: P^T not transposed (the accumulator layout taken as the B layout)": (
         DECODE_MMA,
         "{movmatrix_trans(pack2<T>(x[0], x[1])), movmatrix_trans(pack2<T>(x[2], x[3]))}",
         "{pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3])}", DECODE_MMA_TESTS),
     "tensor-core decode: the accumulators not rescaled when the running max grows": (
         DECODE_MMA,
-        "acc[j][0] *= rescale[0], acc[j][1] *= rescale[1], acc[j][2] *= rescale[0], acc[j][3] *= rescale[1];",
-        "(void)rescale;", DECODE_MMA_TESTS),
+        "    state.acc[j][0] *= rescale[0], state.acc[j][1] *= rescale[1];\n"
+        "    state.acc[j][2] *= rescale[0], state.acc[j][3] *= rescale[1];",
+        "    (void)rescale;", DECODE_MMA_TESTS),
     # thread blocks that run several partitions (the plan's grid.z below a sequence's partitions)
     "a thread block's later partitions start from the running max and sum of the one before": (
         ATTENTION,
@@ -223,8 +224,8 @@ MUTANTS = {
         "  if (false) {", SINK_TESTS),
     "shared blocks: a dropped merge (a task's partition records not written)": (
         DECODE_MMA,
-        "        if (item < 0) continue;  // a task's slot without a row",
-        "        if (item < 0 || task_block) continue;  // a task's slot without a row", SHARED_TESTS),
+        "      if (item < 0) continue;  // a task's slot without a row",
+        "      if (item < 0 || task_block) continue;  // a task's slot without a row", SHARED_TESTS),
     "shared blocks: a row mapped to the wrong task (it skips the next task's partitions)": (
         SHARED,
         "    if (!listing_fits(p, s, 0, listing)) continue;\n    const SharedRange range = shared_range(p, task);",
