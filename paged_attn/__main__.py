@@ -20,9 +20,10 @@ import math
 import os
 import sys
 import time
-import warnings
 
 import torch
+
+from ._deprecation import warn_renamed
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -92,9 +93,7 @@ def renamed_flag(new_flag: str) -> type[argparse.Action]:
     """The action of a deprecated spelling of ``new_flag``: stores into its dest, with a warning."""
     class Renamed(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
-            message = f"{option_string} is deprecated; use {new_flag}"
-            print(f"paged-attn: warning: {message}", file=sys.stderr)
-            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            print(f"paged-attn: warning: {warn_renamed(option_string, new_flag)}", file=sys.stderr)
             setattr(namespace, self.dest, values)
     return Renamed
 

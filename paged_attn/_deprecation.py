@@ -1,10 +1,18 @@
-"""Old names that keep working, with a DeprecationWarning: keyword arguments (``renamed_keywords``) and read-only
-attributes (``renamed_attributes``), as decorators."""
+"""Old names that keep working, with a DeprecationWarning (``warn_renamed``): keyword arguments
+(``renamed_keywords``) and read-only attributes (``renamed_attributes``), as decorators."""
 
 from __future__ import annotations
 
 import functools
 import warnings
+
+
+def warn_renamed(old: str, new: str, stacklevel: int = 2) -> str:
+    """Warns that ``old`` is a deprecated name of ``new`` (``stacklevel`` as ``warnings.warn``'s, counted from the
+    caller of this function); returns the message."""
+    message = f"{old} is deprecated; use {new}"
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
+    return message
 
 
 def renamed_keywords(**renames: str):
@@ -17,7 +25,7 @@ def renamed_keywords(**renames: str):
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{function.__qualname__}() got {new!r} and its deprecated name {old!r}")
-                    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=2)
+                    warn_renamed(old, new)
                     kwargs[new] = kwargs.pop(old)
             return function(*args, **kwargs)
         return wrapper
@@ -30,7 +38,7 @@ def renamed_attributes(**renames: str):
     def decorate(cls):
         for old, new in renames.items():
             def get(self, old=old, new=new):
-                warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=2)
+                warn_renamed(old, new)
                 return getattr(self, new)
             setattr(cls, old, property(get, doc=f"Deprecated name of ``{new}``."))
         return cls
