@@ -8,7 +8,7 @@
 // multiples of kPartitionTokens = 512), each partition is attended from a fresh online-softmax state (max, sum, acc
 // in float32), and the partitions' states are merged strictly left to right, M = max(M, m), s = e^(M_old - M) s +
 // e^(m - M) s_partition, acc likewise; always, whatever the batch and the thread count (decode.cpp:
-// paged_attention_kernel). So a row's output bits do not depend on the other rows of the call, on the thread count,
+// decode_attention). So a row's output bits do not depend on the other rows of the call, on the thread count,
 // or on which physical blocks hold its keys. Threads share out (row, partition) items, so that a few long rows still
 // keep every thread busy.
 // Shared blocks: where several rows read a partition's first tokens (or all) as the same tokens in the same physical

@@ -18,7 +18,7 @@ namespace {
 // state, then each row alone on to its own end (the rest of its partition, where its tokens or blocks differ), so
 // each row's partition state has the bits it has when the row reads the partition alone: the same tiles in the same
 // order (split is a tile boundary, or the rows' common end). The rows merge it in partition order as any other
-// (paged_attention_kernel). Found on the host from the block tables, for every partition at any depth and in any
+// (decode_attention). Found on the host from the block tables, for every partition at any depth and in any
 // number of segments; a segment holds at most kMaxSharedRows rows, or fewer when that leaves threads idle (a larger
 // run of rows makes several segments, each reading the shared tokens once).
 constexpr int64_t kMaxSharedRows = 16;  // rows per segment: their scratch (~35 KB each at 32 x 128) stays in L2
@@ -207,7 +207,11 @@ void attend_shared_blocks(const AttentionParams<scalar_t, cache_t>& params, cons
   });
 }
 
-// The decode kernel over rows [0, num_rows) of params.
+}  // namespace
+
+namespace cpu {
+
+// The decode kernel over rows [0, num_rows) of params (attention_params.h).
 //
 // Fixed summation order: row r's visible keys [window_start(r), row_len(r)) are cut into partitions at the multiples
 // of kPartitionTokens, absolute token positions; each partition is attended from a fresh online-softmax state, its
@@ -226,8 +230,8 @@ void attend_shared_blocks(const AttentionParams<scalar_t, cache_t>& params, cons
 // Shared segments (find_shared_blocks) are attended first, for their rows, into the shared states; a row's walk
 // takes their states from there in their turn, and attends its own partitions between them in runs.
 template <typename scalar_t, typename cache_t>
-void paged_attention_kernel(const AttentionParams<scalar_t, cache_t>& params, int64_t num_rows,
-                            scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
+void decode_attention(const AttentionParams<scalar_t, cache_t>& params, int64_t num_rows,
+                      scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
   const int64_t num_heads = params.num_heads, head_dim = params.head_dim;
   const int64_t state_size = RowState::size(num_heads, head_dim);
   const Partitions<scalar_t, cache_t> partitions(params, num_rows);
@@ -315,15 +319,6 @@ void paged_attention_kernel(const AttentionParams<scalar_t, cache_t>& params, in
     }
     write_row(params, cut.row, running, out);
   }
-}
-
-}  // namespace
-
-namespace cpu {
-
-template <typename scalar_t, typename cache_t>
-void decode_attention(const AttentionParams<scalar_t, cache_t>& params, int64_t num_rows, scalar_t* out) {
-  paged_attention_kernel(params, num_rows, out);
 }
 
 #define PA_INSTANTIATE_DECODE(scalar_t, cache_t) \

@@ -124,7 +124,7 @@ inline std::vector<int64_t> split_by_cost(const std::vector<int64_t>& cost_befor
 
 // The threads' shares: part p is items [part_begin[p], part_begin[p + 1]), about equal in tokens. Threads only for
 // work worth waking them (kMinBytesPerCpuTask of keys and values each). Which thread computes a partition never
-// changes a bit of the result (see paged_attention_kernel), only the time.
+// changes a bit of the result (see decode_attention, decode.cpp), only the time.
 template <typename scalar_t, typename cache_t>
 std::vector<int64_t> split_among_threads(const Partitions<scalar_t, cache_t>& partitions, int64_t num_rows,
                                          const std::vector<int64_t>& item_state) {
