@@ -4,6 +4,7 @@
 
 #include "cuda/launch_plan.h"  // kSharedPlanColumns, kMaxSharedTasks (plain C++)
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 

@@ -34,7 +34,6 @@ class BlockManagerStats:
     kv_blocks_by_attention_type: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-
 def measure(resident_seqs: list[tuple[int, list[list[int]]]], group_windows: tuple[Optional[int], ...], block_size: int,
             kv_pool: BlockPool, swap_pool: BlockPool) -> BlockManagerStats:
     """The stats of the resident sequences, each ``(num_tokens, block tables per group)``, over these pools."""

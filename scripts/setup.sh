@@ -64,7 +64,8 @@ if [ -n "$SO" ] && grep -q "sm_90" build/registers.txt; then
     else
       tail -n 1 build/sass_baseline.txt | cut -c1-300
     fi
-    echo "(the whole report: build/sass_report.txt; against the baseline: build/sass_baseline.txt; $(( SECONDS - began )) s)"
+    echo "(the whole report: build/sass_report.txt; against the baseline: build/sass_baseline.txt;" \
+      "$(( SECONDS - began )) s)"
   else
     echo "warning: scripts/sass_report.py failed (no SASS report)" >&2
   fi
