@@ -63,7 +63,7 @@ def extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     sources = ["csrc/torch_bindings.cpp", "csrc/common.cpp", "csrc/attention_checks.cpp", "csrc/overlap.cpp",
-               "csrc/python_module.cpp"]
+               "csrc/shared_blocks.cpp", "csrc/python_module.cpp"]
     sources += sorted(glob.glob("csrc/cpu/*.cpp"))
     cxx_flags = ["-O3", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64"):

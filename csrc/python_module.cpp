@@ -1,7 +1,8 @@
 // The Python module paged_attn._C. Importing it loads this shared library, which runs the static op
 // registrations (TORCH_LIBRARY / TORCH_LIBRARY_IMPL); besides that it only exposes the validation switch and, for
-// the tests, the overlap predicate the ops' checks use and the CUDA launch plans (csrc/cuda/launch_plan.h: plain
-// C++, so they are built and tested without a GPU and without the CUDA kernels).
+// the tests, the overlap predicate the ops' checks use, the CPU decode's count of shared tokens and the CUDA launch
+// plans (csrc/cuda/launch_plan.h: plain C++, so they are built and tested without a GPU and without the CUDA
+// kernels).
 // The CMake build (a plain C++ library for libtorch users) leaves this file out.
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -12,6 +13,7 @@
 #include "common.h"
 #include "cuda/copy_plan.h"
 #include "cuda/launch_plan.h"
+#include "shared_blocks.h"
 
 namespace {
 
@@ -34,6 +36,10 @@ PyObject* tensors_overlap(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   return PyBool_FromLong(paged_attn::tensors_overlap(THPVariable_Unpack(a), THPVariable_Unpack(b)) ? 1 : 0);
+}
+
+PyObject* shared_tokens_saved(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyLong_FromLongLong(paged_attn::shared_tokens_saved());
 }
 
 PyObject* grid_tuple(const paged_attn::Grid& grid) {
@@ -104,6 +110,8 @@ PyMethodDef methods[] = {
     {"set_validation", set_validation, METH_O, "Turn the CUDA index validation mode on or off."},
     {"validation_enabled", validation_enabled, METH_NOARGS, "Whether the CUDA index validation mode is on."},
     {"_tensors_overlap", tensors_overlap, METH_VARARGS, "Whether two tensors share memory (the ops' check; tests)."},
+    {"_shared_tokens_saved", shared_tokens_saved, METH_NOARGS,
+     "Key tokens the CPU decode read once for several rows, since loading (shared_blocks.h; tests)."},
     {"_launch_plan", launch_plan, METH_VARARGS, "The launch plan of a CUDA kernel for given sizes (tests)."},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -26,6 +26,11 @@ TORCH_LIBRARY(paged_attn, m) {
         "Tensor seq_lens, float scale, Tensor? alibi_slopes, int sliding_window, float logits_soft_cap, "
         "Tensor? query_start_loc=None, int? max_query_len=None, *, Tensor? k_scale=None, Tensor? v_scale=None, "
         "Tensor(b!)? lse=None, Tensor? sinks=None, Tensor? shared_plan=None) -> ()");
+  // The shared-blocks plan of a decode batch for paged_attention's shared_plan (CUDA), from its CPU block_tables
+  // [num_seqs, max_blocks_per_seq] and seq_lens [num_seqs] (int32): int32 [num_tasks, 11], rows that hold the same
+  // full blocks, per task (ref, first_block, end_block, row_0..row_7); csrc/shared_blocks.cpp.
+  m.def("plan_shared_blocks(Tensor block_tables, Tensor seq_lens, int block_size, int num_queries_per_kv, "
+        "int min_shared_tokens) -> Tensor");
   // Merge two partial attention results over disjoint key ranges (out_* [num_tokens, num_heads, head_dim], lse_*
   // float32 [num_tokens, num_heads], natural log): out = softmax-weighted mix of out_a, out_b; lse = logaddexp.
   m.def("merge_attention_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, Tensor out_b, "

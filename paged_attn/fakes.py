@@ -249,3 +249,17 @@ def _(out, lse, out_a, lse_a, out_b, lse_b) -> None:
                  _shape(t))
         _require(t.device == out_a.device, name, " and out_a must be on the same device, got ", t.device, " and ",
                  out_a.device)
+
+
+@torch.library.register_fake("paged_attn::plan_shared_blocks")
+def _(block_tables, seq_lens, block_size, num_queries_per_kv, min_shared_tokens) -> torch.Tensor:
+    cpu = torch.device("cpu")
+    _check_index_tensor(block_tables, "block_tables", torch.int32, 2, cpu)
+    _check_index_tensor(seq_lens, "seq_lens", torch.int32, 1, cpu)
+    _require(seq_lens.shape[0] == block_tables.shape[0], "seq_lens must have num_seqs = ", block_tables.shape[0],
+             " entries (block_tables' rows), got ", seq_lens.shape[0])
+    _require(block_size >= 1 and num_queries_per_kv >= 1 and min_shared_tokens >= 1,
+             "block_size, num_queries_per_kv and min_shared_tokens must be positive, got ", block_size, ", ",
+             num_queries_per_kv, " and ", min_shared_tokens)
+    num_tasks = torch.library.get_ctx().new_dynamic_size(max=MAX_SHARED_TASKS)  # found from the tables' values
+    return block_tables.new_empty((num_tasks, SHARED_PLAN_COLUMNS))

@@ -1,14 +1,13 @@
 """plan_shared_blocks: the shared-blocks plan of a decode batch for the CUDA kernel (``paged_attention``'s
-``shared_plan``), computed on the host from the batch's block tables. (The CPU kernel finds its shared blocks
-itself, csrc/cpu/decode.cpp.)
+``shared_plan``), computed on the host from the batch's block tables by the op of csrc/shared_blocks.cpp, whose
+search for shared blocks the CPU kernel also uses (csrc/shared_blocks.h).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from .fakes import MAX_SHARED_TASKS, SHARED_PLAN_COLUMNS, SHARED_ROWS, _is_int
+from .fakes import _is_int
 
 
 def plan_shared_blocks(
@@ -72,49 +71,7 @@ def plan_shared_blocks(
                          f"{seq_lens.shape[0]}")
     for name, value in (("block_size", block_size), ("num_queries_per_kv", num_queries_per_kv),
                         ("min_shared_tokens", min_shared_tokens)):
-        if not (_is_int(value) and value >= 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    empty = torch.empty((0, SHARED_PLAN_COLUMNS), dtype=torch.int32)
-    blocks_per_group = -(-num_queries_per_kv // 8)  # thread blocks per head group (launch_plan.h)
-    rows_per_task = SHARED_ROWS // -(-num_queries_per_kv // blocks_per_group)
-    num_seqs, width = block_tables.shape
-    if rows_per_task < 2 or num_seqs < 2 or width == 0:
-        return empty
-    tables = block_tables.contiguous().numpy()
-    full = np.clip(seq_lens.numpy().astype(np.int64), 0, width * block_size) // block_size
-    min_blocks = -(-min_shared_tokens // block_size)
-    candidates = np.nonzero(full >= min_blocks)[0]
-    if candidates.size < 2:
-        return empty
-    # The candidates sorted by their full blocks' entries as byte strings: any lexicographic order puts the rows
-    # that share a prefix next to each other (a row that is a prefix of another sorts just before it); sorting the
-    # raw bytes compares each pair up to its first difference (np.lexsort would sort once per column).
-    order = np.array(sorted(candidates.tolist(), key=lambda r: tables[r, :full[r]].tobytes()))
-    width = int(full[candidates].max())
-    columns = np.arange(width)[None, :]
-    sorted_keys = tables[order, :width]
-    # lcp[i]: the entries sorted rows i and i + 1 agree on, within both rows' full blocks.
-    differ = (sorted_keys[1:] != sorted_keys[:-1]) | (columns >= np.minimum(full[order[1:]], full[order[:-1]])[:, None])
-    lcp = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
-    # The prefix tree's nodes: the lcp intervals [lb, rb] of sorted rows with their depth n and their parent's.
-    tasks = []
-    stack = [(0, 0)]  # (depth, lb)
-    n = order.size
-    for i in range(1, n + 1):
-        depth = int(lcp[i - 1]) if i < n else 0
-        lb = i - 1
-        while depth < stack[-1][0]:
-            top_depth, lb = stack.pop()
-            parent = max(depth, stack[-1][0])
-            if (top_depth - parent) * block_size >= min_shared_tokens:
-                rows = [int(r) for r in order[lb:i]]
-                for start in range(0, len(rows), rows_per_task):
-                    task_rows = rows[start:start + rows_per_task]
-                    if len(task_rows) >= 2:
-                        tasks.append([task_rows[0], parent, top_depth] + task_rows +
-                                     [-1] * (SHARED_ROWS - len(task_rows)))
-        if depth > stack[-1][0]:
-            stack.append((depth, lb))
-    if not tasks:
-        return empty
-    return torch.tensor(tasks[:MAX_SHARED_TASKS], dtype=torch.int32)
+        if not (_is_int(value) and 1 <= value < 2**63):
+            raise ValueError(f"{name} must be a positive integer below 2**63, got {value!r}")
+    return torch.ops.paged_attn.plan_shared_blocks(block_tables, seq_lens, block_size, num_queries_per_kv,
+                                                   min_shared_tokens)

@@ -7,6 +7,7 @@
 #include "attention_common.h"  // first: it selects at::vec's implementation
 #include "decode_kernels.h"
 #include "partitions.h"
+#include "../shared_blocks.h"
 
 namespace paged_attn {
 namespace {
@@ -18,9 +19,10 @@ namespace {
 // state, then each row alone on to its own end (the rest of its partition, where its tokens or blocks differ), so
 // each row's partition state has the bits it has when the row reads the partition alone: the same tiles in the same
 // order (split is a tile boundary, or the rows' common end). The rows merge it in partition order as any other
-// (decode_attention). Found on the host from the block tables, for every partition at any depth and in any
-// number of segments; a segment holds at most kMaxSharedRows rows, or fewer when that leaves threads idle (a larger
-// run of rows makes several segments, each reading the shared tokens once).
+// (decode_attention). Found on the host from the block tables by the search plan_shared_blocks also uses
+// (../shared_blocks.h: the rows sorted by their blocks), for every partition at any depth and in any number of
+// segments; a segment holds at most kMaxSharedRows rows, or fewer when that leaves threads idle (a larger run of rows
+// makes several segments, each reading the shared tokens once).
 constexpr int64_t kMaxSharedRows = 16;  // rows per segment: their scratch (~35 KB each at 32 x 128) stays in L2
 
 struct SharedBlocks {
@@ -41,41 +43,51 @@ SharedBlocks find_shared_blocks(const Partitions<scalar_t, cache_t>& partitions,
   shared.item_state.assign(partitions.num_items(), -1);
   // PAGED_ATTN_NO_SHARED_BLOCKS=1: every row reads every partition alone (for measuring; the bits are the same).
   if (num_rows < 2 || std::getenv("PAGED_ATTN_NO_SHARED_BLOCKS") != nullptr) return shared;
+  // The rows sorted by their blocks (shared_blocks.h); then their (row, partition) items, partition by partition,
+  // by begin (a window's start can cut a partition) and then in the rows' order. common[j]: the tokens the rows of
+  // items j - 1 and j share from the first, the least common tokens of the sorted rows from one to the other.
+  const int64_t bs = params.block_size;
+  std::vector<int64_t> rows(num_rows);
+  std::iota(rows.begin(), rows.end(), int64_t{0});
+  const SortedRows sorted = sort_by_blocks(
+      std::move(rows), [&](int64_t r) { return params.block_table(r); }, [&](int64_t r) { return params.row_len(r); },
+      bs);
   struct Item {
-    int64_t item, row, begin, end;
+    int64_t item, row, begin, end, place;  // place: the row's in sorted.order
   };
   std::vector<Item> items;
+  std::vector<int64_t> common;
   items.reserve(partitions.num_items());
+  common.reserve(partitions.num_items());
+  int64_t num_partitions = 0;
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t c0 = partitions.first_partition(r);
-    for (int64_t i = 0; i < partitions.num_partitions(r); ++i) {
-      const int64_t begin = partitions.partition_begin(r, c0 + i), end = partitions.partition_end(r, c0 + i);
-      if (begin < end) items.push_back({partitions.first_item[r] + i, r, begin, end});
+    num_partitions = std::max(num_partitions, partitions.first_partition(r) + partitions.num_partitions(r));
+  }
+  for (int64_t c = 0; c < num_partitions; ++c) {
+    const size_t first = items.size();
+    for (int64_t k = 0; k < num_rows; ++k) {
+      const int64_t r = sorted.order[k], i = c - partitions.first_partition(r);
+      if (i < 0 || i >= partitions.num_partitions(r)) continue;
+      const int64_t begin = partitions.partition_begin(r, c), end = partitions.partition_end(r, c);
+      if (begin < end) items.push_back({partitions.first_item[r] + i, r, begin, end, k});
+    }
+    const auto by_begin = [](const Item& a, const Item& b) { return a.begin < b.begin; };
+    std::stable_sort(items.begin() + first, items.end(), by_begin);
+    for (size_t j = first; j < items.size(); ++j) {
+      const bool after = j > first && items[j - 1].begin == items[j].begin;
+      common.push_back(after ? *std::min_element(sorted.common.begin() + items[j - 1].place,
+                                                 sorted.common.begin() + items[j].place)
+                             : 0);
     }
   }
-  const int64_t bs = params.block_size;
-  const auto entries = [&](const Item& it) { return params.block_table(it.row) + it.begin / bs; };
-  const auto num_entries = [&](const Item& it) { return (it.end - 1) / bs - it.begin / bs + 1; };
-  // By begin, then the block-table entries from there (lexicographically: items that share more entries lie
-  // closer), then end and row.
-  std::sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    if (a.begin != b.begin) return a.begin < b.begin;
-    const int32_t *ea = entries(a), *eb = entries(b);
-    const int64_t na = num_entries(a), nb = num_entries(b);
-    if (std::lexicographical_compare(ea, ea + na, eb, eb + nb)) return true;
-    if (std::lexicographical_compare(eb, eb + nb, ea, ea + na)) return false;
-    return a.end != b.end ? a.end < b.end : a.row < b.row;
-  });
-  // The tokens two items (of one begin) can share: their common end if they agree on every entry up to it, else
-  // the tile boundary at or before the end of their common entries (and their ends); begin if none.
-  const auto shared_until = [&](const Item& a, const Item& b) -> int64_t {
+  // The tokens two neighbouring items can share: their common end if they hold all tokens up to it in the same
+  // blocks, else the tile boundary at or before the end of their common tokens (and their ends); begin if none.
+  const auto shared_until = [&](size_t j) -> int64_t {
+    const Item &a = items[j - 1], &b = items[j];
     if (a.begin != b.begin) return a.begin;
-    const int32_t *ea = entries(a), *eb = entries(b);
-    const int64_t n = std::min(num_entries(a), num_entries(b));
-    const int64_t same = std::mismatch(ea, ea + n, eb).first - ea;  // entries in common
-    const int64_t common = std::min({a.end, b.end, (a.begin / bs + same) * bs});
-    if (a.end == b.end && common == a.end) return a.end;
-    return std::max(a.begin, common / kTileTokens * kTileTokens);
+    const int64_t tokens = std::min({a.end, b.end, common[j]});
+    if (a.end == b.end && tokens == a.end) return a.end;
+    return std::max(a.begin, tokens / kTileTokens * kTileTokens);
   };
   // Runs of items sharing [begin, split), greedily: the next item joins while the tokens the run saves, (rows - 1)
   // * (split - begin), do not shrink.
@@ -88,7 +100,7 @@ SharedBlocks find_shared_blocks(const Partitions<scalar_t, cache_t>& partitions,
     size_t j = i + 1;
     int64_t split = std::numeric_limits<int64_t>::max();
     for (; j < items.size(); ++j) {
-      const int64_t s = std::min(split, shared_until(items[j - 1], items[j])), begin = items[i].begin;
+      const int64_t s = std::min(split, shared_until(j)), begin = items[i].begin;
       const int64_t rows = static_cast<int64_t>(j - i);  // before items[j] joins
       const bool first_pair = split == std::numeric_limits<int64_t>::max();
       if (s <= begin || (!first_pair && rows * (s - begin) < (rows - 1) * (split - begin))) break;
@@ -141,6 +153,7 @@ SharedBlocks find_shared_blocks(const Partitions<scalar_t, cache_t>& partitions,
     for (int64_t g = 0; g < num_segments[r]; ++g) {
       const int64_t b = run.first + n * g / num_segments[r], e = run.first + n * (g + 1) / num_segments[r];
       shared.segments.push_back({items[b].begin, run.split, static_cast<int64_t>(shared.rows.size()), e - b});
+      add_shared_tokens_saved((e - b - 1) * (run.split - items[b].begin));
       for (int64_t k = b; k < e; ++k) {
         shared.item_state[items[k].item] = static_cast<int64_t>(shared.rows.size());
         shared.rows.push_back(items[k].row);

@@ -1,5 +1,6 @@
 """paged_attn.plan_shared_blocks: the host-side plan of shared blocks for the CUDA decode kernel
-(csrc/cuda/shared_blocks.cuh), checked against a brute force over every pair of rows; and the shared_plan argument
+(csrc/cuda/shared_blocks.cuh), made by the op of csrc/shared_blocks.cpp, checked against a brute force over every pair
+of rows, the op's own checks and its fake; and the shared_plan argument
 of paged_attention at the door (CPU: checked, not read; CUDA, where a GPU is present: the same outputs). The kernel
 itself runs in tests/emulated/test_emulated_kernels.py (test_shared_blocks_*)."""
 
@@ -8,6 +9,8 @@ import random
 import pytest
 import torch
 from conftest import HAS_CUDA_OPS
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from test_attention import make_case, tolerance
 
 import paged_attn
@@ -110,7 +113,8 @@ def test_short_segments_and_partial_blocks_are_not_listed():
     assert paged_attn.plan_shared_blocks(unrelated, lens[:2], 16).shape == (0, 11)
 
 
-@pytest.mark.parametrize("bad", ["dtype", "device_meta", "dims", "rows", "block_size", "group", "min_tokens"])
+@pytest.mark.parametrize("bad", ["dtype", "device_meta", "dims", "rows", "block_size", "group", "min_tokens",
+                                 "huge"])
 def test_plan_rejects_bad_arguments(bad):
     tables, lens = tree_tables(1, 4, 16)
     args = dict(block_tables=tables, seq_lens=lens, block_size=16)
@@ -126,10 +130,48 @@ def test_plan_rejects_bad_arguments(bad):
         args["block_size"] = 0
     elif bad == "group":
         args["num_queries_per_kv"] = 1.5
+    elif bad == "huge":
+        args["min_shared_tokens"] = 2**63  # past int64: a ValueError that names it, not an OverflowError
     else:
         args["min_shared_tokens"] = -1
     with pytest.raises(ValueError):
         paged_attn.plan_shared_blocks(**args)
+
+
+OP_ERRORS = {  # the op's own checks, for callers of torch.ops.paged_attn.plan_shared_blocks: (change, message)
+    "tables dtype": (lambda t, l: (t.long(), l, 16, 1, 16), "block_tables must be Int"),
+    "lens dims": (lambda t, l: (t, l[None], 16, 1, 16), "seq_lens must have 1 dimension"),
+    "lens on meta": (lambda t, l: (t, l.to("meta"), 16, 1, 16), "seq_lens must be on cpu"),
+    "rows": (lambda t, l: (t, l[:3], 16, 1, 16), "seq_lens must have num_seqs = 4 entries"),
+    "block size": (lambda t, l: (t, l, 0, 1, 16), "must be positive, got 0, 1 and 16"),
+    "group": (lambda t, l: (t, l, 16, -2, 16), "must be positive, got 16, -2 and 16"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OP_ERRORS))
+def test_op_and_its_fake_refuse_bad_arguments_alike(name):
+    """The op's checks at the door, and its fake kernel's (paged_attn/fakes.py), with the same message."""
+    change, message = OP_ERRORS[name]
+    tables, lens = tree_tables(1, 4, 16)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.paged_attn.plan_shared_blocks(*change(tables, lens))
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode, pytest.raises(RuntimeError, match=message):
+        fake = [mode.from_tensor(t, static_shapes=True) for t in (tables, lens)]
+        torch.ops.paged_attn.plan_shared_blocks(*change(*fake))
+
+
+def test_op_passes_opcheck_and_traces_under_torch_compile():
+    """The op's schema and fake (a data-dependent number of tasks) pass opcheck; a compiled call, with
+    data-dependent output shapes captured, gives the eager plan."""
+    tables, lens = tree_tables(2, 12, 16)
+    torch.library.opcheck(torch.ops.paged_attn.plan_shared_blocks.default, (tables, lens, 16, 1, 16))
+    eager = paged_attn.plan_shared_blocks(tables, lens, 16, min_shared_tokens=16)
+    assert eager.shape[0] > 0
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(lambda t, l: paged_attn.plan_shared_blocks(t, l, 16, min_shared_tokens=16) * 1,
+                                 fullgraph=True)
+        assert torch.equal(compiled(tables, lens), eager)
 
 
 def shared_decode_case(dtype, device, num_heads=8, num_kv_heads=2):

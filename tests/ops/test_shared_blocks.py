@@ -1,6 +1,7 @@
 """Shared blocks read once (issue 24, sections 1 and 2), CPU decode: paged_attention finds the partitions that several
-rows read in the same physical blocks (csrc/cpu/attention.cpp: find_shared_blocks) and attends each such shared
-segment once for all of them, each row from its own state, so that a row's output bits cannot change.
+rows read in the same physical blocks (csrc/cpu/decode.cpp: find_shared_blocks, on the search of csrc/shared_blocks.h)
+and attends each such shared segment once for all of them, each row from its own state, so that a row's output bits
+cannot change; that it found them shows in the count of keys read once (paged_attn._C._shared_tokens_saved()).
 
 The batches are trees of sharing, as fork, beam search and prefix caching make them: a 1,300-token prefix (it ends
 inside a partition and inside a block) shared by six rows, three of them forking again at 2,100 tokens, tails of their
@@ -25,7 +26,7 @@ from test_attention import tolerance
 from test_batch_invariance import CACHES, FEATURES, HEADS, HEAD_DIM, assert_same_bits, op_kwargs, poisoned
 
 import paged_attn
-from paged_attn import reference
+from paged_attn import _C, reference
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -122,13 +123,17 @@ def check_tree(cache, heads, features, block_size=16, *, threads=(1, 2), seed=0)
     shared_case = lay_out_shared(rows, block_size, seed + 1)
     tables = shared_case[3]
     assert len(set(tables[:6, 0].tolist())) == 1, "the layout must share the prefix's first block"
+    before = _C._shared_tokens_saved()
     out = run(shared_case, kwargs, threads=threads[-1])
+    assert _C._shared_tokens_saved() > before, "no shared segment found: every row read the shared prefix itself"
     expected = reference.paged_attention(*shared_case, compute_dtype=torch.float64, **kwargs)
     torch.testing.assert_close(out, expected.to(out.dtype), **tolerance(out.dtype))
     distinct_case = lay_out_shared(rows, block_size, seed + 2, share=False)
+    before = _C._shared_tokens_saved()
     assert_same_bits(run(distinct_case, kwargs, threads=threads[0]), out, "shared blocks vs distinct copies")
     assert_same_bits(run(shared_case, kwargs, threads=threads[0], sharing=False), out,
                      "the search for sharing on vs off")
+    assert _C._shared_tokens_saved() == before, "distinct blocks, or the search off, cannot share"
     for t in threads[:-1]:
         assert_same_bits(run(shared_case, kwargs, threads=t), out, f"{threads[-1]} threads vs {t}")
     for r in (0, 4, 6):
@@ -156,6 +161,10 @@ def test_many_rows_on_one_prefix_make_several_segments():
     rows = make_tree(8, 2, torch.bfloat16, torch.bfloat16, 21, tree)
     case = lay_out_shared(rows, 16, 22)
     kwargs = {}
+    before = _C._shared_tokens_saved()
+    run(case, kwargs, threads=1)
+    # On one thread: per partition, 3 segments of 14, 13 and 13 rows, each reading the partition's 512 keys once.
+    assert _C._shared_tokens_saved() - before == 2 * (40 - 3) * 512
     out = run(case, kwargs, threads=3)
     expected = reference.paged_attention(*case, compute_dtype=torch.float64)
     torch.testing.assert_close(out, expected.to(out.dtype), **tolerance(out.dtype))
@@ -180,7 +189,9 @@ def test_varlen_rows_share_their_sequence_and_prefix(cache, features):
     query = torch.randn(3 + 3 + 40, num_heads, HEAD_DIM, generator=gen).to(query_dtype)
     query_start_loc = torch.tensor([0, 3, 6, 46], dtype=torch.int32)
     case = (query, key_cache, value_cache, block_tables, seq_lens)
+    before = _C._shared_tokens_saved()
     out = paged_attn.paged_attention(*case, query_start_loc=query_start_loc, **kwargs)
+    assert _C._shared_tokens_saved() > before, "the decode rows' common prefix was not found"
     expected = reference.paged_attention(*case, query_start_loc=query_start_loc, compute_dtype=torch.float64,
                                          **kwargs)
     torch.testing.assert_close(out, expected.to(out.dtype), **tolerance(out.dtype))
