@@ -103,6 +103,37 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                     {v_scale.has_value() ? &*v_scale : &none, "v_scale", false}});
 }
 
+void check_mla_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t kv_lora_rank,
+                              const std::optional<at::Tensor>& query_start_loc,
+                              const std::optional<at::Tensor>& k_scale,
+                              const std::optional<at::Tensor>& lse) {
+  check_latent_cache(kv_cache);
+  const int64_t row = kv_cache.size(2);
+  TORCH_CHECK(query.dim() == 3 && query.size(2) == row,
+              "query must have shape [num_tokens, num_heads, kv_lora_rank + rope_dim] with the cache's row of ", row,
+              ", got ", query.sizes());
+  TORCH_CHECK(query.device() == kv_cache.device(), "query and kv_cache must be on the same device, got ",
+              query.device(), " and ", kv_cache.device());
+  check_dtype_for_cache(query, "query", kv_cache, "kv_cache");
+  TORCH_CHECK(kv_lora_rank >= 1 && kv_lora_rank <= row, "kv_lora_rank must be in [1, ", row,
+              "] (the cache's row: kv_lora_rank + rope_dim), got ", kv_lora_rank);
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == query.size(0) && out.size(1) == query.size(1) &&
+                  out.size(2) == kv_lora_rank && out.scalar_type() == query.scalar_type() &&
+                  out.device() == query.device(),
+              "out must be a ", query.scalar_type(), " tensor of shape [num_tokens, num_heads, kv_lora_rank] = [",
+              query.size(0), ", ", query.size(1), ", ", kv_lora_rank, "] on ", query.device(), ", got ",
+              out.scalar_type(), " ", out.sizes(), " on ", out.device());
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  check_scale(kv_cache, k_scale, "k_scale");
+  const at::Tensor none;
+  check_no_overlap({{&out, "out", true}, {lse.has_value() ? &*lse : &none, "lse", true},
+                    {&query, "query", false}, {&kv_cache, "kv_cache", false}, {&block_tables, "block_tables", false},
+                    {&seq_lens, "seq_lens", false},
+                    {query_start_loc.has_value() ? &*query_start_loc : &none, "query_start_loc", false},
+                    {k_scale.has_value() ? &*k_scale : &none, "k_scale", false}});
+}
+
 void check_merge_attention_states_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_a,
                                        const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b) {
   TORCH_CHECK(out_a.dim() == 3, "out_a must have shape [num_tokens, num_heads, head_dim], got ", out_a.sizes());

@@ -37,28 +37,34 @@ float fp8_max_finite(at::ScalarType dtype) {
   return dtype == at::kFloat8_e4m3fn ? 448.f : 57344.f;
 }
 
+void check_scale(const at::Tensor& cache, const std::optional<at::Tensor>& scale, const char* name) {
+  if (!scale.has_value()) return;
+  const at::Tensor& t = *scale;
+  TORCH_CHECK(is_fp8(cache.scalar_type()), name, " is given but the cache is ", cache.scalar_type(),
+              ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)");
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, name, " must be a float32 tensor of one element, got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == cache.device(), name, " must be on the cache's device ", cache.device(), ", got ",
+              t.device());
+}
+
 void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor>& k_scale,
                      const std::optional<at::Tensor>& v_scale) {
-  for (const auto& [scale, name] : {std::pair{&k_scale, "k_scale"}, std::pair{&v_scale, "v_scale"}}) {
-    if (!scale->has_value()) continue;
-    const at::Tensor& t = **scale;
-    TORCH_CHECK(is_fp8(key_cache.scalar_type()), name, " is given but the cache is ", key_cache.scalar_type(),
-                ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)");
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, name,
-                " must be a float32 tensor of one element, got ", t.scalar_type(), " of shape ", t.sizes());
-    TORCH_CHECK(t.device() == key_cache.device(), name, " must be on the cache's device ", key_cache.device(),
-                ", got ", t.device());
-  }
+  check_scale(key_cache, k_scale, "k_scale");
+  check_scale(key_cache, v_scale, "v_scale");
+}
+
+void check_scale_value(const std::optional<at::Tensor>& scale, const char* name) {
+  if (!scale.has_value()) return;
+  const float value = scale->item<float>();
+  TORCH_CHECK(std::isfinite(value) && value != 0.f, name, " must be finite and nonzero, got ", value,
+              ": an fp8 cache stores x as the fp8 value nearest to x / ", name, " and reads it back times ", name,
+              " (0 would store NaN and +-max, inf zeros that read back NaN)");
 }
 
 void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  for (const auto& [scale, name] : {std::pair{&k_scale, "k_scale"}, std::pair{&v_scale, "v_scale"}}) {
-    if (!scale->has_value()) continue;
-    const float value = (*scale)->item<float>();
-    TORCH_CHECK(std::isfinite(value) && value != 0.f, name, " must be finite and nonzero, got ", value,
-                ": an fp8 cache stores x as the fp8 value nearest to x / ", name, " and reads it back times ", name,
-                " (0 would store NaN and +-max, inf zeros that read back NaN)");
-  }
+  check_scale_value(k_scale, "k_scale");
+  check_scale_value(v_scale, "v_scale");
 }
 
 void check_sink_values(const std::optional<at::Tensor>& sinks) {
@@ -187,15 +193,57 @@ void check_block_mapping_range(const at::Tensor& block_mapping_cpu, int64_t num_
   }
 }
 
-void check_dtype_for_cache(const at::Tensor& t, const char* name, const at::Tensor& key_cache) {
+void check_dtype_for_cache(const at::Tensor& t, const char* name, const at::Tensor& key_cache,
+                           const char* cache_name) {
   if (is_fp8(key_cache.scalar_type())) {
     const auto dtype = t.scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, name,
                 " must be float32, float16 or bfloat16 with an fp8 cache (", key_cache.scalar_type(), "), got ", dtype);
     return;
   }
-  TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), name, " and key_cache must have the same dtype, got ",
+  TORCH_CHECK(t.scalar_type() == key_cache.scalar_type(), name, " and ", cache_name, " must have the same dtype, got ",
               t.scalar_type(), " and ", key_cache.scalar_type());
+}
+
+void check_latent_cache(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.dim() == 3, "kv_cache must have shape [num_blocks, block_size, kv_lora_rank + rope_dim], got ",
+              kv_cache.sizes());
+  const auto dtype = kv_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || is_fp8(dtype),
+              "kv_cache must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", dtype);
+  TORCH_CHECK(kv_cache.size(1) > 0 && kv_cache.size(2) > 0,
+              "kv_cache: block_size and kv_lora_rank + rope_dim must be positive, got shape ", kv_cache.sizes());
+  TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache: the last dimension (kv_lora_rank + rope_dim) must be contiguous, ",
+              "got shape ", kv_cache.sizes(), " with strides ", kv_cache.strides());
+  TORCH_CHECK(!has_self_overlap(kv_cache), "kv_cache: its elements must not overlap (no two rows may share memory), ",
+              "got shape ", kv_cache.sizes(), " with strides ", kv_cache.strides());
+}
+
+void check_concat_and_cache_mla_args(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
+                                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& scale) {
+  check_latent_cache(kv_cache);
+  TORCH_CHECK(kv_c.dim() == 2 && k_pe.dim() == 2 && k_pe.size(0) == kv_c.size(0),
+              "kv_c and k_pe must have shapes [num_tokens, kv_lora_rank] and [num_tokens, rope_dim], got ",
+              kv_c.sizes(), " and ", k_pe.sizes());
+  TORCH_CHECK(kv_c.size(1) + k_pe.size(1) == kv_cache.size(2), "kv_c and k_pe hold ", kv_c.size(1), " + ",
+              k_pe.size(1), " values per token but a row of kv_cache holds kv_lora_rank + rope_dim = ",
+              kv_cache.size(2));
+  TORCH_CHECK(kv_c.scalar_type() == k_pe.scalar_type() && kv_c.device() == k_pe.device(),
+              "kv_c and k_pe must have the same dtype and device, got ", kv_c.scalar_type(), " on ", kv_c.device(),
+              " and ", k_pe.scalar_type(), " on ", k_pe.device());
+  TORCH_CHECK(kv_c.device() == kv_cache.device(), "kv_c and kv_cache must be on the same device, got ", kv_c.device(),
+              " and ", kv_cache.device());
+  check_dtype_for_cache(kv_c, "kv_c", kv_cache, "kv_cache");
+  TORCH_CHECK((kv_c.stride(1) == 1 || kv_c.size(1) <= 1) && (k_pe.stride(1) == 1 || k_pe.size(1) <= 1),
+              "kv_c and k_pe must be contiguous in their last dimension, got strides ", kv_c.strides(), " and ",
+              k_pe.strides());
+  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1, kv_cache.device());
+  TORCH_CHECK(slot_mapping.size(0) == kv_c.size(0), "slot_mapping must have num_tokens = ", kv_c.size(0),
+              " entries, got ", slot_mapping.size(0));
+  check_scale(kv_cache, scale, "scale");
+  const at::Tensor none;
+  check_no_overlap({{&kv_c, "kv_c", false}, {&k_pe, "k_pe", false}, {&kv_cache, "kv_cache", true},
+                    {&slot_mapping, "slot_mapping", false}, {scale.has_value() ? &*scale : &none, "scale", false}});
 }
 
 void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,

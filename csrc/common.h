@@ -35,12 +35,15 @@ float fp8_max_finite(at::ScalarType dtype);
 // error.
 void check_kv_scales(const at::Tensor& key_cache, const std::optional<at::Tensor>& k_scale,
                      const std::optional<at::Tensor>& v_scale);
+// One such scale, named `name` in messages (concat_and_cache_mla's scale, mla_attention's k_scale).
+void check_scale(const at::Tensor& cache, const std::optional<at::Tensor>& scale, const char* name);
 
 // The values of k_scale and v_scale (those given; check_kv_scales first) are finite and nonzero: a scale of 0 (or
 // -0) stores 0 as NaN and everything else as +-max_finite, and +-inf stores zeros that read back NaN (0 * inf).
 // Reads the values, which on CUDA synchronizes with the device, so the CUDA entry points call it only under
 // validation_enabled() (the CPU ones always: they read the values anyway).
 void check_kv_scale_values(const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
+void check_scale_value(const std::optional<at::Tensor>& scale, const char* name);
 
 // paged_attention's sinks (those given) hold no NaN: -inf is "no sink" and +inf a sink that takes the whole softmax
 // (the output 0, its limit), but NaN has no meaning. Reads the values: on CUDA only under validation_enabled()
@@ -76,7 +79,12 @@ void check_same_layout(const at::Tensor& a, const char* a_name, const at::Tensor
 void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache);
 
 // t (key or query) has the cache's dtype, or, for an fp8 cache, one of float32, float16, bfloat16.
-void check_dtype_for_cache(const at::Tensor& t, const char* name, const at::Tensor& key_cache);
+void check_dtype_for_cache(const at::Tensor& t, const char* name, const at::Tensor& key_cache,
+                           const char* cache_name = "key_cache");
+
+// An MLA latent cache (paged_attn/ops.py): [num_blocks, block_size, kv_lora_rank + rope_dim], one row per token
+// shared by all heads; a cache dtype, block_size and the row positive, the row contiguous, no self-overlap.
+void check_latent_cache(const at::Tensor& kv_cache);
 
 // An index tensor: given dtype and rank, on the given device.
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
@@ -116,6 +124,21 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                                 const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks,
                                 const std::optional<at::Tensor>& shared_plan);
+
+// concat_and_cache_mla: kv_c [num_tokens, kv_lora_rank] and k_pe [num_tokens, rope_dim] (last dims contiguous,
+// any row strides) fill the latent cache's rows (check_latent_cache: kv_lora_rank + rope_dim); slot_mapping int64
+// [num_tokens]; scale for fp8 caches only. The cache overlaps no other argument.
+void check_concat_and_cache_mla_args(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
+                                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& scale);
+// mla_attention: query [num_tokens, num_heads, row] (the latent cache's row: kv_lora_rank + rope_dim), out
+// [num_tokens, num_heads, kv_lora_rank] contiguous in query's dtype, 1 <= kv_lora_rank <= row; out and lse overlap
+// no other argument. The rest (block tables, lengths, query_start_loc, lse, k_scale) as paged_attention's, which the
+// CPU kernel then runs over the cache as one kv head.
+void check_mla_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t kv_lora_rank,
+                              const std::optional<at::Tensor>& query_start_loc,
+                              const std::optional<at::Tensor>& k_scale,
+                              const std::optional<at::Tensor>& lse);
 
 // merge_attention_states: out_a, out_b [num_tokens, num_heads, head_dim] of one dtype (float32, float16, bfloat16),
 // shape and device, last dimension contiguous; lse_a, lse_b float32 [num_tokens, num_heads] on that device, any

@@ -26,6 +26,19 @@ TORCH_LIBRARY(paged_attn, m) {
         "Tensor seq_lens, float scale, Tensor? alibi_slopes, int sliding_window, float logits_soft_cap, "
         "Tensor? query_start_loc=None, int? max_query_len=None, *, Tensor? k_scale=None, Tensor? v_scale=None, "
         "Tensor(b!)? lse=None, Tensor? sinks=None, Tensor? shared_plan=None) -> ()");
+  // MLA (multi-head latent attention: DeepSeek-V2/V3, Kimi K2): write token i's compressed KV kv_c [num_tokens,
+  // kv_lora_rank] and RoPE'd key part k_pe [num_tokens, rope_dim] as row slot_mapping[i] of the latent cache kv_cache
+  // [num_blocks, block_size, kv_lora_rank + rope_dim] (one row per token, for all heads); slot < 0 skips; an fp8
+  // cache stores the value nearest to x / scale.
+  m.def("concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, *, "
+        "Tensor? scale=None) -> ()");
+  // MLA attention over the latent cache: out[i, h] = softmax(scale * q[i, h] . C_s[:p + 1]) C_s[:p + 1, :kv_lora_rank]
+  // for query token i at position p of sequence s, C_s its latent rows; query [num_tokens, num_heads, kv_lora_rank +
+  // rope_dim] is the absorbed query, out [num_tokens, num_heads, kv_lora_rank]. query_start_loc, max_query_len and
+  // lse as paged_attention's; k_scale: an fp8 cache's scale. CPU only so far.
+  m.def("mla_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "int kv_lora_rank, float scale, Tensor? query_start_loc=None, int? max_query_len=None, *, "
+        "Tensor? k_scale=None, Tensor(b!)? lse=None) -> ()");
   // The shared-blocks plan of a decode batch for paged_attention's shared_plan (CUDA), from its CPU block_tables
   // [num_seqs, max_blocks_per_seq] and seq_lens [num_seqs] (int32): int32 [num_tasks, 11], rows that hold the same
   // full blocks, per task (ref, first_block, end_block, row_0..row_7); csrc/shared_blocks.cpp.

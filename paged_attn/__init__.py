@@ -10,9 +10,11 @@ import torch  # noqa: F401  (load libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.paged_attn.*)
 from .block_manager import BlockManager, OutOfBlocksError
 from .ops import (
+    concat_and_cache_mla,
     copy_blocks,
     has_cuda_kernels,
     merge_attention_states,
+    mla_attention,
     paged_attention,
     plan_shared_blocks,
     reshape_and_cache,
@@ -24,9 +26,11 @@ from .ops import (
 __all__ = [
     "BlockManager",
     "OutOfBlocksError",
+    "concat_and_cache_mla",
     "copy_blocks",
     "has_cuda_kernels",
     "merge_attention_states",
+    "mla_attention",
     "paged_attention",
     "plan_shared_blocks",
     "reshape_and_cache",

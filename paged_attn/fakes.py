@@ -28,6 +28,9 @@ def _is_int(x) -> bool:
     return isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
 
 
+_INT64_MAX = 2**63 - 1  # torch's schema type int is int64: a larger Python int fails its argument parsing
+
+
 def _is_finite(x) -> bool:
     return abs(x) < math.inf  # False for inf and NaN; unlike math.isfinite, torch.compile traces it on dynamic floats
 
@@ -173,7 +176,7 @@ def _(src, dst, block_mapping) -> None:
 
 
 @torch.library.register_fake("paged_attn::paged_attention")
-def _(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
+def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
       logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None, lse=None,
       sinks=None, shared_plan=None) -> None:
     _check_cache_pair(key_cache, value_cache)
@@ -263,3 +266,78 @@ def _(block_tables, seq_lens, block_size, num_queries_per_kv, min_shared_tokens)
              num_queries_per_kv, " and ", min_shared_tokens)
     num_tasks = torch.library.get_ctx().new_dynamic_size(max=MAX_SHARED_TASKS)  # found from the tables' values
     return block_tables.new_empty((num_tasks, SHARED_PLAN_COLUMNS))
+
+
+def _check_latent_cache(kv_cache) -> None:
+    _require(kv_cache.dim() == 3, "kv_cache must have shape [num_blocks, block_size, kv_lora_rank + rope_dim], got ",
+             _shape(kv_cache))
+    _require(kv_cache.dtype in _KV_DTYPES + _FP8_DTYPES,
+             "kv_cache must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", kv_cache.dtype)
+    _require(kv_cache.shape[1] > 0 and kv_cache.shape[2] > 0,
+             "kv_cache: block_size and kv_lora_rank + rope_dim must be positive, got shape ", _shape(kv_cache))
+
+
+def _check_dtype_for_latent_cache(t, name, kv_cache) -> None:
+    if kv_cache.dtype in _FP8_DTYPES:
+        _require(t.dtype in _KV_DTYPES, name, " must be float32, float16 or bfloat16 with an fp8 cache (",
+                 kv_cache.dtype, "), got ", t.dtype)
+        return
+    _require(t.dtype == kv_cache.dtype, name, " and kv_cache must have the same dtype, got ", t.dtype, " and ",
+             kv_cache.dtype)
+
+
+def _check_scale(cache, scale, name) -> None:
+    if scale is None:
+        return
+    _require(cache.dtype in _FP8_DTYPES, name, " is given but the cache is ", cache.dtype,
+             ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)")
+    _require(scale.dtype == torch.float32 and scale.numel() == 1, name,
+             " must be a float32 tensor of one element, got ", scale.dtype, " of shape ", _shape(scale))
+    _require(scale.device == cache.device, name, " must be on the cache's device ", cache.device, ", got ",
+             scale.device)
+
+
+@torch.library.register_fake("paged_attn::concat_and_cache_mla")
+def _(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> None:
+    _check_latent_cache(kv_cache)
+    _require(kv_c.dim() == 2 and k_pe.dim() == 2 and k_pe.shape[0] == kv_c.shape[0],
+             "kv_c and k_pe must have shapes [num_tokens, kv_lora_rank] and [num_tokens, rope_dim], got ",
+             _shape(kv_c), " and ", _shape(k_pe))
+    _require(kv_c.shape[1] + k_pe.shape[1] == kv_cache.shape[2], "kv_c and k_pe hold ", kv_c.shape[1], " + ",
+             k_pe.shape[1], " values per token but a row of kv_cache holds kv_lora_rank + rope_dim = ",
+             kv_cache.shape[2])
+    _require(kv_c.dtype == k_pe.dtype and kv_c.device == k_pe.device,
+             "kv_c and k_pe must have the same dtype and device, got ", kv_c.dtype, " on ", kv_c.device, " and ",
+             k_pe.dtype, " on ", k_pe.device)
+    _require(kv_c.device == kv_cache.device, "kv_c and kv_cache must be on the same device, got ", kv_c.device,
+             " and ", kv_cache.device)
+    _check_dtype_for_latent_cache(kv_c, "kv_c", kv_cache)
+    _check_index_tensor(slot_mapping, "slot_mapping", torch.int64, 1, kv_cache.device)
+    _require(slot_mapping.shape[0] == kv_c.shape[0], "slot_mapping must have num_tokens = ", kv_c.shape[0],
+             " entries, got ", slot_mapping.shape[0])
+    _check_scale(kv_cache, scale, "scale")
+
+
+@torch.library.register_fake("paged_attn::mla_attention")
+def _(out, query, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc=None, max_query_len=None,
+      *, k_scale=None, lse=None) -> None:
+    _check_latent_cache(kv_cache)
+    row = kv_cache.shape[2]
+    _require(query.dim() == 3 and query.shape[2] == row,
+             "query must have shape [num_tokens, num_heads, kv_lora_rank + rope_dim] with the cache's row of ", row,
+             ", got ", _shape(query))
+    _require(query.device == kv_cache.device, "query and kv_cache must be on the same device, got ", query.device,
+             " and ", kv_cache.device)
+    _check_dtype_for_latent_cache(query, "query", kv_cache)
+    _require(1 <= kv_lora_rank <= row, "kv_lora_rank must be in [1, ", row,
+             "] (the cache's row: kv_lora_rank + rope_dim), got ", kv_lora_rank)
+    expected = [query.shape[0], query.shape[1], kv_lora_rank]
+    _require(_shape(out) == expected and out.dtype == query.dtype and out.device == query.device,
+             "out must be a ", query.dtype, " tensor of shape [num_tokens, num_heads, kv_lora_rank] = ", expected,
+             " on ", query.device, ", got ", out.dtype, " ", _shape(out), " on ", out.device)
+    _require(out.is_contiguous(), "out must be contiguous")
+    _check_scale(kv_cache, k_scale, "k_scale")
+    # Then the kernel's own: paged attention over the cache as one kv head (csrc/cpu/attention.cpp).
+    cache = kv_cache.unsqueeze(2)
+    _paged_attention(query.new_empty(query.shape), query, cache, cache, block_tables, seq_lens, scale, None, 0, 0.0,
+                     query_start_loc, max_query_len, k_scale=k_scale, v_scale=k_scale, lse=lse)

@@ -84,7 +84,8 @@ import torch
 
 from . import _C
 from . import fakes  # noqa: F401  (registers the fake kernels)
-from .fakes import _is_finite, _is_int
+from .fakes import _INT64_MAX, _is_finite, _is_int
+from .mla import concat_and_cache_mla, mla_attention  # noqa: F401  (part of this module's API)
 from .shared_plan import plan_shared_blocks  # noqa: F401  (part of this module's API)
 
 BlockMapping = Union[torch.Tensor, Sequence[Sequence[int]]]
@@ -372,8 +373,6 @@ def has_cuda_kernels() -> bool:
     """Whether this build of the extension contains the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("paged_attn::reshape_and_cache", "CUDA")
 
-
-_INT64_MAX = 2**63 - 1  # torch's schema type int is int64: a larger Python int fails its argument parsing
 
 
 def _as_block_mapping(block_mapping: BlockMapping) -> torch.Tensor:

@@ -75,7 +75,7 @@ def swap_blocks(
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v] (head_dim_v: any)
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
     seq_lens: torch.Tensor,  # [num_seqs], int32
     *,
@@ -89,7 +89,7 @@ def paged_attention(
     v_scale: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     sinks: Optional[torch.Tensor] = None,  # [num_heads]: each head's sink logit (gpt-oss)
-):  # [num_tokens, num_heads, head_dim], query dtype; return_lse: and lse [num_tokens, num_heads] in compute_dtype
+):  # [num_tokens, num_heads, head_dim_v], query dtype; return_lse: and lse [num_tokens, num_heads] in compute_dtype
     """Paged attention, one sequence at a time: gather the sequence's keys/values through its block table (fp8:
     dequantized), then causal softmax attention of its query tokens (the last q_s of its L_s tokens, at positions
     L_s - q_s + i) in compute_dtype, each row over exactly the keys it can see (so a NaN or inf outside them never
@@ -103,7 +103,7 @@ def paged_attention(
     if query_start_loc is None:
         query_start_loc = torch.arange(num_tokens + 1)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=compute_dtype, device=query.device)
+    out = torch.zeros(num_tokens, num_heads, value_cache.shape[3], dtype=compute_dtype, device=query.device)
     lse = torch.full((num_tokens, num_heads), -math.inf, dtype=compute_dtype, device=query.device)
     sink = None if sinks is None else sinks.to(query.device, compute_dtype)
     if sink is not None:
@@ -140,6 +140,43 @@ def paged_attention(
             out[first + row] = torch.einsum("ht,thd->hd", probs, values[visible])
             lse[first + row] = row_lse
     return (out.to(query.dtype), lse) if return_lse else out.to(query.dtype)
+
+
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,  # [num_tokens, kv_lora_rank]
+    k_pe: torch.Tensor,  # [num_tokens, rope_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens], int64, < 0 = padding
+    *,
+    scale: Optional[torch.Tensor] = None,  # float32 [1], fp8 caches only
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    rows = torch.cat([kv_c, k_pe], dim=-1)[keep]
+    if kv_cache.dtype in FP8_DTYPES:
+        rows = quantize_fp8(rows, kv_cache.dtype, scale)
+    kv_cache[slots // kv_cache.shape[1], slots % kv_cache.shape[1]] = rows.to(kv_cache.dtype)
+
+
+def mla_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank + rope_dim], the absorbed query
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
+    seq_lens: torch.Tensor,  # [num_seqs], int32
+    *,
+    kv_lora_rank: int,
+    scale: float,
+    query_start_loc: Optional[torch.Tensor] = None,  # [num_seqs + 1], int32; None: one query token per sequence
+    compute_dtype: torch.dtype = torch.float32,
+    k_scale: Optional[torch.Tensor] = None,  # float32 [1], fp8 caches only
+    return_lse: bool = False,
+):  # [num_tokens, num_heads, kv_lora_rank], query dtype; return_lse: and lse [num_tokens, num_heads]
+    """MLA in its absorbed form is attention with one kv head: every head's keys are the whole latent rows and its
+    values their first kv_lora_rank dims."""
+    cache = kv_cache[:, :, None]  # [num_blocks, block_size, 1, kv_lora_rank + rope_dim]
+    return paged_attention(query, cache, cache[..., :kv_lora_rank], block_tables, seq_lens,
+                           query_start_loc=query_start_loc, scale=scale, compute_dtype=compute_dtype, k_scale=k_scale,
+                           v_scale=k_scale, return_lse=return_lse)
 
 
 def attention_with_lse(

@@ -147,8 +147,32 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
   }
 }
 
+// MLA: the latent cache viewed as [num_blocks, block_size, 1, row] is both the keys and the values of a paged
+// attention with one kv head for all query heads, so each latent row is read once for every head (decode_kernels.h:
+// a tile's rows serve the whole head group), with split partitions, batch invariance, lse, query_start_loc and
+// shared blocks as paged_attention has them. The values are whole rows: the output's rope_dim columns past
+// kv_lora_rank are computed and dropped (rope_dim / row of the P V products: 11% at 512 + 64).
+void mla_attention_cpu(at::Tensor& out,                 // [num_tokens, num_heads, kv_lora_rank], contiguous
+                       const at::Tensor& query,         // [num_tokens, num_heads, kv_lora_rank + rope_dim]
+                       const at::Tensor& kv_cache,      // [num_blocks, block_size, kv_lora_rank + rope_dim]
+                       const at::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq], int32
+                       const at::Tensor& seq_lens,      // [num_seqs], int32
+                       int64_t kv_lora_rank, double scale,
+                       const std::optional<at::Tensor>& query_start_loc,  // [num_seqs + 1], int32, or none
+                       std::optional<int64_t> max_query_len,
+                       const std::optional<at::Tensor>& k_scale,  // [1], float32 (fp8 caches only)
+                       const std::optional<at::Tensor>& lse) {    // [num_tokens, num_heads], float32, or none
+  check_mla_attention_args(out, query, kv_cache, block_tables, seq_lens, kv_lora_rank, query_start_loc, k_scale, lse);
+  const at::Tensor cache = kv_cache.unsqueeze(2);
+  at::Tensor rows = kv_lora_rank == kv_cache.size(2) ? out : at::empty(query.sizes(), out.options());
+  paged_attention_cpu(rows, query, cache, cache, block_tables, seq_lens, scale, std::nullopt, 0, 0.0, query_start_loc,
+                      max_query_len, k_scale, k_scale, lse, std::nullopt, std::nullopt);
+  if (!rows.is_same(out)) out.copy_(rows.narrow(2, 0, kv_lora_rank));
+}
+
 }  // namespace paged_attn
 
 TORCH_LIBRARY_IMPL(paged_attn, CPU, m) {
   m.impl("paged_attention", &paged_attn::paged_attention_cpu);
+  m.impl("mla_attention", &paged_attn::mla_attention_cpu);
 }

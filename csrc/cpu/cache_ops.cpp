@@ -127,6 +127,69 @@ void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_k
   });
 }
 
+// concat_and_cache_mla: row slot_mapping[i] of the latent cache is kv_c[i] then k_pe[i], copied, or for an fp8
+// cache quantized with `scale` (quantize_fp8, as reshape_and_cache).
+template <typename scalar_t, typename cache_t>
+void write_latent_rows(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache, const int64_t* slot_ptr,
+                       float scale) {
+  const int64_t num_tokens = kv_c.size(0), rank = kv_c.size(1), rope_dim = k_pe.size(1);
+  const auto cache = cpu::paged_cache_of<cache_t>(kv_cache.unsqueeze(2));
+  const auto* kv_c_ptr = kv_c.const_data_ptr<scalar_t>();
+  const auto* k_pe_ptr = k_pe.const_data_ptr<scalar_t>();
+  const int64_t row_bytes = (rank + rope_dim) * int64_t{sizeof(cache_t)};
+  at::parallel_for(0, num_tokens, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t slot = slot_ptr[token];
+      if (slot < 0) continue;  // padding token
+      cache_t* dst = cache.slot_row(slot, 0);
+      const scalar_t* c = kv_c_ptr + token * kv_c.stride(0);
+      const scalar_t* pe = k_pe_ptr + token * k_pe.stride(0);
+      if constexpr (std::is_same_v<scalar_t, cache_t>) {
+        std::memcpy(dst, c, rank * sizeof(cache_t));
+        std::memcpy(dst + rank, pe, rope_dim * sizeof(cache_t));
+      } else {
+        const float max_finite = fp8_max_finite(kv_cache.scalar_type());
+        for (int64_t d = 0; d < rank; ++d) {
+          dst[d] = quantize_fp8<cache_t>(static_cast<float>(c[d]), scale, max_finite);
+        }
+        for (int64_t d = 0; d < rope_dim; ++d) {
+          dst[rank + d] = quantize_fp8<cache_t>(static_cast<float>(pe[d]), scale, max_finite);
+        }
+      }
+    }
+  });
+}
+
+void concat_and_cache_mla_cpu(const at::Tensor& kv_c,          // [num_tokens, kv_lora_rank], last dim contiguous
+                              const at::Tensor& k_pe,          // [num_tokens, rope_dim], last dim contiguous
+                              at::Tensor& kv_cache,            // [num_blocks, block_size, kv_lora_rank + rope_dim]
+                              const at::Tensor& slot_mapping,  // [num_tokens], int64, < 0 = padding
+                              const std::optional<at::Tensor>& scale) {  // [1], float32 (fp8 caches only)
+  check_concat_and_cache_mla_args(kv_c, k_pe, kv_cache, slot_mapping, scale);
+  check_slot_range(slot_mapping, kv_cache.size(0) * kv_cache.size(1));
+  check_scale_value(scale, "scale");
+  if (kv_c.size(0) == 0) return;
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* slot_ptr = slots.const_data_ptr<int64_t>();
+  const float s = scale.has_value() ? scale->item<float>() : 1.f;
+  const auto write = [&](auto input_tag, auto cache_tag) {
+    write_latent_rows<decltype(input_tag), decltype(cache_tag)>(kv_c, k_pe, kv_cache, slot_ptr, s);
+  };
+  const auto by_cache = [&](auto tag) {
+    switch (kv_cache.scalar_type()) {
+      case at::kFloat8_e4m3fn: return write(tag, c10::Float8_e4m3fn{});
+      case at::kFloat8_e5m2: return write(tag, c10::Float8_e5m2{});
+      default: return write(tag, tag);
+    }
+  };
+  switch (kv_c.scalar_type()) {  // check_concat_and_cache_mla_args allows exactly these
+    case at::kFloat: return by_cache(float{});
+    case at::kHalf: return by_cache(at::Half{});
+    case at::kBFloat16: return by_cache(at::BFloat16{});
+    default: TORCH_INTERNAL_ASSERT(false, "unreachable: dtype checked above");
+  }
+}
+
 void copy_blocks_cpu(at::TensorList key_caches,     // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
                      at::TensorList value_caches,   // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
                      const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64
@@ -193,4 +256,5 @@ TORCH_LIBRARY_IMPL(paged_attn, CPU, m) {
   m.impl("reshape_and_cache", &paged_attn::reshape_and_cache_cpu);
   m.impl("copy_blocks", &paged_attn::copy_blocks_cpu);
   m.impl("swap_blocks", &paged_attn::swap_blocks_cpu);
+  m.impl("concat_and_cache_mla", &paged_attn::concat_and_cache_mla_cpu);
 }

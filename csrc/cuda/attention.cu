@@ -228,7 +228,20 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
   }
 }
 
+// MLA on CUDA is the next step (a tensor-core latent-attention kernel); until then the call is checked and refused.
+void mla_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t kv_lora_rank,
+                        double /*scale*/, const std::optional<at::Tensor>& query_start_loc,
+                        std::optional<int64_t> /*max_query_len*/, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& lse) {
+  check_mla_attention_args(out, query, kv_cache, block_tables, seq_lens, kv_lora_rank, query_start_loc, k_scale, lse);
+  TORCH_CHECK(false, "mla_attention is not on CUDA yet: it runs on the CPU (tensors on the CPU) for now");
+}
+
 }  // namespace
 }  // namespace paged_attn
 
-TORCH_LIBRARY_IMPL(paged_attn, CUDA, m) { m.impl("paged_attention", &paged_attn::paged_attention_cuda); }
+TORCH_LIBRARY_IMPL(paged_attn, CUDA, m) {
+  m.impl("paged_attention", &paged_attn::paged_attention_cuda);
+  m.impl("mla_attention", &paged_attn::mla_attention_cuda);
+}

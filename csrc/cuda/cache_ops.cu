@@ -246,10 +246,18 @@ void swap_blocks_cuda(const at::Tensor& src,             // [num_src_blocks, ...
   if (peer) wait_for(stream, dst_stream);
 }
 
+// MLA on CUDA is the next step; until then the call is checked and refused.
+void concat_and_cache_mla_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
+                               const at::Tensor& slot_mapping, const std::optional<at::Tensor>& scale) {
+  check_concat_and_cache_mla_args(kv_c, k_pe, kv_cache, slot_mapping, scale);
+  TORCH_CHECK(false, "concat_and_cache_mla is not on CUDA yet: it runs on the CPU (tensors on the CPU) for now");
+}
+
 }  // namespace
 }  // namespace paged_attn
 
 TORCH_LIBRARY_IMPL(paged_attn, CUDA, m) {
+  m.impl("concat_and_cache_mla", &paged_attn::concat_and_cache_mla_cuda);
   m.impl("reshape_and_cache", &paged_attn::reshape_and_cache_cuda);
   m.impl("copy_blocks", &paged_attn::copy_blocks_cuda);
   m.impl("swap_blocks", &paged_attn::swap_blocks_cuda);
