@@ -205,17 +205,17 @@ void check_dtype_for_cache(const at::Tensor& t, const char* name, const at::Tens
               t.scalar_type(), " and ", key_cache.scalar_type());
 }
 
-void check_latent_cache(const at::Tensor& kv_cache) {
-  TORCH_CHECK(kv_cache.dim() == 3, "kv_cache must have shape [num_blocks, block_size, kv_lora_rank + rope_dim], got ",
+void check_latent_cache(const at::Tensor& kv_cache, const char* name) {
+  TORCH_CHECK(kv_cache.dim() == 3, name, " must have shape [num_blocks, block_size, kv_lora_rank + rope_dim], got ",
               kv_cache.sizes());
   const auto dtype = kv_cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || is_fp8(dtype),
-              "kv_cache must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", dtype);
-  TORCH_CHECK(kv_cache.size(1) > 0 && kv_cache.size(2) > 0,
-              "kv_cache: block_size and kv_lora_rank + rope_dim must be positive, got shape ", kv_cache.sizes());
-  TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache: the last dimension (kv_lora_rank + rope_dim) must be contiguous, ",
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || is_fp8(dtype), name,
+              " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", dtype);
+  TORCH_CHECK(kv_cache.size(1) > 0 && kv_cache.size(2) > 0, name,
+              ": block_size and kv_lora_rank + rope_dim must be positive, got shape ", kv_cache.sizes());
+  TORCH_CHECK(kv_cache.stride(2) == 1, name, ": the last dimension (kv_lora_rank + rope_dim) must be contiguous, ",
               "got shape ", kv_cache.sizes(), " with strides ", kv_cache.strides());
-  TORCH_CHECK(!has_self_overlap(kv_cache), "kv_cache: its elements must not overlap (no two rows may share memory), ",
+  TORCH_CHECK(!has_self_overlap(kv_cache), name, ": its elements must not overlap (no two rows may share memory), ",
               "got shape ", kv_cache.sizes(), " with strides ", kv_cache.strides());
 }
 
@@ -274,19 +274,26 @@ void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value
 
 void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
                             const at::Tensor& block_mapping) {
-  TORCH_CHECK(key_caches.size() == value_caches.size(), "key_caches and value_caches must have the same number ",
-              "of layers, got ", key_caches.size(), " and ", value_caches.size());
+  TORCH_CHECK(key_caches.size() == value_caches.size() || value_caches.empty(), "key_caches and value_caches must ",
+              "have the same number of layers (or value_caches none: one cache per layer, as MLA's latent caches), got ",
+              key_caches.size(), " and ", value_caches.size());
   if (key_caches.empty()) return;
+  const bool one_cache_per_layer = value_caches.empty();
   const at::Tensor& first = key_caches[0];
   std::vector<std::string> names;  // key_caches[0], value_caches[0], key_caches[1], ... (reserved: c_str() stays put)
   std::vector<NamedTensor> args;   // the caches in that order, then block_mapping
   names.reserve(2 * key_caches.size());
   for (size_t layer = 0; layer < key_caches.size(); ++layer) {
     for (const bool is_value : {false, true}) {
+      if (is_value && one_cache_per_layer) continue;
       const at::Tensor& cache = is_value ? value_caches[layer] : key_caches[layer];
       const std::string& name =
           names.emplace_back((is_value ? "value_caches[" : "key_caches[") + std::to_string(layer) + "]");
-      check_cache(cache, name.c_str());
+      if (one_cache_per_layer && cache.dim() == 3) {
+        check_latent_cache(cache, name.c_str());
+      } else {
+        check_cache(cache, name.c_str());
+      }
       check_same_layout(first, "key_caches[0]", cache, name.c_str());
       args.push_back({&cache, name.c_str(), true});
     }

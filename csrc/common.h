@@ -82,9 +82,12 @@ void check_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache
 void check_dtype_for_cache(const at::Tensor& t, const char* name, const at::Tensor& key_cache,
                            const char* cache_name = "key_cache");
 
-// An MLA latent cache (paged_attn/ops.py): [num_blocks, block_size, kv_lora_rank + rope_dim], one row per token
+// An MLA latent cache (paged_attn/mla.py): [num_blocks, block_size, kv_lora_rank + rope_dim], one row per token
 // shared by all heads; a cache dtype, block_size and the row positive, the row contiguous, no self-overlap.
-void check_latent_cache(const at::Tensor& kv_cache);
+void check_latent_cache(const at::Tensor& kv_cache, const char* name = "kv_cache");
+
+// A cache as the 4-dim paged cache the kernels address: a latent cache (3 dims) as [num_blocks, block_size, 1, row].
+inline at::Tensor as_paged_cache(const at::Tensor& cache) { return cache.dim() == 3 ? cache.unsqueeze(2) : cache; }
 
 // An index tensor: given dtype and rank, on the given device.
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,

@@ -148,14 +148,21 @@ def _(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale
 
 @torch.library.register_fake("paged_attn::copy_blocks")
 def _(key_caches, value_caches, block_mapping) -> None:
-    _require(len(key_caches) == len(value_caches), "key_caches and value_caches must have the same number of layers, "
-             "got ", len(key_caches), " and ", len(value_caches))
+    _require(len(key_caches) == len(value_caches) or not value_caches, "key_caches and value_caches must have the "
+             "same number of layers (or value_caches none: one cache per layer, as MLA's latent caches), got ",
+             len(key_caches), " and ", len(value_caches))
     if not key_caches:
         return
     first = key_caches[0]
-    for layer, (key_cache, value_cache) in enumerate(zip(key_caches, value_caches)):
-        for cache, name in ((key_cache, f"key_caches[{layer}]"), (value_cache, f"value_caches[{layer}]")):
-            _check_cache(cache, name)
+    for layer, key_cache in enumerate(key_caches):
+        caches = [(key_cache, f"key_caches[{layer}]")]
+        if value_caches:
+            caches.append((value_caches[layer], f"value_caches[{layer}]"))
+        for cache, name in caches:
+            if not value_caches and cache.dim() == 3:
+                _check_latent_cache(cache, name)
+            else:
+                _check_cache(cache, name)
             _check_same_layout(first, "key_caches[0]", cache, name)
     _require(block_mapping.device.type == "cpu" or block_mapping.device == first.device,
              "block_mapping must be on the CPU or on the caches' device ", first.device, ", got ", block_mapping.device)
@@ -268,13 +275,13 @@ def _(block_tables, seq_lens, block_size, num_queries_per_kv, min_shared_tokens)
     return block_tables.new_empty((num_tasks, SHARED_PLAN_COLUMNS))
 
 
-def _check_latent_cache(kv_cache) -> None:
-    _require(kv_cache.dim() == 3, "kv_cache must have shape [num_blocks, block_size, kv_lora_rank + rope_dim], got ",
+def _check_latent_cache(kv_cache, name="kv_cache") -> None:
+    _require(kv_cache.dim() == 3, name, " must have shape [num_blocks, block_size, kv_lora_rank + rope_dim], got ",
              _shape(kv_cache))
-    _require(kv_cache.dtype in _KV_DTYPES + _FP8_DTYPES,
-             "kv_cache must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", kv_cache.dtype)
-    _require(kv_cache.shape[1] > 0 and kv_cache.shape[2] > 0,
-             "kv_cache: block_size and kv_lora_rank + rope_dim must be positive, got shape ", _shape(kv_cache))
+    _require(kv_cache.dtype in _KV_DTYPES + _FP8_DTYPES, name,
+             " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", kv_cache.dtype)
+    _require(kv_cache.shape[1] > 0 and kv_cache.shape[2] > 0, name,
+             ": block_size and kv_lora_rank + rope_dim must be positive, got shape ", _shape(kv_cache))
 
 
 def _check_dtype_for_latent_cache(t, name, kv_cache) -> None:

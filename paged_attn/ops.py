@@ -132,7 +132,9 @@ def copy_blocks(
 
     Args:
         key_caches, value_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache per layer, all of
-            the same shape, dtype and device.
+            the same shape, dtype and device. Caches without a K/V pair (MLA's latent caches ``[num_blocks,
+            block_size, kv_lora_rank + rope_dim]``, or any single cache per layer): ``key_caches`` only and
+            ``value_caches=[]``.
         block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` (or a list of pairs), on the CPU or
             the caches' device. Every pair is copied in every layer; destinations are distinct and never sources.
             On CUDA all layers and pairs take one kernel launch and the host never waits for the device.

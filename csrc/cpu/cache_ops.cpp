@@ -191,12 +191,13 @@ void concat_and_cache_mla_cpu(const at::Tensor& kv_c,          // [num_tokens, k
 }
 
 void copy_blocks_cpu(at::TensorList key_caches,     // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
-                     at::TensorList value_caches,   // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
+                     at::TensorList value_caches,   // num_layers x the same, or none (then key_caches may be latent)
                      const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64
   check_copy_blocks_args(key_caches, value_caches, block_mapping);
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   if (num_layers == 0 || block_mapping.size(0) == 0) return;
-  const at::Tensor& first = key_caches[0];
+  const at::Tensor first = as_paged_cache(key_caches[0]);
+  const int64_t caches_per_layer = value_caches.empty() ? 1 : 2;
   check_block_mapping_range(block_mapping, first.size(0), first.size(0), /*same_cache=*/true);
 
   const int64_t num_pairs = block_mapping.size(0), elem = first.element_size();
@@ -207,10 +208,12 @@ void copy_blocks_cpu(at::TensorList key_caches,     // num_layers x [num_blocks,
 
   // One task per (layer, pair, key|value). A block whose rows are packed is one memcpy, else one per row (e.g. the
   // K half of a packed K|V cache: the V rows between them are not this cache's to copy).
-  at::parallel_for(0, num_layers * num_pairs * 2, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
+  const int64_t num_tasks = num_layers * num_pairs * caches_per_layer;
+  at::parallel_for(0, num_tasks, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t layer = task / (num_pairs * 2), pair = (task / 2) % num_pairs;
-      const at::Tensor& cache = (task % 2 == 0) ? key_caches[layer] : value_caches[layer];
+      const int64_t layer = task / (num_pairs * caches_per_layer), pair = (task / caches_per_layer) % num_pairs;
+      const at::Tensor cache =
+          as_paged_cache(task % caches_per_layer == 0 ? key_caches[layer] : value_caches[layer]);
       const auto c = cpu::paged_cache_of<char>(cache);  // in bytes
       const int64_t dst = pairs[2 * pair + 1], src = pairs[2 * pair];
       if (has_packed_rows(cache)) {

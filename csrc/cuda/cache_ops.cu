@@ -119,12 +119,13 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
 
 // ---------------------------------------------------------------------------------------------------------------
 void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
-                      at::TensorList value_caches,   // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
+                      at::TensorList value_caches,   // num_layers x the same, or none (then key_caches may be latent)
                       const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64
   check_copy_blocks_args(key_caches, value_caches, block_mapping);  // sizes > 0 (check_cache)
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   if (num_layers == 0 || block_mapping.size(0) == 0) return;
-  const at::Tensor& first = key_caches[0];
+  const at::Tensor first = as_paged_cache(key_caches[0]);  // a latent cache as [num_blocks, block_size, 1, row]
+  const int64_t caches_per_layer = value_caches.empty() ? 1 : 2;
   TORCH_CHECK(first.is_cuda(), "copy_blocks: the caches must be CUDA tensors here, got ", first.device());
   const c10::cuda::CUDAGuard guard(first.device());
   if (validation_enabled()) {
@@ -146,9 +147,9 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
   // The access width divides every row's length, address and stride (a strided view is copied row by row).
   uint64_t alignment_bits = head_dim * elem;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
-    for (const at::Tensor* cache : {&key_caches[layer], &value_caches[layer]}) {
-      alignment_bits |= address_of(*cache) | cache->stride(0) * elem | cache->stride(1) * elem |
-                        cache->stride(2) * elem;
+    for (int64_t c = 0; c < caches_per_layer; ++c) {
+      const at::Tensor cache = as_paged_cache(c == 0 ? key_caches[layer] : value_caches[layer]);
+      alignment_bits |= address_of(cache) | cache.stride(0) * elem | cache.stride(1) * elem | cache.stride(2) * elem;
     }
   }
   const int64_t width = access_width({alignment_bits});
@@ -159,11 +160,11 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
     const int64_t launch_layers = std::min<int64_t>(kMaxLayersPerLaunch, num_layers - first_layer);
     CopyBlocksParams params{};
     for (int64_t i = 0; i < launch_layers; ++i) {
-      params.key[i] = paged_cache_of<char>(key_caches[first_layer + i]);  // counts in bytes
-      params.value[i] = paged_cache_of<char>(value_caches[first_layer + i]);
+      params.key[i] = paged_cache_of<char>(as_paged_cache(key_caches[first_layer + i]));  // counts in bytes
+      if (caches_per_layer == 2) params.value[i] = paged_cache_of<char>(value_caches[first_layer + i]);
     }
     params.block_mapping = mapping.data_ptr<int64_t>();
-    const CopyPlan plan = plan_copy_blocks(num_pairs, launch_layers, block_units);
+    const CopyPlan plan = plan_copy_blocks(num_pairs, launch_layers, block_units, caches_per_layer);
     TORCH_CHECK(plan.error.empty(), "copy_blocks: this call cannot be launched on CUDA: ", plan.error);
     dispatch_width(width, [&](auto unit) {
       using Unit = decltype(unit);

@@ -56,10 +56,12 @@ inline CopyPlan plan_merge_attention_states(int64_t num_tokens, int64_t num_head
   return plan;
 }
 
-// copy_blocks: one thread block per (pair, layer, key or value) of one launch of up to kMaxLayersPerLaunch layers.
-inline CopyPlan plan_copy_blocks(int64_t num_pairs, int64_t launch_layers, int64_t block_units) {
+// copy_blocks: one thread block per (pair, layer, key or value) of one launch of up to kMaxLayersPerLaunch layers
+// (caches_per_layer 1: one cache per layer, as MLA's latent caches).
+inline CopyPlan plan_copy_blocks(int64_t num_pairs, int64_t launch_layers, int64_t block_units,
+                                 int64_t caches_per_layer = 2) {
   CopyPlan plan;
-  plan.grid = {num_pairs, launch_layers, 2};
+  plan.grid = {num_pairs, launch_layers, caches_per_layer};
   plan.threads = copy_threads(block_units);
   plan.error = block_units < 1                        ? "blocks must not be empty"
                : launch_layers > kMaxLayersPerLaunch ? "at most 128 layers per launch"

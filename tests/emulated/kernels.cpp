@@ -447,10 +447,11 @@ void run_copy_blocks(const Case& c, const simt::Options& options) {
   const View& mapping = c.tensor("block_mapping");
   const View& first = c.tensor("key_caches.0");
   const int64_t num_pairs = mapping.size(0);
+  const int64_t caches_per_layer = c.has("value_caches.0") ? 2 : 1;  // 1: one cache per layer (MLA's latent caches)
   uint64_t bits = static_cast<uint64_t>(first.size(3) * elem);
   for (int64_t layer = 0; layer < num_layers; ++layer) {
-    for (const char* kind : {"key_caches.", "value_caches."}) {
-      const View& cache = c.tensor(kind + std::to_string(layer));
+    for (int64_t k = 0; k < caches_per_layer; ++k) {
+      const View& cache = c.tensor((k == 0 ? "key_caches." : "value_caches.") + std::to_string(layer));
       bits |= address(cache) | static_cast<uint64_t>(cache.stride(0) * elem) |
               static_cast<uint64_t>(cache.stride(1) * elem) | static_cast<uint64_t>(cache.stride(2) * elem);
     }
@@ -465,12 +466,12 @@ void run_copy_blocks(const Case& c, const simt::Options& options) {
   int launches = 0;
   for (int64_t first_layer = 0; first_layer < num_layers; first_layer += paged_attn::kMaxLayersPerLaunch) {
     const int64_t launch_layers = std::min<int64_t>(paged_attn::kMaxLayersPerLaunch, num_layers - first_layer);
-    const auto plan = paged_attn::plan_copy_blocks(num_pairs, launch_layers, block_units);
+    const auto plan = paged_attn::plan_copy_blocks(num_pairs, launch_layers, block_units, caches_per_layer);
     if (!plan.error.empty()) throw CaseError("plan_copy_blocks: " + plan.error);
     paged_attn::CopyBlocksParams p{};
     for (int64_t i = 0; i < launch_layers; ++i) {
       p.key[i] = byte_cache(c.tensor("key_caches." + std::to_string(first_layer + i)));
-      p.value[i] = byte_cache(c.tensor("value_caches." + std::to_string(first_layer + i)));
+      if (caches_per_layer == 2) p.value[i] = byte_cache(c.tensor("value_caches." + std::to_string(first_layer + i)));
     }
     p.block_mapping = mapping.as<const int64_t>();
     paged_attn::dispatch_unit(width, [&](auto unit) {

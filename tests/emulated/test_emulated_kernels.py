@@ -652,6 +652,20 @@ def test_copy_blocks(driver, tmp_path, num_layers):
         assert_same_bits(out[f"value_caches.{i}"], expected_values[i], f"value_caches[{i}]")
 
 
+def test_copy_blocks_of_latent_caches(driver, tmp_path):
+    """One cache per layer (MLA's latent caches, value_caches=[]: the launch's grid.z is 1), every pair copied."""
+    caches = [torch.randn(6, 4, 1, 72, dtype=torch.bfloat16) for _ in range(2)]  # [num_blocks, block_size, 1, row]
+    mapping = torch.tensor([[0, 3], [5, 1]])
+    tensors = {f"key_caches.{i}": cache for i, cache in enumerate(caches)}
+    tensors["block_mapping"] = mapping
+    case = Case("copy_blocks", tensors, dict(num_layers=2, element_size=2), tuple(tensors)[:-1], torch.bfloat16)
+    out = run_everywhere(driver, case, tmp_path, list(tensors)[:-1])
+    expected = [c.clone() for c in caches]
+    reference.copy_blocks(expected, [], mapping)
+    for i in range(2):
+        assert_same_bits(out[f"key_caches.{i}"], expected[i], f"key_caches[{i}]")
+
+
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.bfloat16, 3)],
                          ids=["float-64", "bf16-3 (2-byte units)"])
 @pytest.mark.parametrize("layout", ["packed", "transposed"])

@@ -162,6 +162,23 @@ def test_swap_blocks_copies_latent_blocks():
     assert torch.equal(src, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, E4M3])
+def test_copy_blocks_copies_latent_blocks(dtype):
+    """copy_blocks with one latent cache per layer (value_caches=[]): every pair in every layer, nothing else; a
+    K/V pair and a latent cache are not mixed."""
+    gen = torch.Generator().manual_seed(17)
+    caches = [torch.randn(6, 16, 80, generator=gen).to(dtype) for _ in range(3)]
+    want = [c.clone() for c in caches]
+    pairs = torch.tensor([[0, 3], [5, 1], [2, 4]])
+    reference.copy_blocks(want, [], pairs)
+    paged_attn.copy_blocks(caches, [], pairs)
+    assert all(torch.equal(c.view(torch.uint8), w.view(torch.uint8)) for c, w in zip(caches, want))
+    with pytest.raises(RuntimeError, match="same number of layers"):
+        paged_attn.copy_blocks(caches, caches[:1], pairs)
+    with pytest.raises(RuntimeError, match=r"key_caches\[0\] must have shape \[num_blocks, block_size, num_kv_heads"):
+        paged_attn.copy_blocks(caches[:1], caches[1:2], pairs)
+
+
 def error_parts():
     """A valid decode call: (query, kv_cache, block_tables, seq_lens, out)."""
     query, kv_cache, block_tables, seq_lens, _ = mla_case([20, 9], 4, 64, 16, 8, torch.float32, seed=15)
