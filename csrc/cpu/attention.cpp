@@ -35,7 +35,10 @@
 
 namespace paged_attn {
 
-void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_heads, head_dim], contiguous
+namespace {
+
+// paged_attention_cpu's work, with p_terms (AttentionParams): 1 for MLA.
+void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_heads, head_dim], contiguous
                          const at::Tensor& query,         // [num_tokens, num_heads, head_dim], last dim contiguous
                          const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_dim]
                          const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_dim]
@@ -51,7 +54,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
                          const std::optional<at::Tensor>& lse,      // [num_tokens, num_heads], float32, or none
                          const std::optional<at::Tensor>& sinks,  // [num_heads], float32/16, bfloat16, or none
                          // [num_tasks, 11], int32, or none: checked, not read (this kernel finds the sharing itself)
-                         const std::optional<at::Tensor>& shared_plan) {
+                         const std::optional<at::Tensor>& shared_plan, int p_terms) {
   check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
                              sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
                              sinks, shared_plan);
@@ -117,6 +120,7 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
     params.v_scale = v_scale_value;
     params.avx512_bf16 = avx512_bf16_path<scalar_t, cache_t>(head_dim);
     params.amx = params.avx512_bf16 && use_amx();
+    params.p_terms = p_terms;
     params.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
     params.sinks = sinks_f32.defined() ? sinks_f32.const_data_ptr<float>() : nullptr;
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
@@ -147,11 +151,27 @@ void paged_attention_cpu(at::Tensor& out,                 // [num_tokens, num_he
   }
 }
 
+}  // namespace
+
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         double scale, const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                         double logits_soft_cap, const std::optional<at::Tensor>& query_start_loc,
+                         std::optional<int64_t> max_query_len, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& lse,
+                         const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& shared_plan) {
+  run_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
+                      logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse, sinks, shared_plan,
+                      /*p_terms=*/2);
+}
+
 // MLA: the latent cache viewed as [num_blocks, block_size, 1, row] is both the keys and the values of a paged
 // attention with one kv head for all query heads, so each latent row is read once for every head (decode_kernels.h:
 // a tile's rows serve the whole head group), with split partitions, batch invariance, lse, query_start_loc and
 // shared blocks as paged_attention has them. The values are whole rows: the output's rope_dim columns past
-// kv_lora_rank are computed and dropped (rope_dim / row of the P V products: 11% at 512 + 64).
+// kv_lora_rank are computed and dropped (rope_dim / row of the P V products: 11% at 512 + 64). On the AVX-512 bf16
+// path each weight p enters P V as one bfloat16 (p_terms = 1): at 16-128 heads the products, not the bytes, bound
+// the call.
 void mla_attention_cpu(at::Tensor& out,                 // [num_tokens, num_heads, kv_lora_rank], contiguous
                        const at::Tensor& query,         // [num_tokens, num_heads, kv_lora_rank + rope_dim]
                        const at::Tensor& kv_cache,      // [num_blocks, block_size, kv_lora_rank + rope_dim]
@@ -165,8 +185,8 @@ void mla_attention_cpu(at::Tensor& out,                 // [num_tokens, num_head
   check_mla_attention_args(out, query, kv_cache, block_tables, seq_lens, kv_lora_rank, query_start_loc, k_scale, lse);
   const at::Tensor cache = kv_cache.unsqueeze(2);
   at::Tensor rows = kv_lora_rank == kv_cache.size(2) ? out : at::empty(query.sizes(), out.options());
-  paged_attention_cpu(rows, query, cache, cache, block_tables, seq_lens, scale, std::nullopt, 0, 0.0, query_start_loc,
-                      max_query_len, k_scale, k_scale, lse, std::nullopt, std::nullopt);
+  run_paged_attention(rows, query, cache, cache, block_tables, seq_lens, scale, std::nullopt, 0, 0.0, query_start_loc,
+                      max_query_len, k_scale, k_scale, lse, std::nullopt, std::nullopt, /*p_terms=*/1);
   if (!rows.is_same(out)) out.copy_(rows.narrow(2, 0, kv_lora_rank));
 }
 

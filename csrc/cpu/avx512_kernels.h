@@ -150,6 +150,10 @@ PA_TARGET_AVX512 inline __m512 widen_bf16(__m256i bf16) {
 // p_pairs[i] = (hi_2i, hi_2i+1) and p_pairs[8 + i] = (lo_2i, lo_2i+1), and adds hi + lo to the lane sums.
 // NOTE: hi and lo are both > 0 wherever p > 0, so that a value of inf gives inf: rounding hi to nearest would
 // leave lo = 0 (p = 1 at the max, any p exact in bf16: 0 * inf = NaN) or lo < 0 (inf - inf = NaN).
+// kTerms = 1 (AttentionParams::p_terms): hi = p rounded to the nearest bfloat16, lo = 0 (P V then skips it); the
+// sums add p itself, so the lse keeps float32's precision and the rounding errors of the weights (unbiased) average
+// out in the output.
+template <int kTerms = 2>
 PA_TARGET_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, float* exp_sums, float* acc,
                                                  int64_t head_dim, uint32_t* p_pairs) {
   if (_mm512_cmp_ps_mask(x, _mm512_set1_ps(*max_logit), _CMP_GT_OQ)) {  // rarely, after the first tiles
@@ -162,6 +166,13 @@ PA_TARGET_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, flo
     *max_logit = new_max;
   }
   const __m512 p = exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(*max_logit)));
+  if constexpr (kTerms == 1) {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs), rounded);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + kTileTokens / 2), _mm256_setzero_si256());
+    _mm512_storeu_ps(exp_sums, _mm512_add_ps(_mm512_loadu_ps(exp_sums), p));
+    return;
+  }
   __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16));  // truncated: hi <= p
   const __mmask16 exact = _mm512_cmp_ps_mask(p, widen_bf16(hi), _CMP_EQ_OQ) &
                           _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_GT_OQ);
@@ -180,7 +191,7 @@ PA_TARGET_AVX512 inline void softmax_tile_avx512(__m512 x, float* max_logit, flo
 // acc_index), then per head and half two vdpbf16ps, with the high and the low parts of the pair (p_2i, p_2i+1)
 // broadcast. NOTE: the rows past num_tokens (the tile's padding, whose p is 0) are not multiplied: with an odd
 // num_tokens the last pair's second row is zeros; a padding row repeats the last token's, and 0 * inf is NaN.
-template <int kHeads, int C, typename cache_t>
+template <int kHeads, int C, int kTerms, typename cache_t>
 PA_TARGET_AVX512 void tile_values_avx512_range(const uint32_t* p_pairs, const cache_t* const* rows,
                                                int64_t num_tokens, int64_t offset, int64_t head_dim,
                                                int64_t d_begin, int64_t d_end, float* acc,
@@ -219,7 +230,7 @@ PA_TARGET_AVX512 void tile_values_avx512_range(const uint32_t* p_pairs, const ca
         for (int c = 0; c < C; ++c)
 #pragma GCC unroll 2
           for (int h = 0; h < 2; ++h) {
-            sum[j][c][h] = _mm512_dpbf16_ps(sum[j][c][h], half[c][h], weight_lo);
+            if constexpr (kTerms == 2) sum[j][c][h] = _mm512_dpbf16_ps(sum[j][c][h], half[c][h], weight_lo);
             sum[j][c][h] = _mm512_dpbf16_ps(sum[j][c][h], half[c][h], weight_hi);
           }
       }
@@ -233,21 +244,21 @@ PA_TARGET_AVX512 void tile_values_avx512_range(const uint32_t* p_pairs, const ca
   }
 }
 
-template <int kHeads, typename cache_t>
+template <int kHeads, int kTerms, typename cache_t>
 PA_TARGET_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t* const* rows, int64_t num_tokens,
                                          int64_t offset, int64_t head_dim, float* acc,
                                          Prefetcher<cache_t>* prefetcher) {
   constexpr int C = kHeads >= 3 ? 2 : 4 / kHeads;  // at least 8 accumulators, at most 16
   const int64_t main = head_dim / (C * kBf16Vec) * (C * kBf16Vec);
-  tile_values_avx512_range<kHeads, C>(p_pairs, rows, num_tokens, offset, head_dim, 0, main, acc, prefetcher);
-  tile_values_avx512_range<kHeads, 1>(p_pairs, rows, num_tokens, offset, head_dim, main, head_dim, acc,
-                                       main == 0 ? prefetcher : nullptr);
+  tile_values_avx512_range<kHeads, C, kTerms>(p_pairs, rows, num_tokens, offset, head_dim, 0, main, acc, prefetcher);
+  tile_values_avx512_range<kHeads, 1, kTerms>(p_pairs, rows, num_tokens, offset, head_dim, main, head_dim, acc,
+                                              main == 0 ? prefetcher : nullptr);
 }
 
 // Step 2 for query head `head` over one tile (the AVX-512 and AMX paths): its scaled logits x, with soft cap and
 // ALiBi (apply_logit_mods edits them in memory, at spill: 16 floats), masked to the tile's tokens, into the row's
 // running state (sc); p as bfloat16 pairs into p_pairs.
-template <typename cache_t>
+template <int kTerms = 2, typename cache_t>
 PA_TARGET_AVX512 inline void softmax_head_avx512(const AttentionParams<at::BFloat16, cache_t>& params,
                                                  int64_t head, const Tile<cache_t>& tile, int64_t last_token,
                                                  __m512 x, float* spill, Scratch& sc, uint32_t* p_pairs) {
@@ -257,13 +268,13 @@ PA_TARGET_AVX512 inline void softmax_head_avx512(const AttentionParams<at::BFloa
     x = _mm512_loadu_ps(spill);
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
-  softmax_tile_avx512(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), x), sc.max_logit + head,
+  softmax_tile_avx512<kTerms>(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), x), sc.max_logit + head,
                       sc.exp_sums + head * kTileTokens, sc.acc + head * params.head_dim, params.head_dim, p_pairs);
 }
 
 // Steps 1-3 for query heads [head0, head0 + kHeads) of kv head `kv_head`'s head group over one tile (AVX-512 bf16
 // path).
-template <int kHeads, typename cache_t>
+template <int kHeads, int kTerms, typename cache_t>
 PA_TARGET_AVX512 void attend_heads_avx512(const AttentionParams<at::BFloat16, cache_t>& params,
                                           const at::BFloat16* query, int64_t kv_head, int64_t head0,
                                           const Tile<cache_t>& tile, int64_t last_token, Scratch& sc,
@@ -274,11 +285,11 @@ PA_TARGET_AVX512 void attend_heads_avx512(const AttentionParams<at::BFloat16, ca
                              kv_head * params.kv.key.head_stride,
                              head_dim, params.scale, prefetcher, logits);
   for (int j = 0; j < kHeads; ++j) {
-    softmax_head_avx512(params, head0 + j, tile, last_token, logits[j], sc.logits + j * kTileTokens, sc,
-                        sc.p_pairs + j * kTileTokens);
+    softmax_head_avx512<kTerms>(params, head0 + j, tile, last_token, logits[j], sc.logits + j * kTileTokens, sc,
+                                sc.p_pairs + j * kTileTokens);
   }
-  tile_values_avx512<kHeads>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * params.kv.value.head_stride, head_dim,
-                             sc.acc + head0 * head_dim, prefetcher);
+  tile_values_avx512<kHeads, kTerms>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * params.kv.value.head_stride,
+                                     head_dim, sc.acc + head0 * head_dim, prefetcher);
 }
 
 template <typename cache_t>
@@ -286,8 +297,13 @@ void attend_tile_avx512(const AttentionParams<at::BFloat16, cache_t>& params, co
                         int64_t kv_head, const Tile<cache_t>& tile, int64_t last_token, Scratch& sc,
                         Prefetcher<cache_t>& prefetcher) {
   for_each_head_pass(params.group_size, [&](auto heads, int64_t first) {
-    attend_heads_avx512<decltype(heads)::value>(params, query, kv_head, kv_head * params.group_size + first, tile,
-                                                last_token, sc, first == 0 ? &prefetcher : nullptr);
+    constexpr int kHeads = decltype(heads)::value;
+    const int64_t head0 = kv_head * params.group_size + first;
+    Prefetcher<cache_t>* pf = first == 0 ? &prefetcher : nullptr;
+    if (params.p_terms == 1) {
+      return attend_heads_avx512<kHeads, 1>(params, query, kv_head, head0, tile, last_token, sc, pf);
+    }
+    attend_heads_avx512<kHeads, 2>(params, query, kv_head, head0, tile, last_token, sc, pf);
   });
 }
 
