@@ -18,7 +18,16 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
                                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                                 const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& sinks,
                                 const std::optional<at::Tensor>& shared_plan) {
-  check_cache_pair(key_cache, value_cache);
+  // The value cache may be narrower or wider than the key cache (head_dim_v: MLA's up-projected values, or the
+  // latent rows' first kv_lora_rank columns), else alike.
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  TORCH_CHECK(value_cache.device() == key_cache.device() && value_cache.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.sizes().slice(0, 3) == key_cache.sizes().slice(0, 3),
+              "key_cache and value_cache must have the same dtype, device and [num_blocks, block_size, num_kv_heads] ",
+              "(head_dim may differ), got ", key_cache.scalar_type(), " ", key_cache.sizes(), " on ",
+              key_cache.device(), " and ", value_cache.scalar_type(), " ", value_cache.sizes(), " on ",
+              value_cache.device());
   TORCH_CHECK(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", query.sizes());
   TORCH_CHECK(query.device() == key_cache.device(), "query and key_cache must be on the same device, got ",
               query.device(), " and ", key_cache.device());
@@ -43,10 +52,11 @@ void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query, 
               key_cache.size(3));
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
+  const std::vector<int64_t> out_shape = {query.size(0), num_heads, value_cache.size(3)};  // head_dim_v
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape) && out.scalar_type() == query.scalar_type() &&
                   out.device() == query.device(),
-              "out must be a ", query.scalar_type(), " tensor of shape ", query.sizes(), " on ", query.device(),
-              ", got ", out.scalar_type(), " ", out.sizes(), " on ", out.device());
+              "out must be a ", query.scalar_type(), " tensor of shape ", at::IntArrayRef(out_shape), " on ",
+              query.device(), ", got ", out.scalar_type(), " ", out.sizes(), " on ", out.device());
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   // num_seqs comes from query_start_loc, else from query: say which.
   const char* seqs_from = query_start_loc.has_value() ? " (query_start_loc has num_seqs + 1 entries)" : " (query rows)";

@@ -274,9 +274,9 @@ void check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value
 
 void check_copy_blocks_args(at::TensorList key_caches, at::TensorList value_caches,
                             const at::Tensor& block_mapping) {
-  TORCH_CHECK(key_caches.size() == value_caches.size() || value_caches.empty(), "key_caches and value_caches must ",
-              "have the same number of layers (or value_caches none: one cache per layer, as MLA's latent caches), got ",
-              key_caches.size(), " and ", value_caches.size());
+  TORCH_CHECK(key_caches.size() == value_caches.size() || value_caches.empty(),
+              "key_caches and value_caches must have the same number of layers (or value_caches none: one cache per ",
+              "layer, as MLA's latent caches), got ", key_caches.size(), " and ", value_caches.size());
   if (key_caches.empty()) return;
   const bool one_cache_per_layer = value_caches.empty();
   const at::Tensor& first = key_caches[0];

@@ -186,7 +186,13 @@ def _(src, dst, block_mapping) -> None:
 def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
       logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None, lse=None,
       sinks=None, shared_plan=None) -> None:
-    _check_cache_pair(key_cache, value_cache)
+    _check_cache(key_cache, "key_cache")
+    _check_cache(value_cache, "value_cache")
+    _require(value_cache.device == key_cache.device and value_cache.dtype == key_cache.dtype
+             and value_cache.shape[:3] == key_cache.shape[:3],
+             "key_cache and value_cache must have the same dtype, device and [num_blocks, block_size, num_kv_heads] ",
+             "(head_dim may differ), got ", key_cache.dtype, " ", _shape(key_cache), " on ", key_cache.device,
+             " and ", value_cache.dtype, " ", _shape(value_cache), " on ", value_cache.device)
     _require(query.dim() == 3, "query must have shape [num_tokens, num_heads, head_dim], got ", _shape(query))
     _check_like_cache(query, "query", key_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -205,8 +211,9 @@ def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
              key_cache.shape[3])
     _require(num_heads % num_kv_heads == 0, "num_heads (", num_heads, ") must be a multiple of num_kv_heads (",
              num_kv_heads, ")")
-    _require(out.shape == query.shape and out.dtype == query.dtype and out.device == query.device,
-             "out must be a ", query.dtype, " tensor of shape ", _shape(query), " on ", query.device, ", got ",
+    out_shape = [num_tokens, num_heads, value_cache.shape[3]]  # head_dim_v
+    _require(_shape(out) == out_shape and out.dtype == query.dtype and out.device == query.device,
+             "out must be a ", query.dtype, " tensor of shape ", out_shape, " on ", query.device, ", got ",
              out.dtype, " ", _shape(out), " on ", out.device)
     seqs_from = " (query_start_loc has num_seqs + 1 entries)" if query_start_loc is not None else " (query rows)"
     _check_index_tensor(block_tables, "block_tables", torch.int32, 2, query.device)

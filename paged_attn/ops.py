@@ -197,7 +197,10 @@ def paged_attention(
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, last dimension contiguous,
             any other strides (e.g. the K and V halves of vLLM's packed ``[..., 2 * head_dim]`` cache);
             ``num_heads`` must be a multiple of ``num_kv_heads`` (query head ``h`` reads kv head
-            ``h // (num_heads // num_kv_heads)``).
+            ``h // (num_heads // num_kv_heads)``). The values may have a width of their own, ``head_dim_v``
+            (``value_cache`` ``[..., head_dim_v]``, the output too): MLA's prefill with up-projected keys of 192 and
+            values of 128, or a latent cache's first columns as values (CPU; on CUDA not yet). On the CPU such a
+            call runs every row on the decode kernel (the rows of a prompt share its partitions there).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past ``ceil(seq_lens[s] / block_size)`` are
             never read and may hold anything (e.g. -1).
         seq_lens: int32 ``[num_seqs]``: tokens of each sequence in the cache, the query tokens' own included
@@ -217,7 +220,7 @@ def paged_attention(
             query at position ``p``.
         sliding_window: only the last ``sliding_window`` positions up to ``p`` take part (``t > p - window``).
         logits_soft_cap: ``c``: logits become ``c * tanh(logit / c)`` (before ALiBi).
-        out: optional ``[num_tokens, num_heads, head_dim]`` contiguous output to write into.
+        out: optional ``[num_tokens, num_heads, head_dim_v]`` contiguous output to write into.
         k_scale, v_scale: fp8 caches only: float32 ``[1]`` on the caches' device (default 1.0); keys are read as
             ``float(key_cache) * k_scale``, values as ``float(value_cache) * v_scale``.
         return_lse: also return each row's log-sum-exp.
@@ -244,7 +247,7 @@ def paged_attention(
             the plan is checked for its shape and otherwise not read: the CPU kernel finds the sharing itself.
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]`` in the query dtype (``out`` when given); with ``return_lse``,
+        ``[num_tokens, num_heads, head_dim_v]`` in the query dtype (``out`` when given); with ``return_lse``,
         ``(out, lse)``: lse float32 ``[num_tokens, num_heads]``, per row and head the natural-log log-sum-exp of
         its final logits (scaled, soft-capped, with ALiBi) over the keys it sees, ``-inf`` for a row that sees no
         key; with :func:`merge_attention_states`, partial results over disjoint key ranges (a cascade over a shared
@@ -288,7 +291,7 @@ def paged_attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        out = torch.empty(query.shape[:2] + value_cache.shape[3:], dtype=query.dtype, device=query.device)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if return_lse else None
     torch.ops.paged_attn.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,

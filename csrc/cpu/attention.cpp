@@ -67,7 +67,7 @@ void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_he
   check_sink_values(sinks);
   if (out.numel() == 0) return;
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t num_kv_heads = key_cache.size(2), head_dim_v = value_cache.size(3);
 
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
@@ -75,7 +75,10 @@ void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_he
   const auto sinks_f32 = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();  // exact
   // With query_start_loc: sequences with at least kMinPrefillQueryLen query tokens go to the tiled prefill kernel;
   // the rows of those with fewer (decodes, short chunks) to the decode kernel: row i of the q_s rows of sequence s,
-  // at position L_s - q_s + i, as a row of length L_s - q_s + i + 1.
+  // at position L_s - q_s + i, as a row of length L_s - q_s + i + 1. Values of another width than the keys
+  // (head_dim_v: MLA) take the decode kernel for every row (the rows of a sequence share its partitions there).
+  const int64_t min_prefill_query_len =
+      head_dim_v == head_dim ? cpu::kMinPrefillQueryLen : std::numeric_limits<int64_t>::max();
   std::vector<int32_t> decode_lens, decode_seqs, decode_tokens, prefill_seqs;
   const auto starts = query_start_loc.has_value() ? query_start_loc->contiguous() : at::Tensor();
   if (starts.defined()) {
@@ -83,7 +86,7 @@ void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_he
     const int32_t* len = lens.const_data_ptr<int32_t>();
     for (int32_t s = 0; s + 1 < starts.size(0); ++s) {
       const int32_t query_len = qsl[s + 1] - qsl[s];
-      if (query_len >= cpu::kMinPrefillQueryLen) {
+      if (query_len >= min_prefill_query_len) {
         prefill_seqs.push_back(s);
         continue;
       }
@@ -114,12 +117,13 @@ void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_he
     params.num_kv_heads = num_kv_heads;
     params.group_size = num_heads / num_kv_heads;
     params.head_dim = head_dim;
+    params.head_dim_v = head_dim_v;
     params.sliding_window = sliding_window;
     params.scale = static_cast<float>(scale) * k_scale_value;
     params.logits_soft_cap = static_cast<float>(logits_soft_cap);
     params.v_scale = v_scale_value;
-    params.avx512_bf16 = avx512_bf16_path<scalar_t, cache_t>(head_dim);
-    params.amx = params.avx512_bf16 && use_amx();
+    params.avx512_bf16 = avx512_bf16_path<scalar_t, cache_t>(head_dim, head_dim_v);
+    params.amx = params.avx512_bf16 && use_amx() && head_dim_v == head_dim;
     params.p_terms = p_terms;
     params.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
     params.sinks = sinks_f32.defined() ? sinks_f32.const_data_ptr<float>() : nullptr;
@@ -165,13 +169,11 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                       /*p_terms=*/2);
 }
 
-// MLA: the latent cache viewed as [num_blocks, block_size, 1, row] is both the keys and the values of a paged
-// attention with one kv head for all query heads, so each latent row is read once for every head (decode_kernels.h:
-// a tile's rows serve the whole head group), with split partitions, batch invariance, lse, query_start_loc and
-// shared blocks as paged_attention has them. The values are whole rows: the output's rope_dim columns past
-// kv_lora_rank are computed and dropped (rope_dim / row of the P V products: 11% at 512 + 64). On the AVX-512 bf16
-// path each weight p enters P V as one bfloat16 (p_terms = 1): at 16-128 heads the products, not the bytes, bound
-// the call.
+// MLA: the latent cache viewed as [num_blocks, block_size, 1, row] is the keys, and its first kv_lora_rank columns
+// the values, of a paged attention with one kv head for all query heads, so each latent row is read once for every
+// head (decode_kernels.h: a tile's rows serve the whole head group), with split partitions, batch invariance, lse,
+// query_start_loc and shared blocks as paged_attention has them. On the AVX-512 bf16 path each weight p enters P V
+// as one bfloat16 (p_terms = 1): at 16-128 heads the products, not the bytes, bound the call.
 void mla_attention_cpu(at::Tensor& out,                 // [num_tokens, num_heads, kv_lora_rank], contiguous
                        const at::Tensor& query,         // [num_tokens, num_heads, kv_lora_rank + rope_dim]
                        const at::Tensor& kv_cache,      // [num_blocks, block_size, kv_lora_rank + rope_dim]
@@ -184,10 +186,9 @@ void mla_attention_cpu(at::Tensor& out,                 // [num_tokens, num_head
                        const std::optional<at::Tensor>& lse) {    // [num_tokens, num_heads], float32, or none
   check_mla_attention_args(out, query, kv_cache, block_tables, seq_lens, kv_lora_rank, query_start_loc, k_scale, lse);
   const at::Tensor cache = kv_cache.unsqueeze(2);
-  at::Tensor rows = kv_lora_rank == kv_cache.size(2) ? out : at::empty(query.sizes(), out.options());
-  run_paged_attention(rows, query, cache, cache, block_tables, seq_lens, scale, std::nullopt, 0, 0.0, query_start_loc,
-                      max_query_len, k_scale, k_scale, lse, std::nullopt, std::nullopt, /*p_terms=*/1);
-  if (!rows.is_same(out)) out.copy_(rows.narrow(2, 0, kv_lora_rank));
+  run_paged_attention(out, query, cache, cache.narrow(3, 0, kv_lora_rank), block_tables, seq_lens, scale,
+                      std::nullopt, 0, 0.0, query_start_loc, max_query_len, k_scale, k_scale, lse, std::nullopt,
+                      std::nullopt, /*p_terms=*/1);
 }
 
 }  // namespace paged_attn

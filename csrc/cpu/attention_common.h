@@ -168,11 +168,11 @@ struct Prefetcher {
   int64_t key_offset = 0, value_offset = 0;   // its kv head's rows: elements into a token's rows
   int64_t head_bytes = 0;                     // bytes of a row
 
-  Prefetcher(const PagedKV<scalar_t>& kv, int64_t num_kv_heads, int64_t head_dim) {
+  Prefetcher(const PagedKV<scalar_t>& kv, int64_t num_kv_heads, int64_t head_dim, int64_t head_dim_v) {
     key_head_stride = kv.key.head_stride, value_head_stride = kv.value.head_stride;
-    head_bytes = head_dim * int64_t{sizeof(scalar_t)};
+    head_bytes = std::max(head_dim, head_dim_v) * int64_t{sizeof(scalar_t)};
     const bool token_rows_contiguous =
-        num_kv_heads == 1 || (kv.key.head_stride == head_dim && kv.value.head_stride == head_dim);
+        num_kv_heads == 1 || (kv.key.head_stride == head_dim && kv.value.head_stride == head_dim_v);
     spans_per_token = token_rows_contiguous ? 1 : num_kv_heads;
     heads_outer = !token_rows_contiguous && kv.key.token_stride < kv.key.head_stride;
     const int64_t span_bytes = (token_rows_contiguous ? num_kv_heads : 1) * head_bytes;
@@ -247,18 +247,18 @@ inline RowFinish finish_row(float max, float sum, float v_scale, const float* si
 struct Scratch {
   std::vector<float> buffer;
   float* q;          // [num_heads, head_dim], pre-scaled query (portable path)
-  float* acc;        // [num_heads, head_dim], unnormalized output (in acc_index order)
+  float* acc;        // [num_heads, head_dim_v], unnormalized output (in acc_index order)
   float* max_logit;  // [num_heads], running max
   float* exp_sums;   // [num_heads, kTileTokens], running sum of exp(x - max_logit), per tile lane
   float* logits;     // [group_size, kTileTokens]: x, then p = exp(x - max) (portable path)
   uint32_t* p_pairs;  // [group_size, 2, kTileTokens / 2]: p of tokens (2i, 2i + 1) as bf16 pairs, high then low
                       // parts (AVX-512 path)
 
-  Scratch(int64_t num_heads, int64_t group_size, int64_t head_dim)
-      : buffer(num_heads * (2 * head_dim + 1 + kTileTokens) + group_size * 2 * kTileTokens) {
+  Scratch(int64_t num_heads, int64_t group_size, int64_t head_dim, int64_t head_dim_v)
+      : buffer(num_heads * (head_dim + head_dim_v + 1 + kTileTokens) + group_size * 2 * kTileTokens) {
     q = buffer.data();
     acc = q + num_heads * head_dim;
-    max_logit = acc + num_heads * head_dim;
+    max_logit = acc + num_heads * head_dim_v;
     exp_sums = max_logit + num_heads;
     logits = exp_sums + num_heads * kTileTokens;
     p_pairs = reinterpret_cast<uint32_t*>(logits + group_size * kTileTokens);

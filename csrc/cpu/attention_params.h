@@ -35,6 +35,7 @@ struct AttentionParams {  // every field set by name (attention.cpp: paged_atten
   const int32_t* row_tokens = nullptr;    // [num_rows]: the row's index in query and out, or nullptr: r
   const float* alibi_slopes = nullptr;    // [num_heads] or nullptr
   int64_t max_blocks_per_seq = 0, block_size = 0, num_heads = 0, num_kv_heads = 0, group_size = 0, head_dim = 0;
+  int64_t head_dim_v = 0;  // the value rows' and the output's (head_dim but for MLA-style calls)
   int64_t sliding_window = 0;
   float scale = 0.f, logits_soft_cap = 0.f;  // scale includes k_scale (fp8 caches)
   float v_scale = 1.f;                       // multiplies the output (1 but for fp8 caches)

@@ -269,7 +269,8 @@ PA_TARGET_AVX512 inline void softmax_head_avx512(const AttentionParams<at::BFloa
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
   softmax_tile_avx512<kTerms>(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), x), sc.max_logit + head,
-                      sc.exp_sums + head * kTileTokens, sc.acc + head * params.head_dim, params.head_dim, p_pairs);
+                              sc.exp_sums + head * kTileTokens, sc.acc + head * params.head_dim_v, params.head_dim_v,
+                              p_pairs);
 }
 
 // Steps 1-3 for query heads [head0, head0 + kHeads) of kv head `kv_head`'s head group over one tile (AVX-512 bf16
@@ -289,7 +290,7 @@ PA_TARGET_AVX512 void attend_heads_avx512(const AttentionParams<at::BFloat16, ca
                                 sc.p_pairs + j * kTileTokens);
   }
   tile_values_avx512<kHeads, kTerms>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * params.kv.value.head_stride,
-                                     head_dim, sc.acc + head0 * head_dim, prefetcher);
+                                     params.head_dim_v, sc.acc + head0 * params.head_dim_v, prefetcher);
 }
 
 template <typename cache_t>
@@ -322,13 +323,13 @@ constexpr bool kHasAvx512Path =
     std::is_same_v<scalar_t, at::BFloat16> && (std::is_same_v<cache_t, at::BFloat16> || kIsFp8<cache_t>);
 
 template <typename scalar_t, typename cache_t>
-inline bool avx512_bf16_path(int64_t head_dim) {
-  return kHasAvx512Path<scalar_t, cache_t> && head_dim % kBf16Vec == 0 && use_avx512();
+inline bool avx512_bf16_path(int64_t head_dim, int64_t head_dim_v) {
+  return kHasAvx512Path<scalar_t, cache_t> && head_dim % kBf16Vec == 0 && head_dim_v % kBf16Vec == 0 && use_avx512();
 }
 #else
 inline int64_t acc_index(int64_t d, bool) { return d; }
 template <typename scalar_t, typename cache_t>
-inline bool avx512_bf16_path(int64_t) { return false; }
+inline bool avx512_bf16_path(int64_t, int64_t) { return false; }
 #endif
 
 }  // namespace

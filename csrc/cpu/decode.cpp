@@ -170,8 +170,8 @@ SharedBlocks find_shared_blocks(const Partitions<scalar_t, cache_t>& partitions,
 template <typename scalar_t, typename cache_t>
 void attend_shared_blocks(const AttentionParams<scalar_t, cache_t>& params, const SharedBlocks& shared,
                           float* states) {
-  const int64_t num_heads = params.num_heads, head_dim = params.head_dim;
-  const int64_t state_size = RowState::size(num_heads, head_dim);
+  const int64_t num_heads = params.num_heads, head_dim_v = params.head_dim_v;
+  const int64_t state_size = RowState::size(num_heads, head_dim_v);
   const int64_t num_segments = static_cast<int64_t>(shared.segments.size());
   std::vector<int64_t> cost(num_segments), order(num_segments);  // tokens attended; the segments, costliest first
   int64_t total_tokens = 0;
@@ -185,7 +185,8 @@ void attend_shared_blocks(const AttentionParams<scalar_t, cache_t>& params, cons
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   // Threads only for work worth waking them (kMinBytesPerCpuTask of keys and values each); each takes the next
   // segment in turn.
-  const int64_t kv_bytes = total_tokens * 2 * params.num_kv_heads * params.head_dim * int64_t{sizeof(cache_t)};
+  const int64_t kv_bytes =
+      total_tokens * params.num_kv_heads * (params.head_dim + params.head_dim_v) * int64_t{sizeof(cache_t)};
   const int64_t num_workers = threads_worth_waking(kv_bytes, num_segments);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_workers, 1, [&](int64_t worker_begin, int64_t worker_end) {
@@ -194,13 +195,13 @@ void attend_shared_blocks(const AttentionParams<scalar_t, cache_t>& params, cons
     std::vector<Scratch*> scs;
     std::vector<float> sums(num_heads);
     const auto keep_state = [&](int64_t i, int64_t j) {  // scratch i's partition state into states[j]
-      copy_state(partition_state(scratch[i], num_heads, sums.data()), num_heads, head_dim,
-                 RowState(states + j * state_size, num_heads, head_dim));
+      copy_state(partition_state(scratch[i], num_heads, sums.data()), num_heads, head_dim_v,
+                 RowState(states + j * state_size, num_heads, head_dim_v));
     };
     for (int64_t k = next++; k < num_segments; k = next++) {
       const SharedBlocks::Segment& segment = shared.segments[order[k]];
       while (static_cast<int64_t>(scratch.size()) < segment.num_rows) {
-        scratch.emplace_back(num_heads, params.group_size, head_dim);
+        scratch.emplace_back(num_heads, params.group_size, params.head_dim, head_dim_v);
       }
       scs.clear();
       for (int64_t i = 0; i < segment.num_rows; ++i) scs.push_back(&scratch[i]);
@@ -244,9 +245,9 @@ namespace cpu {
 // takes their states from there in their turn, and attends its own partitions between them in runs.
 template <typename scalar_t, typename cache_t>
 void decode_attention(const AttentionParams<scalar_t, cache_t>& params, int64_t num_rows,
-                      scalar_t* out) {  // [num_tokens, num_heads, head_dim], contiguous; row r at token(r)
-  const int64_t num_heads = params.num_heads, head_dim = params.head_dim;
-  const int64_t state_size = RowState::size(num_heads, head_dim);
+                      scalar_t* out) {  // [num_tokens, num_heads, head_dim_v], contiguous; row r at token(r)
+  const int64_t num_heads = params.num_heads, head_dim_v = params.head_dim_v;
+  const int64_t state_size = RowState::size(num_heads, head_dim_v);
   const Partitions<scalar_t, cache_t> partitions(params, num_rows);
   // The shared segments first: their rows' partition states, in shared_states.
   const SharedBlocks shared = find_shared_blocks(partitions, num_rows);
@@ -273,16 +274,16 @@ void decode_attention(const AttentionParams<scalar_t, cache_t>& params, int64_t 
   const auto cut_state = [&](int64_t row, int64_t i) {
     for (const CutRow& cut : cut_rows) {
       if (cut.row != row) continue;
-      return RowState(cut_states.data() + (cut.first_state + i) * state_size, num_heads, head_dim);
+      return RowState(cut_states.data() + (cut.first_state + i) * state_size, num_heads, head_dim_v);
     }
     TORCH_INTERNAL_ASSERT(false, "unreachable: a row shared by parts is in cut_rows");
   };
 
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin_index, int64_t part_end_index) {
-    Scratch sc(num_heads, params.group_size, head_dim);
+    Scratch sc(num_heads, params.group_size, params.head_dim, head_dim_v);
     Scratch* sc_ptr = &sc;
     std::vector<float> running_buffer(state_size), partition_sums(num_heads);
-    const RowState running(running_buffer.data(), num_heads, head_dim);
+    const RowState running(running_buffer.data(), num_heads, head_dim_v);
     for (int64_t part = part_begin_index; part < part_end_index; ++part) {
       const int64_t item_begin = part_begin[part], item_end = part_begin[part + 1];
       for (int64_t row = item_begin < item_end ? partitions.row_of(item_begin) : num_rows;
@@ -294,17 +295,17 @@ void decode_attention(const AttentionParams<scalar_t, cache_t>& params, int64_t 
         const bool has_first = begin == row_first, has_last = end == row_end;
         const auto absorb = [&](int64_t c, RowState partition) {  // partition c's state, in partition order
           if (!has_first) {
-            copy_state(partition, num_heads, head_dim, cut_state(row, 1 + c - c0));
+            copy_state(partition, num_heads, head_dim_v, cut_state(row, 1 + c - c0));
           } else if (c == c0) {
-            copy_state(partition, num_heads, head_dim, running);
+            copy_state(partition, num_heads, head_dim_v, running);
           } else {
-            merge_into(running, partition, num_heads, head_dim);
+            merge_into(running, partition, num_heads, head_dim_v);
           }
         };
         // Runs of the row's own partitions in one attend call each; a shared segment's from shared_states.
         for (int64_t item = begin; item < end;) {
           if (const int64_t j = shared.item_state[item]; j >= 0) {
-            absorb(c0 + item - row_first, RowState(shared_states.data() + j * state_size, num_heads, head_dim));
+            absorb(c0 + item - row_first, RowState(shared_states.data() + j * state_size, num_heads, head_dim_v));
             ++item;
             continue;
           }
@@ -318,7 +319,7 @@ void decode_attention(const AttentionParams<scalar_t, cache_t>& params, int64_t 
         if (has_first && has_last) {
           write_row(params, row, running, out);
         } else if (has_first) {
-          copy_state(running, num_heads, head_dim, cut_state(row, 0));
+          copy_state(running, num_heads, head_dim_v, cut_state(row, 0));
         }
       }
     }
@@ -328,7 +329,7 @@ void decode_attention(const AttentionParams<scalar_t, cache_t>& params, int64_t 
     const int64_t row_first = partitions.first_item[cut.row], row_end = partitions.first_item[cut.row + 1];
     const RowState running = cut_state(cut.row, 0);
     for (int64_t item = cut.first_unmerged_item; item < row_end; ++item) {
-      merge_into(running, cut_state(cut.row, 1 + item - row_first), num_heads, head_dim);
+      merge_into(running, cut_state(cut.row, 1 + item - row_first), num_heads, head_dim_v);
     }
     write_row(params, cut.row, running, out);
   }

@@ -134,10 +134,11 @@ template <typename scalar_t, typename cache_t>
 void attend_tile(const AttentionParams<scalar_t, cache_t>& params, int64_t kv_head, const Tile<cache_t>& tile,
                  int64_t last_token, Scratch& sc, Prefetcher<cache_t>& prefetcher) {
   const int64_t group_size = params.group_size, head_dim = params.head_dim, first_head = kv_head * group_size;
+  const int64_t head_dim_v = params.head_dim_v;
   const int64_t key_offset = kv_head * params.kv.key.head_stride, value_offset = kv_head * params.kv.value.head_stride;
   const int64_t num_tokens = tile.num_tokens;
   const float* q = sc.q + first_head * head_dim;
-  float* acc = sc.acc + first_head * head_dim;
+  float* acc = sc.acc + first_head * head_dim_v;
 
   // 1. Logits of every head of the group for the tile's tokens.
   for (int64_t i = 0; i < num_tokens; ++i) {
@@ -168,7 +169,7 @@ void attend_tile(const AttentionParams<scalar_t, cache_t>& params, int64_t kv_he
     if (new_max != old_max) {  // rescale only when the max grew (rarely, after the first tiles)
       const float alpha = std::exp(old_max - new_max);  // 0 on the first tile: old_max = -inf
       for (int64_t i = 0; i < kTileTokens; ++i) sc.exp_sums[head * kTileTokens + i] *= alpha;
-      for (int64_t d = 0; d < head_dim; ++d) acc[j * head_dim + d] *= alpha;
+      for (int64_t d = 0; d < head_dim_v; ++d) acc[j * head_dim_v + d] *= alpha;
       sc.max_logit[head] = new_max;
     }
     for (int64_t i = 0; i < kTileTokens; i += kVecSize) {
@@ -180,7 +181,7 @@ void attend_tile(const AttentionParams<scalar_t, cache_t>& params, int64_t kv_he
   // 3. Values: acc += p * v over the tile's tokens.
   for_each_head_pass(group_size, [&](auto heads, int64_t first) {
     accumulate_values<decltype(heads)::value>(sc.logits + first * kTileTokens, tile.values, value_offset,
-                                              num_tokens, head_dim, acc + first * head_dim,
+                                              num_tokens, head_dim_v, acc + first * head_dim_v,
                                               first == 0 ? &prefetcher : nullptr);
   });
   for (int64_t i = num_tokens; i < kTileTokens; ++i) prefetcher.step();
@@ -299,11 +300,11 @@ void attend_unit(const AttentionParams<scalar_t, cache_t>& params, int64_t kv_he
 template <typename scalar_t, typename cache_t, typename PartitionDone>
 void attend(const AttentionParams<scalar_t, cache_t>& params, const int64_t* rows, int64_t n, int64_t begin,
             int64_t end, Scratch* const* scs, PartitionDone&& partition_done, bool fresh = true) {
-  const int64_t num_heads = params.num_heads, head_dim = params.head_dim;
+  const int64_t num_heads = params.num_heads, head_dim_v = params.head_dim_v;
   prescale_queries(params, rows, n, scs);
   const auto reset = [&] {
     for (int64_t i = 0; i < n; ++i) {
-      std::fill_n(scs[i]->acc, num_heads * head_dim, 0.f);
+      std::fill_n(scs[i]->acc, num_heads * head_dim_v, 0.f);
       std::fill_n(scs[i]->max_logit, num_heads, kNegInf);
       std::fill_n(scs[i]->exp_sums, num_heads * kTileTokens, 0.f);
     }
@@ -328,8 +329,8 @@ void attend(const AttentionParams<scalar_t, cache_t>& params, const int64_t* row
   Tile<cache_t> tiles[kRing];
   for (int64_t k = 0; k < std::min(kPrefetchTiles, num_tiles); ++k) load_tile(tiles[k], k);
   // The last row of a unit prefetches (the next unit's rows into L1 as late as they can come); the others not.
-  Prefetcher<cache_t> prefetcher(params.kv, params.num_kv_heads, params.head_dim);
-  Prefetcher<cache_t> idle(params.kv, params.num_kv_heads, params.head_dim);
+  Prefetcher<cache_t> prefetcher(params.kv, params.num_kv_heads, params.head_dim, params.head_dim_v);
+  Prefetcher<cache_t> idle(params.kv, params.num_kv_heads, params.head_dim, params.head_dim_v);
   AmxRows<scalar_t> amx(params, rows, n);
   for (int64_t k = 0; k < num_tiles; ++k) {
     const Tile<cache_t>& tile = tiles[k % kRing];

@@ -14,13 +14,14 @@ namespace {
 
 // The online-softmax state of one query row's heads over some of its keys (a view): per query head the max logit
 // m, the sum s = sum_t e^(x_t - m) and the unnormalized acc = sum_t e^(x_t - m) v_t (in acc_index order), over
-// a float buffer of num_heads * (head_dim + 2). The row's log-sum-exp of its logits, per head, is m + log(s).
+// a float buffer of num_heads * (head_dim_v + 2) (head_dim_v: the value rows' width). The row's log-sum-exp of its
+// logits, per head, is m + log(s).
 struct RowState {
   float* max;  // [num_heads]
   float* sum;  // [num_heads]
-  float* acc;  // [num_heads, head_dim]
-  static int64_t size(int64_t num_heads, int64_t head_dim) { return num_heads * (head_dim + 2); }
-  RowState(float* p, int64_t num_heads, int64_t head_dim)
+  float* acc;  // [num_heads, head_dim_v]
+  static int64_t size(int64_t num_heads, int64_t head_dim_v) { return num_heads * (head_dim_v + 2); }
+  RowState(float* p, int64_t num_heads, int64_t head_dim_v)
       : max(p), sum(p + num_heads), acc(p + 2 * num_heads) {}
   RowState(float* max_logit, float* exp_sum, float* acc_) : max(max_logit), sum(exp_sum), acc(acc_) {}
 };
@@ -65,7 +66,7 @@ inline void merge_into(RowState dst, RowState src, int64_t num_heads, int64_t he
 // for a row that saw no key: max = -inf, sum = 0); with a sink, as finish_row says.
 template <typename scalar_t, typename cache_t>
 void write_row(const AttentionParams<scalar_t, cache_t>& params, int64_t row, RowState state, scalar_t* out) {
-  const int64_t num_heads = params.num_heads, head_dim = params.head_dim;
+  const int64_t num_heads = params.num_heads, head_dim = params.head_dim_v;  // the output's
   for (int64_t h = 0; h < num_heads; ++h) {
     const RowFinish finish = finish_row(state.max[h], state.sum[h], params.v_scale, params.sinks, h);
     if (params.lse) params.lse[params.token(row) * num_heads + h] = finish.lse;
@@ -144,7 +145,8 @@ std::vector<int64_t> split_among_threads(const Partitions<scalar_t, cache_t>& pa
     }
   }
   return split_by_cost(cost_before,
-                       total_tokens * 2 * params.num_kv_heads * params.head_dim * int64_t{sizeof(cache_t)});
+                       total_tokens * params.num_kv_heads * (params.head_dim + params.head_dim_v) *
+                           int64_t{sizeof(cache_t)});
 }
 
 }  // namespace

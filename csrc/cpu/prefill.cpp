@@ -10,6 +10,7 @@ namespace cpu {
 template <typename scalar_t, typename cache_t>
 void prefill_attention(const AttentionParams<scalar_t, cache_t>& params, const int32_t* query_start_loc,
                        const int32_t* seq_lens, const std::vector<int32_t>& seqs, scalar_t* out) {
+  TORCH_INTERNAL_ASSERT(params.head_dim_v == params.head_dim, "the prefill kernel takes values as wide as the keys");
   prefill_kernel(params, query_start_loc, seq_lens, seqs, out);
 }
 

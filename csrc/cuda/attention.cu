@@ -150,6 +150,8 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
                              sinks, shared_plan);
   const bool fp8 = is_fp8(key_cache.scalar_type());
   TORCH_CHECK(query.is_cuda(), "paged_attention: expected CUDA tensors, got ", query.device());
+  TORCH_CHECK(value_cache.size(3) == key_cache.size(3), "paged_attention: values of another width than the keys ",
+              "(head_dim_v ", value_cache.size(3), ", head_dim ", key_cache.size(3), ") are not on CUDA yet: CPU only");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_seqs = block_tables.size(0);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
