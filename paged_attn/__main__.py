@@ -78,7 +78,11 @@ def device(text: str) -> torch.device:
 def model_name_or_file(text: str) -> str:
     from .engine.loader import MODELS
 
-    return text if text in MODELS else existing_file(text)
+    if text in MODELS:
+        return text
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}, and not a model's name ({', '.join(MODELS)})")
+    return existing_file(text)
 
 
 def existing_file(text: str) -> str:

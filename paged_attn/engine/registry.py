@@ -4,10 +4,11 @@ layers, the batch, the loader, and for Gemma 3 the Llama model it builds on)."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from .gemma3 import Gemma3Model
-from .loader import default_model_path, load_gguf
+from .loader import MODELS, default_model_path, load_gguf, model_path
 from .model import LlamaModel
 
 __all__ = ["MODEL_CLASSES", "load_model", "model_class"]
@@ -24,6 +25,13 @@ def model_class(name: str) -> type[LlamaModel]:
 
 
 def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> LlamaModel:
-    """The model of a GGUF (default: SmolLM2-135M-Instruct), of the class its architecture needs."""
+    """The model of a GGUF (default: SmolLM2-135M-Instruct), of the class its architecture needs; a name of
+    ``loader.MODELS`` (``"gemma3-270m"``, ``"smollm2-135m"``) where no such file exists stands for its package's GGUF,
+    as ``python -m paged_attn --model`` takes it."""
+    if path is not None and not os.path.exists(path):
+        if path not in MODELS:
+            raise FileNotFoundError(f"no GGUF file at {path!r}, and it is not a model's name: "
+                                    f"{', '.join(f'{name!r} ({what})' for name, what in MODELS.items())}")
+        path = model_path(path)
     config, weights, tokenizer = load_gguf(path or default_model_path())
     return model_class(config.architecture)(config, weights, tokenizer, device, dtype, use_onednn)

@@ -129,6 +129,19 @@ def test_a_model_file_that_is_not_a_gguf_is_one_error_line(contents, tmp_path, c
     assert err.count("\n") == 1
 
 
+def test_an_unknown_model_name_lists_the_known_ones(capsys):
+    """LLM(model=NAME) takes the CLI's names (test_engine_gemma3.py loads "gemma3-270m" so); a string that is
+    neither a file nor a name is one error that lists them, in the engine and on the command line."""
+    from paged_attn.engine import LLM
+
+    with pytest.raises(FileNotFoundError, match=r"no GGUF file at 'llama-7b', and it is not a model's name: "
+                                                r"'smollm2-135m' \(.*\), 'gemma3-270m'"):
+        LLM("llama-7b")
+    code, err = run_main(["--model", "llama-7b"] + QUICK, capsys)
+    assert code == 2 and err.endswith("error: argument --model: no such file: 'llama-7b', and not a model's name "
+                                      "(smollm2-135m, gemma3-270m)\n")
+
+
 @requires_model
 def test_a_dtype_the_cpu_cannot_serve_is_one_error_line(capsys):
     code, err = run_main(["--device", "cpu", "--dtype", "float16"] + QUICK, capsys)

@@ -57,8 +57,8 @@ def path():
 
 @pytest.fixture(scope="module")
 def model(path):
-    """The model as ``LLM(model=<the GGUF path>)`` loads it."""
-    return LLM(path, num_kv_blocks=1).model
+    """The model as ``LLM(model="gemma3-270m")`` loads it: the name stands for the package's GGUF, as on the CLI."""
+    return LLM("gemma3-270m", num_kv_blocks=1).model
 
 
 @pytest.fixture(scope="module")
