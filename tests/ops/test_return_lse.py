@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from conftest import run_on_portable_path
 from test_attention import tolerance
 from test_batch_invariance import CACHES, FEATURES, HEADS, HEAD_DIM, assert_same_bits, lay_out, make_seqs, op_kwargs
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -64,6 +65,36 @@ def test_varlen_lse_matches_the_reference(cache, features):
     torch.testing.assert_close(lse.double(), expected_lse, **lse_tolerance(query_dtype))
     assert_same_bits(paged_attn.paged_attention(*case, query_start_loc=qsl, **kwargs), out,
                      "out with return_lse vs without")
+
+
+def check_rows_of_logit_0():
+    """Rows whose n visible keys all have logit 0 (scale 0, random queries and keys) have lse log(n): exactly 0 for
+    one key, since exp(0) is 1 exactly on every path. Decode rows (sequences of 1 and 5 tokens) and the rows of a
+    20-token prompt (the tiled prefill kernel), float32 / float16 / bfloat16 at head dims 64 (the AVX-512 bf16 path
+    where the CPU has it) and 80 (the portable one)."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for head_dim in (64, 80):
+            gen = torch.Generator().manual_seed(head_dim)
+            key_cache = torch.randn(8, 16, 2, head_dim, generator=gen).to(dtype)
+            value_cache = torch.randn(8, 16, 2, head_dim, generator=gen).to(dtype)
+            block_tables = torch.randperm(8, generator=gen).to(torch.int32).view(4, 2)
+            seq_lens = torch.tensor([1, 5, 20, 1], dtype=torch.int32)
+            query = torch.randn(23, 4, head_dim, generator=gen).to(dtype)
+            qsl = torch.tensor([0, 1, 2, 22, 23], dtype=torch.int32)
+            _, lse = paged_attn.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=0.0,
+                                                query_start_loc=qsl, return_lse=True)
+            seen = torch.tensor([1, 5] + list(range(1, 21)) + [1], dtype=torch.float32)
+            for row in (0, 2, 22):  # one key each: a decode row, the prompt's first row, a decode row
+                assert torch.equal(lse[row], torch.zeros(4)), (dtype, head_dim, row, lse[row])
+            torch.testing.assert_close(lse, seen.log()[:, None].expand(23, 4), rtol=1e-6, atol=0)
+
+
+def test_rows_of_logit_0_have_lse_log_n_exactly_0_for_one_key():
+    check_rows_of_logit_0()
+
+
+def test_rows_of_logit_0_on_the_portable_path():
+    run_on_portable_path("import test_return_lse; test_return_lse.check_rows_of_logit_0()")
 
 
 def test_a_row_that_sees_no_key_has_lse_minus_inf():
