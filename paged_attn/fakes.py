@@ -31,6 +31,17 @@ def _is_int(x) -> bool:
 _INT64_MAX = 2**63 - 1  # torch's schema type int is int64: a larger Python int fails its argument parsing
 
 
+def _check_max_query_len(max_query_len, query_start_loc) -> None:
+    """The wrappers' check of max_query_len (paged_attention, mla_attention): None, or with query_start_loc an int64."""
+    if max_query_len is None:
+        return
+    if query_start_loc is None:
+        raise ValueError("max_query_len is given without query_start_loc")
+    if not (_is_int(max_query_len) and 0 <= max_query_len <= _INT64_MAX):
+        raise ValueError(f"max_query_len must be a non-negative integer (at most 2**63 - 1: the op takes an int64) "
+                         f"or None, got {max_query_len!r}")
+
+
 def _is_finite(x) -> bool:
     return abs(x) < math.inf  # False for inf and NaN; unlike math.isfinite, torch.compile traces it on dynamic floats
 
@@ -91,28 +102,38 @@ def _check_block_mapping_shape(block_mapping, device) -> None:
              _shape(block_mapping))
 
 
+def _check_dtype_for_cache(t, name, cache, cache_name="key_cache") -> None:
+    """t (key, query, kv_c) with the cache's dtype (any of float32, float16, bfloat16 for fp8 caches)."""
+    if cache.dtype in _FP8_DTYPES:
+        _require(t.dtype in _KV_DTYPES, name, " must be float32, float16 or bfloat16 with an fp8 cache (",
+                 cache.dtype, "), got ", t.dtype)
+        return
+    _require(t.dtype == cache.dtype, name, " and ", cache_name, " must have the same dtype, got ", t.dtype, " and ",
+             cache.dtype)
+
+
 def _check_like_cache(t, name, key_cache) -> None:
-    """t (key or query) on key_cache's device, with its dtype (any of float32, float16, bfloat16 for fp8 caches)."""
+    """t (key or query) on key_cache's device, with its dtype (_check_dtype_for_cache)."""
     _require(t.device == key_cache.device, name, " and key_cache must be on the same device, got ", t.device, " and ",
              key_cache.device)
-    if key_cache.dtype in _FP8_DTYPES:
-        _require(t.dtype in _KV_DTYPES, name, " must be float32, float16 or bfloat16 with an fp8 cache (",
-                 key_cache.dtype, "), got ", t.dtype)
+    _check_dtype_for_cache(t, name, key_cache)
+
+
+def _check_scale(cache, scale, name) -> None:
+    """An fp8 cache's scale (None: 1.0): float32, one element, on the cache's device; an error for other caches."""
+    if scale is None:
         return
-    _require(t.dtype == key_cache.dtype, name, " and key_cache must have the same dtype, got ", t.dtype, " and ",
-             key_cache.dtype)
+    _require(cache.dtype in _FP8_DTYPES, name, " is given but the cache is ", cache.dtype,
+             ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)")
+    _require(scale.dtype == torch.float32 and scale.numel() == 1, name,
+             " must be a float32 tensor of one element, got ", scale.dtype, " of shape ", _shape(scale))
+    _require(scale.device == cache.device, name, " must be on the cache's device ", cache.device, ", got ",
+             scale.device)
 
 
 def _check_kv_scales(key_cache, k_scale, v_scale) -> None:
-    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-        if scale is None:
-            continue
-        _require(key_cache.dtype in _FP8_DTYPES, name, " is given but the cache is ", key_cache.dtype,
-                 ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)")
-        _require(scale.dtype == torch.float32 and scale.numel() == 1, name,
-                 " must be a float32 tensor of one element, got ", scale.dtype, " of shape ", _shape(scale))
-        _require(scale.device == key_cache.device, name, " must be on the cache's device ", key_cache.device,
-                 ", got ", scale.device)
+    _check_scale(key_cache, k_scale, "k_scale")
+    _check_scale(key_cache, v_scale, "v_scale")
     for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):  # values last, as the kernels check them
         value = None if scale is None else _known_value(scale)
         if value is not None:
@@ -291,26 +312,6 @@ def _check_latent_cache(kv_cache, name="kv_cache") -> None:
              ": block_size and kv_lora_rank + rope_dim must be positive, got shape ", _shape(kv_cache))
 
 
-def _check_dtype_for_latent_cache(t, name, kv_cache) -> None:
-    if kv_cache.dtype in _FP8_DTYPES:
-        _require(t.dtype in _KV_DTYPES, name, " must be float32, float16 or bfloat16 with an fp8 cache (",
-                 kv_cache.dtype, "), got ", t.dtype)
-        return
-    _require(t.dtype == kv_cache.dtype, name, " and kv_cache must have the same dtype, got ", t.dtype, " and ",
-             kv_cache.dtype)
-
-
-def _check_scale(cache, scale, name) -> None:
-    if scale is None:
-        return
-    _require(cache.dtype in _FP8_DTYPES, name, " is given but the cache is ", cache.dtype,
-             ": scales apply only to fp8 caches (float8_e4m3fn, float8_e5m2)")
-    _require(scale.dtype == torch.float32 and scale.numel() == 1, name,
-             " must be a float32 tensor of one element, got ", scale.dtype, " of shape ", _shape(scale))
-    _require(scale.device == cache.device, name, " must be on the cache's device ", cache.device, ", got ",
-             scale.device)
-
-
 @torch.library.register_fake("paged_attn::concat_and_cache_mla")
 def _(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> None:
     _check_latent_cache(kv_cache)
@@ -325,7 +326,7 @@ def _(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> None:
              k_pe.dtype, " on ", k_pe.device)
     _require(kv_c.device == kv_cache.device, "kv_c and kv_cache must be on the same device, got ", kv_c.device,
              " and ", kv_cache.device)
-    _check_dtype_for_latent_cache(kv_c, "kv_c", kv_cache)
+    _check_dtype_for_cache(kv_c, "kv_c", kv_cache, "kv_cache")
     _check_index_tensor(slot_mapping, "slot_mapping", torch.int64, 1, kv_cache.device)
     _require(slot_mapping.shape[0] == kv_c.shape[0], "slot_mapping must have num_tokens = ", kv_c.shape[0],
              " entries, got ", slot_mapping.shape[0])
@@ -342,7 +343,7 @@ def _(out, query, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_s
              ", got ", _shape(query))
     _require(query.device == kv_cache.device, "query and kv_cache must be on the same device, got ", query.device,
              " and ", kv_cache.device)
-    _check_dtype_for_latent_cache(query, "query", kv_cache)
+    _check_dtype_for_cache(query, "query", kv_cache, "kv_cache")
     _require(1 <= kv_lora_rank <= row, "kv_lora_rank must be in [1, ", row,
              "] (the cache's row: kv_lora_rank + rope_dim), got ", kv_lora_rank)
     expected = [query.shape[0], query.shape[1], kv_lora_rank]

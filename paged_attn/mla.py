@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .fakes import _INT64_MAX, _is_finite, _is_int
+from .fakes import _check_max_query_len, _is_finite, _is_int
 
 
 def concat_and_cache_mla(
@@ -105,12 +105,7 @@ def mla_attention(
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymFloat, torch.SymInt)) \
             or not _is_finite(scale):
         raise ValueError(f"scale must be a finite number (DeepSeek's softmax_scale), got {scale!r}")
-    if max_query_len is not None:
-        if query_start_loc is None:
-            raise ValueError("max_query_len is given without query_start_loc")
-        if not (_is_int(max_query_len) and 0 <= max_query_len <= _INT64_MAX):
-            raise ValueError(f"max_query_len must be a non-negative integer (at most 2**63 - 1: the op takes an "
-                             f"int64) or None, got {max_query_len!r}")
+    _check_max_query_len(max_query_len, query_start_loc)
     if out is None:
         out = torch.empty(query.shape[:2] + (kv_lora_rank,), dtype=query.dtype, device=query.device)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if return_lse else None

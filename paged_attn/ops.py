@@ -84,7 +84,7 @@ import torch
 
 from . import _C
 from . import fakes  # noqa: F401  (registers the fake kernels)
-from .fakes import _INT64_MAX, _is_finite, _is_int
+from .fakes import _INT64_MAX, _check_max_query_len, _is_finite, _is_int
 from .mla import concat_and_cache_mla, mla_attention  # noqa: F401  (part of this module's API)
 from .shared_plan import plan_shared_blocks  # noqa: F401  (part of this module's API)
 
@@ -282,12 +282,7 @@ def paged_attention(
         raise ValueError(f"logits_soft_cap must be positive and finite, or None, got {logits_soft_cap}")
     if scale is not None and not _is_finite(scale):
         raise ValueError(f"scale must be finite or None, got {scale}")
-    if max_query_len is not None:
-        if query_start_loc is None:
-            raise ValueError("max_query_len is given without query_start_loc")
-        if not (_is_int(max_query_len) and 0 <= max_query_len <= _INT64_MAX):
-            raise ValueError(f"max_query_len must be a non-negative integer (at most 2**63 - 1: the op takes an "
-                             f"int64) or None, got {max_query_len!r}")
+    _check_max_query_len(max_query_len, query_start_loc)
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
