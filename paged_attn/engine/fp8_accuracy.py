@@ -30,6 +30,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -165,11 +166,13 @@ def measure_format_alone(model, max_tokens: int = 64, roundings=ROUNDINGS) -> li
     return results
 
 
-def measure(model, max_tokens: int = 64, variants=VARIANTS) -> tuple[list[Accuracy], list[list[int]]]:
-    """The float32 cache's greedy outputs, then every variant's agreement with them."""
+def measure(model, max_tokens: int = 64, variants=VARIANTS,
+            prompt_ids: Optional[list[list[int]]] = None) -> tuple[list[Accuracy], list[list[int]]]:
+    """The float32 cache's greedy outputs, then every variant's agreement with them (``prompt_ids``: token ids, by
+    default the chat prompts above)."""
     from paged_attn.engine import LLM
 
-    prompt_ids = prompts(model)
+    prompt_ids = prompt_ids or prompts(model)
     reference = LLM(model)
     outputs = greedy(reference, prompt_ids, max_tokens)
     reference_logprobs = [teacher_forced_logprobs(reference, p + o, len(p)) for p, o in zip(prompt_ids, outputs)]

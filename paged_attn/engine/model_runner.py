@@ -13,9 +13,10 @@ frees may be a copy's destination in the same step, and a swap-out may send back
 the same step.
 
 The cache is laid out by KV-cache groups (``KVCacheGroups``): ``layers_per_group`` (key, value) tensor pairs of
-``[num_blocks, block_size, num_kv_heads, head_dim]``, a block id (a page) naming ``block_size`` tokens of one group's
-layers in each pair; layer ``i`` uses pair ``layer_pair[i]`` with its group's slots and block tables. With one group
-(every layer global) a block holds every layer.
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (for latent attention, MLA, one latent tensor ``[num_blocks,
+block_size, kv_lora_rank + qk_rope_head_dim]`` in place of each pair: ``kv_cache_shapes``), a block id (a page)
+naming ``block_size`` tokens of one group's layers in each pair; layer ``i`` uses pair ``layer_pair[i]`` with its
+group's slots and block tables. With one group (every layer global) a block holds every layer.
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ class ModelRunner:
         computed, in the step's order."""
         self.swap(step.blocks_to_swap_in, swap_in=True)
         self.swap(step.blocks_to_swap_out, swap_in=False)
-        if step.blocks_to_copy:
-            ops.copy_blocks([key for key, _ in self.kv_pairs], [value for _, value in self.kv_pairs],
+        if step.blocks_to_copy:  # (a latent cache is one tensor per layer: no value caches)
+            ops.copy_blocks([pair[0] for pair in self.kv_pairs], [pair[1] for pair in self.kv_pairs if len(pair) > 1],
                             step.blocks_to_copy)
         return self.model.forward(self.prepare(step), self.kv_caches, self.kv_scales, elementwise=self.elementwise)
 
@@ -164,9 +165,8 @@ class ModelRunner:
             step.reserved_slots.append(None)
             num_blocks += blocks
         cfg = self.model.config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        scratch = (torch.empty(shape, dtype=self.model.dtype, device=self.device),
-                   torch.empty(shape, dtype=self.model.dtype, device=self.device))
+        scratch = tuple(torch.empty((num_blocks,) + shape, dtype=self.model.dtype, device=self.device)
+                        for shape in kv_cache_shapes(cfg, self.block_size))
         amax: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model.forward(self.prepare(step), [scratch] * cfg.num_layers, None, kv_amax=amax,
                            elementwise=self.elementwise)
@@ -189,9 +189,9 @@ class ModelRunner:
         if not mapping:
             return
         for kv_pair, swap_pair in zip(self.kv_pairs, self.swap_kv_pairs):
-            src, dst = (swap_pair, kv_pair) if swap_in else (kv_pair, swap_pair)
-            ops.swap_blocks(src[0], dst[0], mapping)
-            ops.swap_blocks(src[1], dst[1], mapping)
+            for kv_tensor, swap_tensor in zip(kv_pair, swap_pair):
+                src, dst = (swap_tensor, kv_tensor) if swap_in else (kv_tensor, swap_tensor)
+                ops.swap_blocks(src, dst, mapping)
 
     def prepare(self, step: ScheduledStep) -> Batch:
         """The step's tensors on the device: sequence ``s`` computes its tokens ``[num_computed_tokens,
@@ -234,18 +234,36 @@ def _calibrated_scale(amax: torch.Tensor, fp8_max: float) -> float:
     return amax * KV_SCALE_MARGIN / fp8_max if math.isfinite(amax) and amax > 0 else 1.0
 
 
+def kv_cache_shapes(config: ModelConfig, block_size: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of one layer's cache tensors, less the leading ``num_blocks``: keys and values ``[block_size,
+    num_kv_heads, head_dim]``, or for latent attention (MLA) one latent cache ``[block_size, kv_lora_rank +
+    qk_rope_head_dim]``."""
+    if config.mla is not None:
+        return ((block_size, config.mla.latent_dim),)
+    return ((block_size, config.num_kv_heads, config.head_dim),) * 2
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
                        num_layers: Optional[int] = None) -> int:
-    """Bytes of one KV block: keys and values of block_size tokens, in ``num_layers`` layers (default: every layer;
-    with KV-cache groups, a group's)."""
-    return 2 * (num_layers or config.num_layers) * block_size * config.num_kv_heads * config.head_dim * \
-        torch.empty((), dtype=dtype).element_size()
+    """Bytes of one KV block: the cache tensors' rows of block_size tokens, in ``num_layers`` layers (default: every
+    layer; with KV-cache groups, a group's)."""
+    return (num_layers or config.num_layers) * sum(math.prod(shape) for shape in kv_cache_shapes(config, block_size)) \
+        * torch.empty((), dtype=dtype).element_size()
+
+
+def mha_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """What one token's keys and values would take in every layer without latent attention: per head a key of
+    head_dim and a value of v_head_dim (MLA), or as stored (MHA, GQA)."""
+    if config.mla is None:
+        return kv_bytes_per_block(config, 1, dtype)
+    per_head = config.head_dim + config.mla.v_head_dim
+    return config.num_layers * config.num_heads * per_head * torch.empty((), dtype=dtype).element_size()
 
 
 def _allocate_caches(config: ModelConfig, num_pairs: int, num_blocks: int, block_size: int, dtype: torch.dtype,
                      device: torch.device, pin_memory: bool, bytes_per_block: int, name: str):
-    """``num_pairs`` (key_cache, value_cache) pairs, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each;
-    a pool that cannot be allocated raises ValueError at once."""
+    """``num_pairs`` tuples of one layer's cache tensors (``kv_cache_shapes``: (key_cache, value_cache), or
+    (latent_cache,)); a pool that cannot be allocated raises ValueError at once."""
     total = num_blocks * bytes_per_block
     too_big = f"{name}={num_blocks} blocks of {bytes_per_block} bytes ({total / 2**30:.2f} GiB of KV cache)"
     if device.type == "cpu" and not pin_memory:  # untouched pages would be granted lazily and fail much later
@@ -253,10 +271,9 @@ def _allocate_caches(config: ModelConfig, num_pairs: int, num_blocks: int, block
         if available is not None and total > available:
             raise ValueError(f"{too_big} do not fit the {available / 2**30:.2f} GiB of memory available on the "
                              f"CPU; lower {name} or kv_cache_memory")
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     try:
-        return [(torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory),
-                 torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory))
+        return [tuple(torch.empty((num_blocks,) + shape, dtype=dtype, device=device, pin_memory=pin_memory)
+                      for shape in kv_cache_shapes(config, block_size))
                 for _ in range(num_pairs)]
     except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
         raise ValueError(f"{too_big} cannot be allocated on {device}: {error}") from None

@@ -40,6 +40,9 @@ class EngineStats:
     # KV bytes held per attention type ("global", "sliding_window"), now and at the peak of kv_blocks_used
     kv_bytes_by_attention_type: dict = field(default_factory=dict)
     peak_kv_bytes_by_attention_type: dict = field(default_factory=dict)
+    # what one token's keys and values would take in every layer as plain multi-head attention (per head, a key and
+    # a value): for a latent-attention (MLA) model, against bytes_per_token; for others, bytes_per_token itself
+    mha_bytes_per_token: int = 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -81,7 +84,8 @@ class StatsCollector:
     def record_generated(self, num_tokens: int) -> None:
         self.num_generated_tokens += num_tokens
 
-    def snapshot(self, block_manager: BlockManager, bytes_per_block: int, kv_cache_dtype: str) -> EngineStats:
+    def snapshot(self, block_manager: BlockManager, bytes_per_block: int, kv_cache_dtype: str,
+                 mha_bytes_per_token: int = 0) -> EngineStats:
         now = block_manager.stats()
         return EngineStats(
             block_size=block_manager.block_size, num_kv_blocks=now.num_kv_blocks,
@@ -100,4 +104,5 @@ class StatsCollector:
                                         for kind, blocks in now.kv_blocks_by_attention_type.items()},
             peak_kv_bytes_by_attention_type={kind: blocks * bytes_per_block
                                              for kind, blocks in self.peak.kv_blocks_by_attention_type.items()},
+            mha_bytes_per_token=mha_bytes_per_token,
         )

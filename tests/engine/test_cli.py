@@ -134,7 +134,7 @@ def test_an_unknown_model_name_lists_the_known_ones(capsys):
     neither a file nor a name is one error that lists them, in the engine and on the command line."""
     from paged_attn.engine import LLM
 
-    with pytest.raises(FileNotFoundError, match=r"no GGUF file at 'llama-7b', and it is not a model's name: "
+    with pytest.raises(FileNotFoundError, match=r"no GGUF file or checkpoint folder at 'llama-7b', and it is not a model's name: "
                                                 r"'smollm2-135m' \(.*\), 'gemma3-270m'"):
         LLM("llama-7b")
     code, err = run_main(["--model", "llama-7b"] + QUICK, capsys)
