@@ -9,9 +9,10 @@ the ``vllm.general_plugins`` entry point that ``pyproject.toml`` declares. Insta
 then select the backend:
 
 - CUDA: ``LLM(..., attention_backend="CUSTOM")`` or ``vllm serve ... --attention-backend CUSTOM``.
-- CPU: vLLM's CPU platform ignores the selection and always takes the class registered for ``CPU_ATTN``;
-  ``PAGED_ATTN_VLLM=1`` in the environment makes :func:`register` override that entry with ours too. The override
-  is global to the process, hence the opt-in.
+- CPU: vLLM's CPU platform ignores the selection and always takes the class registered for ``CPU_ATTN`` (and for
+  MLA models, DeepSeek-V2/V3, ``CPU_MLA`` on hosts without AMX); ``PAGED_ATTN_VLLM=1`` in the environment makes
+  :func:`register` override those entries with ours too (``mla_backend``). The override is global to the process,
+  hence the opt-in.
 
 ``VLLM_PLUGINS=""`` turns every plugin off (vLLM's own backend, for a reference run).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 
 BACKEND_PATH = "paged_attn.vllm.backend.PagedAttnBackend"
+MLA_BACKEND_PATH = "paged_attn.vllm.mla_backend.PagedAttnMLABackend"
 # The vLLM releases whose attention interface this backend was written against and tested with (KV-layout
 # refactors have broken out-of-tree backends silently before, so anything else is refused).
 SUPPORTED_VLLM = ("0.32.",)
@@ -37,7 +39,7 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    """Register our backend as vLLM's ``CUSTOM`` attention backend, and for ``CPU_ATTN`` when
+    """Register our backend as vLLM's ``CUSTOM`` attention backend, and for ``CPU_ATTN`` and ``CPU_MLA`` when
     ``PAGED_ATTN_VLLM=1``. vLLM calls this in each of its processes, possibly more than once: it only sets
     registry entries, so repeating it changes nothing."""
     import vllm
@@ -47,3 +49,4 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     if os.environ.get(ENV_OVERRIDE_CPU) == "1":
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+        register_backend(AttentionBackendEnum.CPU_MLA, MLA_BACKEND_PATH)

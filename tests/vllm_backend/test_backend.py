@@ -352,16 +352,21 @@ def test_register_is_idempotent_and_gated(monkeypatch):
 
     import paged_attn.vllm as pv
 
+    from paged_attn.vllm.mla_backend import PagedAttnMLABackend
+
     monkeypatch.delenv("PAGED_ATTN_VLLM", raising=False)
     AttentionBackendEnum.CPU_ATTN.clear_override()
+    AttentionBackendEnum.CPU_MLA.clear_override()
     pv.register()
     pv.register()
     assert AttentionBackendEnum.CUSTOM.get_path() == pv.BACKEND_PATH
-    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+    assert not AttentionBackendEnum.CPU_ATTN.is_overridden() and not AttentionBackendEnum.CPU_MLA.is_overridden()
     monkeypatch.setenv("PAGED_ATTN_VLLM", "1")
     pv.register()
     assert AttentionBackendEnum.CPU_ATTN.get_class() is pa_backend.PagedAttnBackend
+    assert AttentionBackendEnum.CPU_MLA.get_class() is PagedAttnMLABackend
     AttentionBackendEnum.CPU_ATTN.clear_override()
+    AttentionBackendEnum.CPU_MLA.clear_override()
 
 
 def test_version_gate():
@@ -460,3 +465,44 @@ def test_builder_refuses_non_causal_batches():
     for causal in (False, torch.tensor([True, False]), torch.tensor([True, True])):
         with pytest.raises(NotImplementedError, match="causal attention only"):
             builder.build(0, common_metadata(causal=causal))
+
+
+def make_mla_impl(cls, num_heads, kv_lora_rank, rope_dim, scale):
+    return cls(num_heads, kv_lora_rank + rope_dim, scale, 1, None, None, "auto", None, "decoder", None,
+               q_lora_rank=None, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=32, qk_rope_head_dim=rope_dim,
+               qk_head_dim=32 + rope_dim, v_head_dim=32, kv_b_proj=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_impl_same_as_vllm_cpu_mla_on_the_same_tensors(dtype):
+    """Our MLA impl's cache update and decode against vLLM's own CPU_MLA impl (its ``mla_decode_kvcache`` kernel:
+    576 = 512 + 64 and block size 16 only) on the same random tensors: the same cache bits, outputs within
+    rounding, and our lse against the float64 reference."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from paged_attn.vllm.mla_backend import PagedAttnMLAImpl
+
+    torch.manual_seed(0)
+    num_heads, rank, rope, block_size, scale = 16, 512, 64, 16, 0.07
+    seq_lens = [1, 17, 100, 48]
+    block_tables = torch.randperm(40)[:4 * 8].view(4, 8).to(torch.int32)
+    caches = [torch.full((40, block_size, rank + rope), float("nan"), dtype=dtype) for _ in range(2)]
+    slots = slots_of(block_tables, seq_lens, block_size)
+    kv_c = torch.randn(len(slots), rank, dtype=dtype)
+    k_pe = torch.randn(len(slots), 1, rope, dtype=dtype)
+    ours, theirs = (make_mla_impl(cls, num_heads, rank, rope, scale) for cls in (PagedAttnMLAImpl, CPUMLAImpl))
+    padded = torch.cat([slots, torch.tensor([-1])])  # a padding slot, skipped
+    ours.do_kv_cache_update(torch.cat([kv_c, kv_c[:1]]), torch.cat([k_pe, k_pe[:1]]), caches[0], padded, "auto", None)
+    theirs.do_kv_cache_update(kv_c, k_pe, caches[1], slots, "auto", None)
+    assert torch.equal(caches[0].view(-1, rank + rope)[slots], caches[1].view(-1, rank + rope)[slots])
+    q = torch.randn(4, num_heads, rank + rope, dtype=dtype)
+    metadata = SimpleNamespace(decode=SimpleNamespace(block_table=block_tables, seq_lens=torch.tensor(seq_lens)))
+    calls = pa_backend.forward_calls
+    out, lse = ours.forward_mqa((q[..., :rank], q[..., rank:]), caches[0], metadata, None)
+    expected, _ = theirs.forward_mqa(q, caches[1], metadata, None)
+    assert pa_backend.forward_calls == calls + 1
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expected, **tol)
+    _, ref_lse = reference.mla_attention(q, caches[0], block_tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                         kv_lora_rank=rank, scale=scale, compute_dtype=torch.float64, return_lse=True)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3 if dtype == torch.bfloat16 else 1e-5, rtol=0)

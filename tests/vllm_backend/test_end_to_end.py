@@ -31,7 +31,7 @@ import vllm_runs  # noqa: E402
 # float32 logprobs from two attention kernels (different summation orders) through two layers: measured up to
 # 1.8e-5 apart on the Llama and Mistral (2026-12-01), 3.1e-5 on the gpt-oss (2026-12-04).
 LOGPROB_ATOL = 1e-4
-COMPARED = ["plain", "shared", "chunked", "window", "gptoss"]
+COMPARED = ["plain", "shared", "chunked", "window", "gptoss", "deepseek"]
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "HF_HUB_OFFLINE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the last: collective_rpc(callable)
 GEMMA3_HF = os.environ.get("PAGED_ATTN_GEMMA3_HF", os.path.expanduser("~/.cache/paged_attn/gemma3-270m-hf"))
@@ -141,6 +141,14 @@ def test_gptoss_sinks_loaded_and_they_change_the_outputs(runs):
     for i, (a, b) in enumerate(zip(ours["without_sinks"], theirs["without_sinks"])):
         assert a["tokens"] == b["tokens"], f"without sinks, request {i}"
         assert_close_top5(a["logprobs"], b["logprobs"], f"without sinks, request {i}")
+
+
+def test_deepseek_runs_our_mla_ops(runs):
+    """With our backend vLLM's profiler sees our latent-cache ops (the cache writes and the decode attention; the
+    prompts take vLLM's own MHA path); with its own, none of ours."""
+    ours, theirs = runs[0]["deepseek"], runs[1]["deepseek"]
+    assert {"paged_attn::concat_and_cache_mla", "paged_attn::mla_attention"} <= set(ours["profiled_ops"])
+    assert theirs["profiled_ops"] == []
 
 
 def test_prefix_cache_hits_served_from_cached_blocks(runs):

@@ -15,6 +15,11 @@ Scenarios (float32, greedy, ``ignore_eos``, top-5 logprobs at every generated po
   gptoss      tiny gpt-oss (attention sinks, a sliding-window layer (16) and a full one, 4 experts, top-2), the
               plain prompts; then the same with every sink set to -inf (attention without sinks), and the sinks
               vLLM loaded
+  deepseek    tiny DeepSeek-V3 (multi-head latent attention: kv_lora_rank 512 + rope 64, the only size vLLM's own
+              CPU_MLA decode kernel takes; 4 heads, 2 layers, one of 4 experts with top-2 and a shared expert),
+              the plain prompts (timed), after two under torch.profiler (the paged_attn ops it saw recorded);
+              vLLM's CPU platform forces block size 16 and no chunked prefill or prefix caching for MLA
+              (vllm/platforms/cpu.py), so the scenario asks for nothing else
   tp2         tiny Llama, the plain prompts with ``tensor_parallel_size=2`` (multiprocessing executor)
   smollm2     SmolLM2-135M (a Hugging Face folder given with --smollm2), a few text prompts, greedy tokens only
   smollm2_fp8 the same with an fp8 (e4m3) KV cache, scales 1.0
@@ -126,8 +131,8 @@ def gptoss_sinks() -> list[list[float]]:
 
 
 def make_tiny_models(folder: str) -> dict[str, str]:
-    """A random 2-layer Llama, Mistral and gpt-oss (4 query heads, 2 KV heads, head_dim 32, vocabulary 1024),
-    saved once. ``initializer_range`` 0.2 makes the logits spread widely, so that greedy picks have no near-ties.
+    """A random 2-layer Llama, Mistral and gpt-oss (4 query heads, 2 KV heads, head_dim 32, vocabulary 1024), and
+    a DeepSeek-V3 of the same vocabulary and width (latent attention, experts), saved once. ``initializer_range`` 0.2 makes the logits spread widely, so that greedy picks have no near-ties.
 
     gpt-oss as vLLM's loader takes an unquantized checkpoint (``vllm/model_executor/models/gpt_oss.py``,
     ``_load_weights_other``): transformers' own names and layout (fused ``gate_up_proj`` ``[experts, hidden,
@@ -136,8 +141,8 @@ def make_tiny_models(folder: str) -> dict[str, str]:
     always YaRN, read from ``rope_parameters``: a small one, consistent with ``max_position_embeddings``. Hidden and
     intermediate sizes are multiples of 32, as vLLM's CPU MoE kernel needs."""
     import torch
-    from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM)
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GptOssConfig, GptOssForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 
     shape = dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
@@ -146,11 +151,16 @@ def make_tiny_models(folder: str) -> dict[str, str]:
                   layer_types=["sliding_attention", "full_attention"],
                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
+    deepseek = dict(moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                    topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, kv_lora_rank=512,
+                    qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64, num_key_value_heads=4,
+                    head_dim=64, topk_method="noaux_tc", scoring_func="sigmoid")  # (vLLM reads these two)
     paths = {}
     for name, config_cls, model_cls, extra in [("llama", LlamaConfig, LlamaForCausalLM, {}),
                                                ("mistral", MistralConfig, MistralForCausalLM,
                                                 {"sliding_window": SLIDING_WINDOW}),
-                                               ("gptoss", GptOssConfig, GptOssForCausalLM, gptoss)]:
+                                               ("gptoss", GptOssConfig, GptOssForCausalLM, gptoss),
+                                               ("deepseek", DeepseekV3Config, DeepseekV3ForCausalLM, deepseek)]:
         path = os.path.join(folder, f"tiny-{name}")
         paths[name] = path
         if os.path.exists(os.path.join(path, "config.json")):
@@ -238,6 +248,16 @@ def run_scenario(name: str, models: dict[str, str], smollm2: str | None, gemma3:
         sinks = llm.collective_rpc(sinks_in_worker)
         llm.collective_rpc(set_sinks_in_worker, args=(float("-inf"),))  # exp(-inf) = 0: no sink
         extra = {"sinks": sinks, "without_sinks": generate(llm, plain_prompts())}
+    elif name == "deepseek":
+        llm = LLM(model=models["deepseek"], **{**kwargs, "block_size": 16})
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            generate(llm, plain_prompts()[:2], max_tokens=3)  # (also the warm-up for the timing below)
+        ops = sorted({event.key for event in profile.key_averages() if event.key.startswith("paged_attn::")})
+        start = time.perf_counter()
+        requests = generate(llm, plain_prompts())
+        extra = {"generate_seconds": time.perf_counter() - start, "profiled_ops": ops}
     elif name == "tp2":
         llm = LLM(model=models["llama"], tensor_parallel_size=2, distributed_executor_backend="mp", **kwargs)
         requests = generate(llm, plain_prompts())
