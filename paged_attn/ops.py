@@ -326,14 +326,17 @@ def merge_attention_states(
     Returns:
         ``(out, lse)``.
 
-    Edges: an lse of ``+inf`` is read as ``-inf`` (a part that saw no key: FlashAttention 2 writes +inf there, and
-    vLLM's ``merge_attn_states`` does the same); both parts ``-inf``: ``out = 0 * out_a + 0 * out_b`` (0 for finite
-    values, never NaN from 0 / 0) and ``lse = -inf``; a NaN lse gives a NaN row and NaN lse; a NaN in ``out_a`` or
+    Edges, one rule for every sink and mask (splitting a call's keys in two, the sinks in one part, and merging
+    gives the whole call): an lse of ``+inf`` dominates (a part whose softmax mass is infinite, as a ``+inf`` sink
+    makes it: :func:`paged_attention` then returns out 0 and lse ``+inf``): ``out`` is that part's output and ``lse``
+    ``+inf`` (both ``+inf``: the mean of the two); ``-inf`` is a part that saw no key; both parts ``-inf``: ``out =
+    0 * out_a + 0 * out_b`` (0 for finite values, never NaN from 0 / 0) and ``lse = -inf``; a NaN lse gives a NaN row and NaN lse; a NaN in ``out_a`` or
     ``out_b`` gives NaN in that element, even where its part has weight 0 (``0 * NaN``), as in vLLM.
 
     Checked against vLLM's ``merge_attn_states`` (``csrc/attention/merge_attn_states.cu`` and the Triton
     ``triton_merge_attn_states.py``): the same formula (scales ``w / (w_a + w_b)`` first, then a float32 sum,
-    one rounding), the same +inf -> -inf rule and NaN propagation; there lse is ``[num_heads, num_tokens]`` and two
+    one rounding) and NaN propagation; there lse is ``[num_heads, num_tokens]``, an lse of ``+inf`` reads as ``-inf``
+    (FlashAttention 2's marker of a part that saw no key: convert such an lse before merging it here) and two
     ``-inf`` parts give NaN (``-inf - -inf``), here 0 and -inf. FlashInfer's ``merge_state``
     (``include/flashinfer/attention/cascade.cuh``): the same formula and our ``[num_tokens, num_heads]`` lse
     layout, but its lse is base 2 (multiply ours by ``log2(e)``), it has no +inf rule, and two ``-inf`` parts give

@@ -207,18 +207,24 @@ def merge_attention_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out_a's dtype; float32
     """The merge of two partial results over disjoint key ranges, in compute_dtype, out rounded once to out_a's dtype:
     m = max(lse_a, lse_b), w = exp(lse - m), out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + log(w_a + w_b).
-    Edges as the kernels (csrc/cpu/merge_attention_states.cpp): +inf reads as -inf; both -inf gives scales 0 and
-    lse -inf; a NaN lse gives a NaN row and lse; NaN (or inf times a zero scale) in out_a / out_b gives NaN there."""
+    Edges as the kernels (csrc/cpu/merge_attention_states.cpp): a +inf lse dominates (scale 1 for the +inf parts,
+    divided by their count, 0 for the other; lse +inf); both -inf gives scales 0 and lse -inf; a NaN lse gives a NaN
+    row and lse; NaN (or inf times a zero scale) in out_a / out_b gives NaN there."""
     a, b = lse_a.to(compute_dtype), lse_b.to(compute_dtype)
-    a = torch.where(a == math.inf, -math.inf, a)
-    b = torch.where(b == math.inf, -math.inf, b)
+    dominant = ((a == math.inf) | (b == math.inf)) & ~a.isnan() & ~b.isnan()
+    inf_a, inf_b = (a == math.inf).to(compute_dtype), (b == math.inf).to(compute_dtype)
+    a, b = torch.where(dominant, 0.0, a), torch.where(dominant, 0.0, b)  # (finite stand-ins, replaced below)
     empty = (a == -math.inf) & (b == -math.inf)
     m = torch.where(empty, 0.0, torch.maximum(a, b))  # maximum propagates NaN, as the weights do anyway
     w_a, w_b = torch.exp(a - m), torch.exp(b - m)  # both 0 where empty
     total = w_a + w_b
     lse = torch.where(empty, -math.inf, m + torch.log(total))
     total = torch.where(empty, 1.0, total)
-    scale_a, scale_b = (w_a / total)[..., None], (w_b / total)[..., None]
+    scale_a, scale_b = w_a / total, w_b / total
+    count = torch.where(dominant, inf_a + inf_b, 1.0)
+    scale_a = torch.where(dominant, inf_a / count, scale_a)[..., None]
+    scale_b = torch.where(dominant, inf_b / count, scale_b)[..., None]
+    lse = torch.where(dominant, math.inf, lse)
     out = out_a.to(compute_dtype) * scale_a + out_b.to(compute_dtype) * scale_b
     return out.to(out_a.dtype), lse.to(torch.float32)
 

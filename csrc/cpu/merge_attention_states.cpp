@@ -6,10 +6,12 @@
 //   lse = m + log(w_a + w_b)
 //
 // Edges (the same in the CUDA kernel, csrc/cuda/merge_attention_states_kernels.cuh, and in
-// paged_attn/reference.py): an lse of +inf is read as -inf (vLLM's convention: FlashAttention 2 writes +inf for a
-// part that saw no key); both parts -inf: scales 0 (out = 0 * out_a + 0 * out_b, so 0 for finite values) and
+// paged_attn/reference.py): an lse of +inf dominates (a part whose softmax mass is infinite, as a +inf attention
+// sink makes it: paged_attention then writes out 0 and lse +inf): the merge is that part's output, lse +inf (both
+// +inf: their mean), so that splitting a call's keys and merging the parts gives the whole call for every sink;
+// -inf is a part that saw no key; both -inf: scales 0 (out = 0 * out_a + 0 * out_b, so 0 for finite values) and
 // lse = -inf; a NaN lse makes the whole row and its lse NaN; a NaN (or, with a zero scale, an inf) in out_a or out_b
-// makes that element NaN.
+// makes that element NaN. (vLLM's merge_attn_states reads +inf as -inf instead: FlashAttention 2's "no key" marker.)
 //
 // Parallelism: at::parallel_for over (token, head) rows, in tasks of at least kMinBytesPerCpuTask bytes.
 #include <ATen/Parallel.h>
@@ -29,8 +31,10 @@ struct MergeScales {
 
 inline MergeScales merge_scales(float lse_a, float lse_b) {
   constexpr float inf = std::numeric_limits<float>::infinity();
-  if (lse_a == inf) lse_a = -inf;  // NOTE: vLLM's merge_attn_states does the same (FA2's "no key" marker)
-  if (lse_b == inf) lse_b = -inf;
+  if ((lse_a == inf || lse_b == inf) && !std::isnan(lse_a) && !std::isnan(lse_b)) {  // an infinite mass dominates
+    const float n = static_cast<float>(lse_a == inf) + static_cast<float>(lse_b == inf);
+    return {static_cast<float>(lse_a == inf) / n, static_cast<float>(lse_b == inf) / n, inf};
+  }
   if (lse_a == -inf && lse_b == -inf) return {0.f, 0.f, -inf};  // neither part saw a key
   const float m = std::fmax(lse_a, lse_b);  // fmax skips a NaN, but then that part's weight is NaN below
   const float w_a = std::exp(lse_a - m), w_b = std::exp(lse_b - m);

@@ -8,9 +8,10 @@
 //   out = out_a * (w_a / (w_a + w_b)) + out_b * (w_b / (w_a + w_b))   in float32, rounded once to out's dtype
 //   lse = m + log(w_a + w_b)
 //
-// Edges (as the CPU kernel, csrc/cpu/merge_attention_states.cpp, and paged_attn/reference.py): +inf reads as -inf
-// (vLLM's rule for FlashAttention 2's "no key" marker); both -inf: scales 0 and lse -inf (no 0 / 0); a NaN lse makes
-// the row and its lse NaN; a NaN in out_a or out_b makes that element NaN.
+// Edges (as the CPU kernel, csrc/cpu/merge_attention_states.cpp, and paged_attn/reference.py): a +inf lse dominates
+// (a +inf sink's part: the merge is that part's output and lse +inf; both +inf: their mean); -inf is a part that
+// saw no key; both -inf: scales 0 and lse -inf (no 0 / 0); a NaN lse makes the row and its lse NaN; a NaN in out_a
+// or out_b makes that element NaN.
 //
 // Grid (num_tokens, ceil(num_heads / kMergeRowsPerBlock)), kMergeRowsPerBlock warps per block: warp w of block
 // (t, y) merges row (token t, head y * kMergeRowsPerBlock + w); its lanes stride over head_dim, one element each
@@ -62,10 +63,12 @@ __global__ void merge_attention_states_kernel(const MergeAttentionStatesParams<T
 
   float lse_a = p.lse_a[token * p.lse_a_stride[0] + head * p.lse_a_stride[1]];
   float lse_b = p.lse_b[token * p.lse_b_stride[0] + head * p.lse_b_stride[1]];
-  if (lse_a == INFINITY) lse_a = -INFINITY;  // NOTE: vLLM's rule: FA2 writes +inf for a part that saw no key
-  if (lse_b == INFINITY) lse_b = -INFINITY;
   float scale_a = 0.0f, scale_b = 0.0f, lse = -INFINITY;  // neither part saw a key: no 0 / 0
-  if (lse_a != -INFINITY || lse_b != -INFINITY) {
+  if ((lse_a == INFINITY || lse_b == INFINITY) && lse_a == lse_a && lse_b == lse_b) {  // +inf dominates (not NaN)
+    const float n = static_cast<float>(lse_a == INFINITY) + static_cast<float>(lse_b == INFINITY);
+    scale_a = static_cast<float>(lse_a == INFINITY) / n, scale_b = static_cast<float>(lse_b == INFINITY) / n;
+    lse = INFINITY;
+  } else if (lse_a != -INFINITY || lse_b != -INFINITY) {
     const float m = fmaxf(lse_a, lse_b);  // fmaxf skips a NaN, but then that part's weight is NaN below
     const float w_a = expf(lse_a - m), w_b = expf(lse_b - m);
     const float sum = w_a + w_b;

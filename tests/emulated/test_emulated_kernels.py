@@ -732,8 +732,8 @@ def test_copy_blocks_of_one_packed_half_leaves_the_other_alone(driver, tmp_path)
                                                         (torch.bfloat16, 3, 40)],
                          ids=["float-5x64 (a spare warp)", "half-4x128", "bf16-3x40 (lanes past head_dim)"])
 def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_dim):
-    """Random split points per row; rows with edges: a part with no key (-inf), FA2's +inf, both parts empty, a NaN
-    lse, a NaN value. out lives in a NaN-filled wider allocation (nothing else may be written), lse_b is vLLM's
+    """Random split points per row; rows with edges: a part with no key (-inf), a +inf part (it dominates), both
+    parts empty, a NaN lse, a NaN value. out lives in a NaN-filled wider allocation (nothing else may be written), lse_b is vLLM's
     [num_heads, num_tokens] layout transposed, lse too."""
     num_tokens, num_keys = 6, 40
     query = torch.randn(num_tokens, num_heads, head_dim, dtype=torch.float64)
@@ -759,6 +759,7 @@ def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_dim):
     torch.testing.assert_close(result["out"], want_out, rtol=tol, atol=tol, equal_nan=True)
     torch.testing.assert_close(result["lse"], want_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert (result["out"][2, 0] == 0).all() and result["lse"][2, 0] == -math.inf
+    assert torch.equal(result["out"][1, 1], out_b[1, 1]) and result["lse"][1, 1] == math.inf
     assert result["out"][3, 2].isnan().all() and result["lse"][3, 2].isnan()
     assert result["out"].isnan().sum() == head_dim + 1  # the NaN lse's row and the one NaN value
     buffer_id = case.buffer_ids[out_alloc.untyped_storage().data_ptr()]

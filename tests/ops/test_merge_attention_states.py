@@ -69,18 +69,51 @@ def test_two_empty_parts_give_zero_and_minus_inf_not_nan(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_plus_inf_lse_reads_as_a_part_with_no_key(device):
-    """FlashAttention 2 writes lse = +inf for a row that saw no key; vLLM's merge_attn_states reads it as -inf."""
+def test_a_plus_inf_lse_dominates(device):
+    """lse +inf (a part whose softmax mass is infinite: a +inf sink's) gives that part's output and lse +inf, in
+    either position, over a finite part and over an empty one; two +inf parts give their mean."""
     (out_a, lse_a, out_b, lse_b), _ = split_attention(4, 2, 32, 9, 4, torch.float32, device)
-    out, lse = paged_attn.merge_attention_states(out_a, torch.full_like(lse_a, INF), out_b, lse_b)
-    torch.testing.assert_close(out, out_b, rtol=0, atol=0)
-    torch.testing.assert_close(lse, lse_b, rtol=0, atol=0)
-    out, lse = paged_attn.merge_attention_states(out_a, torch.full_like(lse_a, INF), out_b,
-                                                 torch.full_like(lse_b, -INF))
-    assert (out == 0).all() and (lse == -INF).all()
-    want_out, want_lse = reference.merge_attention_states(out_a.cpu(), torch.full_like(lse_a, INF).cpu(),
-                                                          out_b.cpu(), lse_b.cpu())
-    torch.testing.assert_close(want_out, out_b.cpu(), rtol=0, atol=0)
+    inf, empty = torch.full_like(lse_a, INF), torch.full_like(lse_b, -INF)
+    for args, want in [((out_a, inf, out_b, lse_b), out_a), ((out_b, lse_b, out_a, inf), out_a),
+                       ((out_a, inf, out_b, empty), out_a), ((out_a, inf, out_b, inf.clone()), (out_a + out_b) / 2)]:
+        out, lse = paged_attn.merge_attention_states(*args)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-7)
+        assert (lse == INF).all()
+        want_out, want_lse = reference.merge_attention_states(*[t.cpu() for t in args])
+        torch.testing.assert_close(want_out, want.cpu(), rtol=0, atol=1e-7)
+        assert (want_lse == INF).all()
+    lse_a = lse_a.clone()
+    lse_a[0, 0] = NAN  # NaN still wins over +inf
+    out, lse = paged_attn.merge_attention_states(out_a, lse_a, out_b, inf)
+    assert out[0, 0].isnan().all() and lse[0, 0].isnan() and (lse.flatten()[1:] == INF).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sink_part", ["first", "second"])
+def test_split_and_merge_equals_the_whole_call_for_every_sink(device, sink_part):
+    """paged_attention over keys [0, n) with sinks (finite, +inf, -inf, one per head) against the merge of its two
+    parts [0, k) and [k, n), the sinks passed to one part, for every split k (0 and n included: an empty part)."""
+    torch.manual_seed(0)
+    num_keys, num_heads, num_kv_heads, head_dim = 9, 4, 2, 32
+    query = torch.randn(2, num_heads, head_dim, device=device)
+    key_cache = torch.randn(num_keys, 1, num_kv_heads, head_dim, device=device)  # block size 1: block t = key t
+    value_cache = torch.randn_like(key_cache)
+    sinks = torch.tensor([0.7, INF, -INF, -1.2], device=device)
+
+    def attend(begin, end, with_sinks):
+        tables = torch.zeros(2, max(1, num_keys), dtype=torch.int32, device=device)
+        tables[:, :end - begin] = torch.arange(begin, end, dtype=torch.int32, device=device)
+        seq_lens = torch.full((2,), end - begin, dtype=torch.int32, device=device)
+        return paged_attn.paged_attention(query, key_cache, value_cache, tables, seq_lens, return_lse=True,
+                                          sinks=sinks if with_sinks else None)
+
+    whole_out, whole_lse = attend(0, num_keys, True)
+    assert (whole_lse[:, 1] == INF).all() and (whole_out[:, 1] == 0).all()
+    for k in range(num_keys + 1):
+        a, b = attend(0, k, sink_part == "first"), attend(k, num_keys, sink_part == "second")
+        out, lse = paged_attn.merge_attention_states(*a, *b)
+        torch.testing.assert_close(out, whole_out, rtol=1e-5, atol=1e-5, msg=f"split at {k}")
+        torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5, msg=f"split at {k}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
