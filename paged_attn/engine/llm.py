@@ -176,7 +176,7 @@ class LLM:
                                    groups.windows)
         self.stats_collector = StatsCollector(self.scheduler.block_manager.stats())  # since the last generate began
         self.output_processor = OutputProcessor(self.scheduler, self.stats_collector, cfg.eos_token_id,
-                                                self.max_model_len)
+                                                self.max_model_len, self.tokenizer)
         self.generator = torch.Generator(device).manual_seed(seed)
         self._next_request_id = 0
         self._lock = threading.Lock()  # one generate at a time
@@ -253,9 +253,9 @@ class LLM:
     def _make_request(self, request_id: int, prompt, params: SamplingParams) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if (isinstance(prompt, str) or params.stop) and self.tokenizer is None:
+            raise ValueError("text prompts and stop strings need a tokenizer; LLM(..., tokenizer=...)")
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids or LLM(..., tokenizer=...)")
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         else:
             text, token_ids = None, prompt

@@ -1,14 +1,16 @@
 """Output processing: turn a step's logits into tokens (sampling or a beam-search step), decide when each
-sequence ends (a stop token or its length), and build the ``RequestOutput`` of each finished request."""
+sequence ends (a stop token, a stop string: ``stop_strings``, or its length), and build the ``RequestOutput`` of
+each finished request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from .sampling import SamplingParams, sample
+from .stop_strings import completes_stop, cut_at_stop
 from .scheduler import Scheduler
 from .step import ScheduledStep
 from .sequence import Request, Sequence
@@ -18,10 +20,11 @@ from .stats import StatsCollector
 @dataclass
 class CompletionOutput:
     index: int
-    text: Optional[str]  # None without a tokenizer
-    token_ids: list[int]  # ends with the EOS / stop token when finish_reason is "stop"
+    text: Optional[str]  # None without a tokenizer; cut at a stop string (SamplingParams.stop)
+    token_ids: list[int]  # ends with the EOS / stop token, or the token that completed a stop string
     cumulative_logprob: float  # sum of the model's log-probabilities of the tokens (temperature 1, unfiltered)
-    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
+    stop_reason: Union[int, str, None] = None  # the stop token id or stop string; None for EOS and length
 
 
 @dataclass
@@ -37,9 +40,11 @@ class OutputProcessor:
     prompt's sequence, or the next beams from their parents, through the scheduler's blocks), frees the sequences
     that end and counts the tokens it samples in ``stats``."""
 
-    def __init__(self, scheduler: Scheduler, stats: StatsCollector, eos_token_id: Optional[int], max_model_len: int):
+    def __init__(self, scheduler: Scheduler, stats: StatsCollector, eos_token_id: Optional[int], max_model_len: int,
+                 tokenizer=None):
         self.scheduler, self.stats = scheduler, stats
         self.eos_token_id, self.max_model_len = eos_token_id, max_model_len
+        self.tokenizer = tokenizer  # for stop strings
 
     def process(self, step: ScheduledStep, logits: torch.Tensor) -> list[Request]:
         """Sample for the step's sampling requests from their float32 ``logits [num_sampling_seqs, vocab_size]``
@@ -81,6 +86,7 @@ class OutputProcessor:
             seq.cumulative_logprob += logprob
             seq.finish_reason = self._finish_reason(seq, params)
             if seq.finish_reason is not None:
+                self._set_stop_reason(seq, params)
                 self.scheduler.free(seq)
                 request.finished.append(seq)
         self.stats.record_generated(len(token_ids))
@@ -103,11 +109,15 @@ class OutputProcessor:
         candidates = []  # (parent, child): the next beams
         for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_indices.tolist())):
             parent, token_id = beams[index // vocab_size], index % vocab_size
-            if token_id in stop_ids or at_max_length:
+            token_ids = parent.token_ids + [token_id]
+            stop_string = params.stop and completes_stop(self.tokenizer, token_ids[parent.num_prompt_tokens:],
+                                                         params.stop)
+            if token_id in stop_ids or stop_string or at_max_length:
                 if rank < width and not was_full:
-                    request.finished.append(Sequence(
-                        parent.token_ids + [token_id], parent.num_prompt_tokens, score,
-                        finish_reason="stop" if token_id in stop_ids else "length", score=score / length))
+                    finished = Sequence(token_ids, parent.num_prompt_tokens, score, score=score / length,
+                                        finish_reason="stop" if token_id in stop_ids or stop_string else "length")
+                    self._set_stop_reason(finished, params)
+                    request.finished.append(finished)
             elif len(candidates) < width:
                 candidates.append((parent, Sequence(parent.token_ids + [token_id], parent.num_prompt_tokens, score)))
         request.finished = sorted(request.finished, key=lambda seq: seq.score, reverse=True)[:width]
@@ -129,9 +139,23 @@ class OutputProcessor:
     def _finish_reason(self, seq: Sequence, params: SamplingParams) -> Optional[str]:
         if seq.token_ids[-1] in self._stop_ids(params):
             return "stop"
+        if params.stop and completes_stop(self.tokenizer, seq.output_token_ids, params.stop):
+            return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
+
+
+    def _set_stop_reason(self, seq: Sequence, params: SamplingParams) -> None:
+        """A finished sequence's stop_reason (the stop token id, or the stop string with its text cut there)."""
+        if seq.finish_reason != "stop":
+            return
+        if seq.token_ids[-1] in params.stop_token_ids:
+            seq.stop_reason = seq.token_ids[-1]
+        elif params.stop and seq.token_ids[-1] not in self._stop_ids(params):
+            cut = cut_at_stop(self.tokenizer, seq.output_token_ids, params.stop, params.include_stop_str_in_output)
+            if cut is not None:
+                seq.stop_reason, seq.text = cut
 
 
 def request_output(request: Request, tokenizer) -> RequestOutput:
@@ -141,8 +165,9 @@ def request_output(request: Request, tokenizer) -> RequestOutput:
     else:
         ranked = sorted(request.finished, key=lambda seq: seq.cumulative_logprob, reverse=True)
     completions = [
-        CompletionOutput(index, tokenizer.decode(seq.output_token_ids) if tokenizer else None,
-                         seq.output_token_ids, seq.cumulative_logprob, seq.finish_reason)
+        CompletionOutput(index, seq.text if seq.text is not None else
+                         tokenizer.decode(seq.output_token_ids) if tokenizer else None,
+                         seq.output_token_ids, seq.cumulative_logprob, seq.finish_reason, seq.stop_reason)
         for index, seq in enumerate(ranked)
     ]
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions)

@@ -7,7 +7,7 @@ import numbers
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -21,7 +21,9 @@ class SamplingParams:
     A temperature below ``SAMPLING_EPS`` (such as the default 0) is greedy. ``n > 1`` samples ``n`` completions
     that share the prompt's KV blocks; ``beam_width > 1`` is beam search (deterministic; like transformers'
     ``num_beams`` with ``early_stopping=True, length_penalty=1.0``). A completion ends at the EOS token (unless
-    ``ignore_eos``), at one of ``stop_token_ids`` (both kept as its last token), or after ``max_tokens`` tokens.
+    ``ignore_eos``), at one of ``stop_token_ids`` (both kept as its last token), when its text contains one of the
+    ``stop`` strings (a string or a list of non-empty strings; the text is cut before it, after it with
+    ``include_stop_str_in_output``: ``stop_strings``), or after ``max_tokens`` tokens.
     ``seed`` makes the request's sampling reproducible whatever else is in the batch. Bad values raise
     ValueError, wrong types too (a float count, a bool for a number, a NaN temperature).
     """
@@ -35,6 +37,8 @@ class SamplingParams:
     stop_token_ids: Optional[Iterable[int]] = None  # stored as a tuple
     ignore_eos: bool = False
     seed: Optional[int] = None
+    stop: Union[str, Iterable[str], None] = None  # stored as a tuple
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         for name in ("max_tokens", "top_k", "n", "beam_width"):
@@ -52,6 +56,15 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be an iterable of token ids such as [2], got "
                              f"{type(stop_token_ids).__name__} {stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(_int("stop_token_ids", i) for i in stop_token_ids))
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if isinstance(stop, bytes) or not isinstance(stop, Iterable):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
+        stop = tuple(stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        object.__setattr__(self, "stop", stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")

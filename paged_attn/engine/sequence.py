@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -28,6 +28,8 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
     finish_reason: Optional[str] = None
     score: float = 0.0  # beam search: cumulative log-probability / length
+    stop_reason: Union[int, str, None] = None  # the stop token id or stop string that ended it (None: EOS, length)
+    text: Optional[str] = None  # ended by a stop string: its text, cut there (else decoded from its tokens)
 
     @property
     def output_token_ids(self) -> list[int]:
