@@ -39,11 +39,7 @@ class DeepseekV3Model(LlamaModel):
                  dtype: Optional[torch.dtype] = None, use_onednn: bool = True):
         if config.mla is None or config.moe is None:
             raise ValueError("expected a DeepSeek-V3 config (with its latent attention and experts)")
-        self.config, self.tokenizer = config, tokenizer
-        self.device = torch.device(device)
-        self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-        self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
-        self.check_dtype(self.device, self.dtype, use_onednn)
+        self._place(config, tokenizer, device, dtype, use_onednn)
         mla, moe = config.mla, config.moe
 
         def get(name, dtype=self.dtype):
@@ -100,9 +96,6 @@ class DeepseekV3Model(LlamaModel):
         # ``mla_layer``'s choice between the absorbed and the up-projected form (None: by its cost model)
         self.upproject_min_query_len: Optional[int] = None
 
-    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.use_onednn else weight
-
     def _mlp(self, get, prefix: str) -> dict[str, torch.Tensor]:
         """A SwiGLU MLP's weights: gate and up fused, and down."""
         gate_up = torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")])
@@ -119,20 +112,13 @@ class DeepseekV3Model(LlamaModel):
                     for e in range(self.config.moe.n_routed_experts)]
         return [self._mlp(get, f"{prefix}{e}.") for e in range(self.config.moe.n_routed_experts)]
 
-    @classmethod
-    def from_transformers(cls, hf_model, tokenizer=None, device="cpu", dtype=None, use_onednn=True):
-        if getattr(hf_model.config, "model_type", None) != cls.MODEL_TYPE:
-            raise ValueError(f"expected a transformers model of model_type {cls.MODEL_TYPE!r}, got "
-                             f"{getattr(hf_model.config, 'model_type', None)!r}")
-        weights = dict(hf_model.state_dict())
-        if getattr(hf_model.config, "tie_word_embeddings", False):
-            weights.pop("lm_head.weight", None)
-        return cls(config_from_dict(hf_model.config.to_dict()), weights, tokenizer, device, dtype, use_onednn)
+    @staticmethod
+    def _config_from_transformers(hf_config) -> ModelConfig:
+        return config_from_dict(hf_config.to_dict())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under transformers' names (projections unpacked and unfused)."""
-        def dense(w):
-            return w.to_dense() if w.is_mkldnn else w
+        dense = self._dense
 
         def mlp(prefix, weights):
             gate, up = dense(weights["gate_up_proj"]).chunk(2)
@@ -148,8 +134,8 @@ class DeepseekV3Model(LlamaModel):
             attn = prefix + "self_attn."
             weights.update({prefix + name + ".weight": layer[name] for name in self.NORMS})
             q_name = "q_a_proj" if mla.q_lora_rank is not None else "q_proj"
-            q, kv_a = dense(layer["q_kv_a_proj"]).split(
-                [dense(layer["q_kv_a_proj"]).shape[0] - mla.latent_dim, mla.latent_dim])
+            q_kv_a = dense(layer["q_kv_a_proj"])
+            q, kv_a = q_kv_a.split([q_kv_a.shape[0] - mla.latent_dim, mla.latent_dim])
             weights.update({attn + q_name + ".weight": q, attn + "kv_a_proj_with_mqa.weight": kv_a,
                             attn + "kv_b_proj.weight": dense(layer["kv_b_proj"]),
                             attn + "o_proj.weight": dense(layer["o_proj"])})

@@ -35,11 +35,7 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Optional[Tokenizer] = None,
                  device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None, use_onednn: bool = True):
-        self.config, self.tokenizer = config, tokenizer
-        self.device = torch.device(device)
-        self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-        self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
-        self.check_dtype(self.device, self.dtype, use_onednn)
+        self._place(config, tokenizer, device, dtype, use_onednn)
 
         def get(name):
             return weights[name].to(device=self.device, dtype=self.dtype)
@@ -63,11 +59,28 @@ class LlamaModel:
         # NOTE: on the CPU, oneDNN's matmul on weights packed once in its blocked layout runs these small-batch
         # projections several times faster than the default F.linear (MKL sgemm): figures in bench/RESULTS.md,
         # "Serving engine". The embedding stays dense for lookups.
-        if self.use_onednn:
-            self.lm_head = torch.ops.mkldnn._reorder_linear_weight(self.lm_head, None)
-            for layer in self.layers:
-                for name in _PROJECTIONS:
-                    layer[name] = torch.ops.mkldnn._reorder_linear_weight(layer[name], None)
+        self.lm_head = self._pack(self.lm_head)
+        for layer in self.layers:
+            for name in _PROJECTIONS:
+                layer[name] = self._pack(layer[name])
+
+    def _place(self, config: ModelConfig, tokenizer, device, dtype: Optional[torch.dtype], use_onednn: bool) -> None:
+        """The model's config, tokenizer, device and dtype (float32 on the CPU, bfloat16 elsewhere by default), and
+        whether its projections run on oneDNN; raises ValueError for a dtype the device cannot run."""
+        self.config, self.tokenizer = config, tokenizer
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.check_dtype(self.device, self.dtype, use_onednn)
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A projection's weight packed once in oneDNN's blocked layout (with use_onednn), else as it is."""
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.use_onednn else weight
+
+    @staticmethod
+    def _dense(weight: torch.Tensor) -> torch.Tensor:
+        """A weight as a plain tensor (unpacked from oneDNN's layout)."""
+        return weight.to_dense() if weight.is_mkldnn else weight
 
     def _rope_tables(self, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and signed sin tables ``[max_model_len, head_dim]`` for base ``theta``, in the model's dtype."""
@@ -120,13 +133,15 @@ class LlamaModel:
         weights = dict(hf_model.state_dict())
         if getattr(hf_model.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)
-        return cls(config_from_transformers(hf_model.config), weights, tokenizer, device, dtype, use_onednn)
+        return cls(cls._config_from_transformers(hf_model.config), weights, tokenizer, device, dtype, use_onednn)
+
+    @staticmethod
+    def _config_from_transformers(hf_config) -> ModelConfig:
+        return config_from_transformers(hf_config)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under transformers' names (projections unpacked and unfused)."""
-        def dense(w):
-            return w.to_dense() if w.is_mkldnn else w
-
+        dense = self._dense
         cfg = self.config
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         weights = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
