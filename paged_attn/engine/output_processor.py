@@ -108,18 +108,21 @@ class OutputProcessor:
         was_full = len(request.finished) >= width
         candidates = []  # (parent, child): the next beams
         for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_indices.tolist())):
+            can_finish, can_continue = rank < width and not was_full, len(candidates) < width
+            if not (can_finish or can_continue):  # (no use for it either way: no detokenizing for stop strings)
+                continue
             parent, token_id = beams[index // vocab_size], index % vocab_size
             token_ids = parent.token_ids + [token_id]
             stop_string = params.stop and completes_stop(self.tokenizer, token_ids[parent.num_prompt_tokens:],
                                                          params.stop)
             if token_id in stop_ids or stop_string or at_max_length:
-                if rank < width and not was_full:
+                if can_finish:
                     finished = Sequence(token_ids, parent.num_prompt_tokens, score, score=score / length,
                                         finish_reason="stop" if token_id in stop_ids or stop_string else "length")
                     self._set_stop_reason(finished, params)
                     request.finished.append(finished)
-            elif len(candidates) < width:
-                candidates.append((parent, Sequence(parent.token_ids + [token_id], parent.num_prompt_tokens, score)))
+            else:
+                candidates.append((parent, Sequence(token_ids, parent.num_prompt_tokens, score)))
         request.finished = sorted(request.finished, key=lambda seq: seq.score, reverse=True)[:width]
         done = len(request.finished) >= width or at_max_length or not candidates
         for parent, child in [] if done else candidates:
@@ -144,7 +147,6 @@ class OutputProcessor:
         if len(seq.output_token_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
-
 
     def _set_stop_reason(self, seq: Sequence, params: SamplingParams) -> None:
         """A finished sequence's stop_reason (the stop token id, or the stop string with its text cut there)."""
