@@ -21,6 +21,7 @@ no copy is made into blocks.
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -57,15 +58,16 @@ def mla_attend(model, layer: dict, batch: Batch, group: int, q_nope: torch.Tenso
         if not seqs:
             continue
         lens = [starts[s + 1] - starts[s] for s in seqs]
+        local_starts = list(itertools.accumulate(lens, initial=0))  # the rows' sequences, in the rows taken
         rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs]).to(q_nope.device)
-        local_starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(q_nope.device)
         index = torch.tensor(seqs, device=q_nope.device)
         if form:
             out[rows] = _upprojected(model, layer, q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], kv_cache,
-                                     block_tables[index], [seq_lens[s] for s in seqs], lens, k_scale)
+                                     block_tables[index], [seq_lens[s] for s in seqs], local_starts, k_scale)
         else:
             out[rows] = _absorbed(model, layer, q_nope[rows], q_pe[rows], kv_cache, block_tables[index],
-                                  batch.seq_lens[index], local_starts, max(lens), k_scale)
+                                  batch.seq_lens[index], torch.tensor(local_starts, dtype=torch.int32,
+                                                                      device=q_nope.device), max(lens), k_scale)
     return out
 
 
@@ -104,15 +106,14 @@ def _keys_values(model, layer, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[
 
 
 def _upprojected(model, layer, q_nope, q_pe, kv_c, k_pe, kv_cache, block_tables, seq_lens: list[int],
-                 query_lens: list[int], k_scale) -> torch.Tensor:
-    """The up-projected form for some sequences (rows in order): ``[rows, heads * v]``."""
+                 starts: list[int], k_scale) -> torch.Tensor:
+    """The up-projected form for some sequences, whose rows are ``starts[s]:starts[s + 1]``: ``[rows, heads *
+    v_head_dim]``."""
     device = q_nope.device
     query = torch.cat([q_nope, q_pe], dim=-1)
     # the step's own tokens, causally: token t of the step is block t of a block-size-1 cache
     keys, values = _keys_values(model, layer, kv_c, k_pe)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
+    query_lens = [end - start for start, end in zip(starts, starts[1:])]
     own_tables = torch.zeros(len(query_lens), max(query_lens), dtype=torch.int32)
     for s, n in enumerate(query_lens):
         own_tables[s, :n] = torch.arange(starts[s], starts[s] + n, dtype=torch.int32)
