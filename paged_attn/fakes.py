@@ -3,25 +3,45 @@ is imported (``paged_attn/ops.py`` imports it, so ``import paged_attn`` register
 
 torch.compile traces the ops with them, and an eager call with an argument on the meta device dispatches to them
 (meta wins over CPU and CUDA). The ops only mutate their arguments and return nothing, so all a fake does is check:
-the shape, dtype and device rules of csrc/common.cpp and csrc/attention_checks.cpp, with the same messages, so that
-bad input fails while tracing and an index tensor on the meta device next to real caches is refused instead of
-ignored. Strides, memory overlap,
-index ranges and scale values need the real tensors; the kernels check those when they run (on CUDA index ranges and
-scale values only with validation on). The one value a fake can know: a scale made as a constant while tracing
-(torch.tensor([0.0]) inside the traced code) carries it, and is checked (_known_value).
+the shape, dtype and device rules of csrc/common.cpp and csrc/attention_checks.cpp, and their memory-overlap rule,
+with the same exception type (RuntimeError) and messages, so that bad input fails while tracing and on meta tensors as
+it fails eagerly, and an index tensor on the meta device next to real caches is refused instead of ignored.
+
+Memory overlap: a tensor an op writes shares no byte with any other argument (swap_blocks: no byte its dst blocks
+span, as it copies whole spans), decided as the kernels decide it (paged_attn/overlap.py, the geometry of
+csrc/overlap.cpp, exact: interleaved views that share no byte are fine) on each tensor's storage, offset, sizes and
+strides in place of its address. Under torch.compile this must be checked while tracing: functionalization
+(aot_eager, inductor) hands the kernel a copy of what it writes, so the kernel's own check no longer sees the
+aliasing. What a fake cannot see:
+- memory shared by two storages (torch.from_blob, DLPack, two tensors made over one buffer): different storages
+  never overlap for a fake;
+- a size, stride or storage offset that depends on data (an unbacked SymInt: the output of plan_shared_blocks): that
+  tensor is left out of the check;
+- symbolic sizes (dynamic shapes) are judged on their values in the inputs being traced (their hints), without a
+  guard: a graph reused for other sizes is not checked again (functionalized, it then runs on a copy of what the op
+  writes, as any overlap a fake misses does, and gives the result of tensors apart);
+- addresses: where the kernel's message names one (swap_blocks), the fake names the storage offset; and when pairs
+  in several storages overlap, which one the error names can differ (the kernels take the lowest address first).
+Strides (the kernels' layout rules, a tensor overlapping itself), index ranges and scale values need the real
+tensors; the kernels check those when they run (on CUDA index ranges and scale values only with validation on). The
+one value a fake can know: a scale made as a constant while tracing (torch.tensor([0.0]) inside the traced code)
+carries it, and is checked (_known_value).
 The messages are held to the C++ ones by tests/ops/test_torch_library.py, which runs every error case of the op tests
-through both. Cache layout: see paged_attn/ops.py.
+through both, and the overlap rule in every mode by tests/ops/test_fake_aliasing.py. Cache layout: see
+paged_attn/ops.py.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _C  # noqa: F401  (defines the ops the fakes are registered for)
+from . import overlap
 
 
 def _is_int(x) -> bool:
@@ -153,6 +173,99 @@ def _known_value(t: torch.Tensor) -> Optional[float]:
         return float(constant.reshape(()).item())
 
 
+class _Placed(NamedTuple):
+    """Where a tensor's elements lie: its storage, and its layout there in bytes (paged_attn/overlap.py)."""
+
+    storage: StorageWeakRef
+    begin: int  # storage_offset * elem: where the C++ has the data pointer
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes
+    elem: int
+
+    def footprint(self) -> overlap.Footprint:
+        return overlap.footprint(self.begin, self.sizes, self.strides, self.elem)
+
+    def block_spans(self) -> overlap.Footprint:
+        return overlap.block_spans(self.begin, self.sizes, self.strides, self.elem)
+
+    def block_span_bytes(self) -> int:
+        return overlap.span_bytes(self.sizes[1:], self.strides[1:], self.elem)
+
+    def layout(self) -> str:
+        """As the C++ layout_of, with the offset in the storage in place of the address a fake tensor lacks."""
+        return (f"shape {list(self.sizes)} with strides {[s // self.elem for s in self.strides]} at storage offset "
+                f"{self.begin // self.elem}")
+
+
+def _known_int(x) -> Optional[int]:
+    """x as an int without adding a guard: a symbolic size, stride or offset as its value in the inputs being traced
+    (its hint), None where it has none (it depends on data: an unbacked SymInt)."""
+    if not isinstance(x, torch.SymInt):
+        return int(x)
+    value = x.node.maybe_as_int()
+    if value is None and x.node.has_hint():
+        value = x.node.hint
+    return int(value) if isinstance(value, int) else None
+
+
+def _placed(t: Optional[torch.Tensor]) -> Optional[_Placed]:
+    """Where t's elements lie, or None where the fake cannot tell (no tensor, a size, stride or offset that depends
+    on data, no storage)."""
+    if t is None:
+        return None
+    values = [_known_int(x) for x in (t.storage_offset(), *t.shape, *t.stride())]
+    if any(value is None for value in values):
+        return None
+    try:
+        storage = StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage
+        return None
+    elem, ndim = t.element_size(), t.dim()
+    return _Placed(storage, values[0] * elem, tuple(values[1:1 + ndim]), tuple(s * elem for s in values[1 + ndim:]),
+                   elem)
+
+
+def _check_no_overlap(*tensors) -> None:
+    """csrc/common.cpp's check_no_overlap: no tensor an op writes shares a byte with any other argument (views of one
+    storage that interleave without a common byte are fine); the ones it only reads may share memory. tensors:
+    (tensor or None, name, written) in argument order; the error names the first overlapping pair by offset, then
+    argument order, as the C++ does by address."""
+    entries = []
+    for index, (t, _, _) in enumerate(tensors):
+        placed = _placed(t)
+        if placed is not None and 0 not in placed.sizes:
+            entries.append((placed.begin, index, placed, placed.footprint()))
+    entries.sort(key=lambda entry: entry[0])  # stable: ties stay in argument order
+    for i, (_, index_i, a, footprint_a) in enumerate(entries):
+        for _, index_j, b, footprint_b in entries[i + 1:]:
+            first, second = sorted((index_i, index_j))
+            if a.storage != b.storage or not (tensors[first][2] or tensors[second][2]):
+                continue
+            _require(not overlap.intersect(footprint_a, footprint_b), tensors[first][1], " and ", tensors[second][1],
+                     " must not overlap in memory, but they share at least one element")
+
+
+def _check_swap_spans(src, dst, block_mapping) -> None:
+    """check_swap_blocks_args' overlap checks: dst's blocks are written as the whole runs of bytes they span, so
+    those must miss src's block spans (unless src and dst are one cache: the same memory) and block_mapping."""
+    d = _placed(dst)
+    if d is None or d.sizes[0] == 0:
+        return  # nothing is written
+    s = _placed(src)
+    if s is not None and s.sizes[0] != 0 and s.storage == d.storage and (s.begin, s.sizes, s.strides) != (
+            d.begin, d.sizes, d.strides):
+        _require(not overlap.intersect(s.block_spans(), d.block_spans()),
+                 "src and dst must not overlap in memory: swap_blocks copies each block as the ", s.block_span_bytes(),
+                 " bytes it spans (from its first element to the end of its last, the bytes between its rows "
+                 "included), and some block of src and some block of dst span a common byte; got src ", s.layout(),
+                 " and dst ", d.layout(), " (", s.elem, "-byte elements)")
+    m = _placed(block_mapping)
+    if m is not None and 0 not in m.sizes and m.storage == d.storage:
+        _require(not overlap.intersect(m.footprint(), d.block_spans()),
+                 "dst and block_mapping must not overlap in memory: block_mapping lies within the bytes dst's blocks "
+                 "span (each block is copied as the ", d.block_span_bytes(), " bytes it spans)")
+
+
 @torch.library.register_fake("paged_attn::reshape_and_cache")
 def _(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
     _check_cache_pair(key_cache, value_cache)
@@ -165,6 +278,9 @@ def _(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale
     _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping must have num_tokens = ", key.shape[0],
              " entries, got ", slot_mapping.shape[0])
     _check_kv_scales(key_cache, k_scale, v_scale)
+    _check_no_overlap((key, "key", False), (value, "value", False), (key_cache, "key_cache", True),
+                      (value_cache, "value_cache", True), (slot_mapping, "slot_mapping", False),
+                      (k_scale, "k_scale", False), (v_scale, "v_scale", False))
 
 
 @torch.library.register_fake("paged_attn::copy_blocks")
@@ -175,6 +291,7 @@ def _(key_caches, value_caches, block_mapping) -> None:
     if not key_caches:
         return
     first = key_caches[0]
+    written = []  # the caches in argument order: key_caches[0], value_caches[0], key_caches[1], ...
     for layer, key_cache in enumerate(key_caches):
         caches = [(key_cache, f"key_caches[{layer}]")]
         if value_caches:
@@ -185,9 +302,11 @@ def _(key_caches, value_caches, block_mapping) -> None:
             else:
                 _check_cache(cache, name)
             _check_same_layout(first, "key_caches[0]", cache, name)
+            written.append((cache, name, True))
     _require(block_mapping.device.type == "cpu" or block_mapping.device == first.device,
              "block_mapping must be on the CPU or on the caches' device ", first.device, ", got ", block_mapping.device)
     _check_block_mapping_shape(block_mapping, block_mapping.device)
+    _check_no_overlap(*written, (block_mapping, "block_mapping", False))  # any two caches of any layers, the mapping
 
 
 @torch.library.register_fake("paged_attn::swap_blocks")
@@ -201,6 +320,7 @@ def _(src, dst, block_mapping) -> None:
     for t in (src, dst):
         _require(t.device.type in ("cpu", "cuda"), "swap_blocks supports CPU and CUDA tensors, got ", t.device)
     _check_block_mapping_shape(block_mapping, torch.device("cpu"))
+    _check_swap_spans(src, dst, block_mapping)
 
 
 @torch.library.register_fake("paged_attn::paged_attention")
@@ -236,6 +356,7 @@ def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
     _require(_shape(out) == out_shape and out.dtype == query.dtype and out.device == query.device,
              "out must be a ", query.dtype, " tensor of shape ", out_shape, " on ", query.device, ", got ",
              out.dtype, " ", _shape(out), " on ", out.device)
+    _require(out.is_contiguous(), "out must be contiguous")
     seqs_from = " (query_start_loc has num_seqs + 1 entries)" if query_start_loc is not None else " (query rows)"
     _check_index_tensor(block_tables, "block_tables", torch.int32, 2, query.device)
     _require(block_tables.shape[0] == num_seqs, "block_tables must have num_seqs = ", num_seqs, seqs_from,
@@ -272,6 +393,11 @@ def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                  num_heads, "], got ", _shape(sinks))
         _require(sinks.device == query.device, "sinks must be on the query's device ", query.device, ", got ",
                  sinks.device)
+    _check_no_overlap((out, "out", True), (lse, "lse", True), (query, "query", False), (key_cache, "key_cache", False),
+                      (value_cache, "value_cache", False), (block_tables, "block_tables", False),
+                      (sinks, "sinks", False), (shared_plan, "shared_plan", False), (seq_lens, "seq_lens", False),
+                      (alibi_slopes, "alibi_slopes", False), (query_start_loc, "query_start_loc", False),
+                      (k_scale, "k_scale", False), (v_scale, "v_scale", False))
 
 
 @torch.library.register_fake("paged_attn::merge_attention_states")
@@ -287,6 +413,8 @@ def _(out, lse, out_a, lse_a, out_b, lse_b) -> None:
                  _shape(t))
         _require(t.device == out_a.device, name, " and out_a must be on the same device, got ", t.device, " and ",
                  out_a.device)
+    _check_no_overlap((out, "out", True), (lse, "lse", True), (out_a, "out_a", False), (lse_a, "lse_a", False),
+                      (out_b, "out_b", False), (lse_b, "lse_b", False))
 
 
 @torch.library.register_fake("paged_attn::plan_shared_blocks")
@@ -331,6 +459,8 @@ def _(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> None:
     _require(slot_mapping.shape[0] == kv_c.shape[0], "slot_mapping must have num_tokens = ", kv_c.shape[0],
              " entries, got ", slot_mapping.shape[0])
     _check_scale(kv_cache, scale, "scale")
+    _check_no_overlap((kv_c, "kv_c", False), (k_pe, "k_pe", False), (kv_cache, "kv_cache", True),
+                      (slot_mapping, "slot_mapping", False), (scale, "scale", False))
 
 
 @torch.library.register_fake("paged_attn::mla_attention")
@@ -352,6 +482,9 @@ def _(out, query, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_s
              " on ", query.device, ", got ", out.dtype, " ", _shape(out), " on ", out.device)
     _require(out.is_contiguous(), "out must be contiguous")
     _check_scale(kv_cache, k_scale, "k_scale")
+    _check_no_overlap((out, "out", True), (lse, "lse", True), (query, "query", False), (kv_cache, "kv_cache", False),
+                      (block_tables, "block_tables", False), (seq_lens, "seq_lens", False),
+                      (query_start_loc, "query_start_loc", False), (k_scale, "k_scale", False))
     # Then the kernel's own: paged attention over the cache as one kv head (csrc/cpu/attention.cpp).
     cache = kv_cache.unsqueeze(2)
     _paged_attention(query.new_empty(query.shape), query, cache, cache, block_tables, seq_lens, scale, None, 0, 0.0,
