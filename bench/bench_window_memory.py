@@ -7,8 +7,10 @@ no later query can see) and off (one block holds all 18 layers and is kept until
    the block manager's blocks per attention type are read; the table gives the bytes held at the first decode
    step (the whole prompt is in the cache) and at the peak of the request, as a fraction of the all-layer cache
    (off). The ideal, before rounding to blocks, is ``(3 L + 15 min(L, 512)) / (18 L)``: 27% at 4k, 19% at 16k.
-   Admission allocates the whole prompt in every group (a windowed group's blocks are released as its chunks
-   complete), so the peak during a prompt's first chunk is the all-layer figure.
+   The windowed groups take their blocks chunk by chunk and release them as chunks complete, so at its peak (a
+   chunk of C tokens) a windowed group holds ``ceil((511 + C) / 16) + 1`` blocks, not the whole prompt: the
+   ideal peak is ``(3 L + 15 min(L, 511 + C)) / (18 L)``, 40% at 16k with 4,096-token chunks. The last columns:
+   how many such requests a pool of ``--budget-requests`` all-layer requests holds at once, by peak.
 2. **Throughput at a fixed KV budget.** N requests of P-token random prompts and T new tokens (greedy, ignore
    EOS), the KV pool sized to the same bytes for both (``--budget-requests``: how many all-layer requests of
    P + T tokens it holds). Output tokens/s over the whole call (prefill included), peak running sequences,
@@ -114,8 +116,8 @@ def main() -> None:
     print(f"# Gemma 3 270M, {args.dtype} KV, block size {BLOCK_SIZE}; {describe_host()}")
 
     print("\n| prompt tokens | held at first decode, on (global + windowed) | off | on / off | ideal "
-          "| peak on / peak off |")
-    print("|---|---|---|---|---|---|")
+          f"| peak on / peak off | requests in a pool of {args.budget_requests}, on / off |")
+    print("|---|---|---|---|---|---|---|")
     for length in (int(x) for x in args.lengths.split(",")):
         f = held_per_request(model, length, dtype)
         on, off = f[True]["at_decode"], f[False]["at_decode"]
@@ -124,7 +126,8 @@ def main() -> None:
         print(f"| {length} | {mib(sum(on.values()))} ({mib(on.get('global', 0))} + "
               f"{mib(on.get('sliding_window', 0))}) | {mib(sum(off.values()))} | "
               f"{sum(on.values()) / sum(off.values()):.1%} | {ideal:.1%} | "
-              f"{f[True]['peak'] / f[False]['peak']:.0%} |", flush=True)
+              f"{f[True]['peak'] / f[False]['peak']:.1%} | "
+              f"{args.budget_requests * f[False]['peak'] // f[True]['peak']} / {args.budget_requests} |", flush=True)
 
     r = throughput(model, dtype, args.requests, args.prompt_len, args.new_tokens, args.budget_requests,
                    args.repeats)

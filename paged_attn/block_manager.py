@@ -37,7 +37,10 @@ Vocabulary:
   ``PAD_BLOCK_ID``; global groups keep every block. The default is one global group: a block holds every layer.
   With prefix caching, group 0 must be global: its chain of hashes finds the prefix, and the other groups' blocks
   are registered under group 0's entry for the same token block; a hit of ``H`` blocks needs, in each group, the
-  blocks its first query (position ``H * block_size``) can still see.
+  blocks its first query (position ``H * block_size``) can still see. A prompt computed in chunks can have its
+  windowed groups' blocks taken chunk by chunk (``allocate(..., num_tokens=0)``, then ``hold_tokens`` before each
+  chunk): a windowed group then holds at most ``ceil((window - 1 + chunk) / block_size) + 1`` blocks at once
+  (``max_blocks_held``), and a request's peak falls with its steady state.
 
 The blocks and their reference counts live in a ``BlockPool`` per device (``block_pool.py``), the accounting in
 ``block_stats.py``. Allocating, freeing and copying-on-write a block is O(1); no operation scans the pool.
@@ -149,18 +152,20 @@ class BlockManager:
         return self.swap_pool.num_free
 
     # ---- new sequences ----
-    def can_allocate(self, token_ids: Iterable[int], keep_free: int = 0) -> bool:
-        """Whether ``allocate`` of ``token_ids`` would succeed (prefix-cache hits counted) and leave at least
-        ``keep_free`` blocks free."""
+    def can_allocate(self, token_ids: Iterable[int], keep_free: int = 0, num_tokens: Optional[int] = None) -> bool:
+        """Whether ``allocate`` of ``token_ids`` (and ``num_tokens``) would succeed (prefix-cache hits counted) and
+        leave at least ``keep_free`` blocks free."""
         token_ids = self._prompt(token_ids)
         keep_free = _count(keep_free, "keep_free")
-        return self._blocks_needed(token_ids, self._prefix_hits(token_ids)) + keep_free <= self.num_free_blocks
+        num_tokens = len(token_ids) if num_tokens is None else min(_count(num_tokens, "num_tokens"), len(token_ids))
+        return self._blocks_needed(token_ids, self._prefix_hits(token_ids), num_tokens) + keep_free \
+            <= self.num_free_blocks
 
     def cached_prefix_length(self, token_ids: Iterable[int]) -> int:
         """How many leading tokens of ``token_ids`` an ``allocate`` now would find cached (what it would return)."""
         return len(self._prefix_hits(self._prompt(token_ids))[0]) * self.block_size
 
-    def allocate(self, seq_id: Hashable, token_ids: Iterable[int]) -> int:
+    def allocate(self, seq_id: Hashable, token_ids: Iterable[int], num_tokens: Optional[int] = None) -> int:
         """Create sequence ``seq_id`` holding ``token_ids``; return how many leading tokens are already cached.
 
         The caller computes the KV of tokens ``[cached, len(token_ids))`` only. A cache hit never covers the
@@ -169,15 +174,23 @@ class BlockManager:
         recomputed into a fresh block rather than written into a shared one (which would break "a block being
         written has one owner" and could race with readers). That costs at most one block of recomputation.
         A windowed group holds, of the cached blocks, only those the first query computed can see.
+
+        ``num_tokens`` (default: all of them): the windowed groups take fresh blocks for the positions below it only
+        (0: none); ``hold_tokens`` gives them the rest, chunk by chunk. Global groups take every block now.
         """
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         token_ids = self._prompt(token_ids)
+        num_tokens = len(token_ids) if num_tokens is None else _count(num_tokens, "num_tokens")
+        if num_tokens > len(token_ids):
+            raise ValueError(f"num_tokens must be <= the {len(token_ids)} tokens of sequence {seq_id!r}, got "
+                             f"{num_tokens}")
         hits = self._prefix_hits(token_ids)
-        self._check_kv_capacity(self._blocks_needed(token_ids, hits), f"allocating sequence {seq_id!r}")
+        self._check_kv_capacity(self._blocks_needed(token_ids, hits, num_tokens), f"allocating sequence {seq_id!r}")
         self.kv_pool.hold_tables(hits)
-        num_hits, num_blocks = len(hits[0]), -(-len(token_ids) // self.block_size)
-        tables = [group_hits + [self.kv_pool.take() for _ in range(num_blocks - num_hits)] for group_hits in hits]
+        num_hits = len(hits[0])
+        tables = [group_hits + [self.kv_pool.take() for _ in range(
+            num_hits, self._table_length(group, len(token_ids), num_tokens, num_hits))] for group, group_hits in enumerate(hits)]
         cached = num_hits * self.block_size
         seq = SeqState(token_ids, tables, num_published_blocks=num_hits, window_floor=cached,
                        released_below=[self._first_visible_block(g, cached) for g in range(self.num_groups)])
@@ -196,6 +209,42 @@ class BlockManager:
         self.seqs[child_seq_id] = dataclasses.replace(
             parent, token_ids=list(parent.token_ids), block_tables=[list(t) for t in parent.block_tables],
             released_below=list(parent.released_below))
+
+    def blocks_to_hold(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Free blocks ``hold_tokens(seq_id, num_tokens)`` would take."""
+        seq = self._resident_seq(seq_id)
+        num_blocks = -(-self._held_tokens(seq, num_tokens) // self.block_size)
+        return sum(max(0, num_blocks - len(table)) for table in seq.block_tables)
+
+    def hold_tokens(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Make every group hold the blocks of the sequence's positions below ``num_tokens`` (before the step that
+        computes them): the windowed groups of a sequence allocated with fewer tokens take their next blocks."""
+        seq = self._resident_seq(seq_id)
+        num_blocks = -(-self._held_tokens(seq, num_tokens) // self.block_size)
+        self._check_kv_capacity(self.blocks_to_hold(seq_id, num_tokens), f"holding tokens of sequence {seq_id!r}")
+        for table in seq.block_tables:
+            table += [self.kv_pool.take() for _ in range(len(table), num_blocks)]
+
+    def window_blocks_to_come(self, seq_id: Hashable, chunk_tokens: int) -> int:
+        """Blocks the sequence's windowed groups may still take while its prompt is computed in chunks of at most
+        ``chunk_tokens`` (beyond those they hold): what a scheduler keeps free for it."""
+        seq = self._resident_seq(seq_id)
+        num_blocks = -(-len(seq.token_ids) // self.block_size)
+        most = self.max_blocks_held(len(seq.token_ids), chunk_tokens, per_group=True)
+        return sum(min(num_blocks - len(table), max(0, limit - sum(block_id != PAD_BLOCK_ID for block_id in table)))
+                   for limit, table, window in zip(most, seq.block_tables, self.group_windows) if window is not None)
+
+    def max_blocks_held(self, num_tokens: int, chunk_tokens: int, per_group: bool = False):
+        """The most blocks a sequence of up to ``num_tokens`` tokens holds at once in all groups (or a list per
+        group), its prompt computed in chunks of at most ``chunk_tokens`` with windowed groups given their blocks
+        chunk by chunk: a global group holds all ``ceil(num_tokens / block_size)``; a windowed one, during a chunk
+        of C tokens from position s, the blocks of positions ``s - window + 1 .. s + C - 1``: at most
+        ``ceil((window - 1 + C) / block_size) + 1`` (a decode step is a chunk of 1)."""
+        num_blocks = -(-_count(num_tokens, "num_tokens") // self.block_size)
+        chunk_tokens = _count(chunk_tokens, "chunk_tokens", minimum=1)
+        most = [num_blocks if window is None else min(num_blocks, -(-(window - 1 + chunk_tokens) // self.block_size)
+                                                      + 1) for window in self.group_windows]
+        return most if per_group else sum(most)
 
     # ---- decoding ----
     def can_append_slot(self, seq_id: Hashable) -> bool:
@@ -409,11 +458,25 @@ class BlockManager:
             raise OutOfBlocksError(f"{action} needs {needed} free KV blocks, but only {self.num_free_blocks} "
                                    f"are free ({self.prefix_cache.num_evictable} of them evictable cached blocks)")
 
-    def _blocks_needed(self, token_ids: list[int], hits: list[list[int]]) -> int:
+    def _blocks_needed(self, token_ids: list[int], hits: list[list[int]], num_tokens: Optional[int] = None) -> int:
         """Free blocks an allocation takes: fresh blocks plus the hits that are now evictable, in every group."""
-        num_blocks = -(-len(token_ids) // self.block_size)
-        return self.num_groups * (num_blocks - len(hits[0])) + sum(
+        num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        num_hits = len(hits[0])
+        return sum(self._table_length(group, len(token_ids), num_tokens, num_hits) - num_hits
+                   for group in range(self.num_groups)) + sum(
             self.kv_pool.blocks[block_id].ref_count == 0 for block_id in held(hits))
+
+    def _table_length(self, group: int, num_token_ids: int, num_tokens: int, num_hits: int) -> int:
+        """The entries of a group's table in a new sequence: a global group's cover every token, a windowed one's
+        the prefix-cache hits and the positions below num_tokens."""
+        held_tokens = num_token_ids if self.group_windows[group] is None else num_tokens
+        return max(num_hits, -(-held_tokens // self.block_size))
+
+    def _held_tokens(self, seq: SeqState, num_tokens: int) -> int:
+        num_tokens = _count(num_tokens, "num_tokens")
+        if num_tokens > len(seq.token_ids):
+            raise ValueError(f"num_tokens must be <= the sequence's {len(seq.token_ids)} tokens, got {num_tokens}")
+        return num_tokens
 
     def _append_blocks_needed(self, seq: SeqState) -> int:
         """Blocks an append_slots takes: in each group a new last block, or a copy of a shared one."""

@@ -37,8 +37,9 @@ class BlockManagerStats:
 def measure(resident_seqs: list[tuple[int, list[list[int]]]], group_windows: tuple[Optional[int], ...], block_size: int,
             kv_pool: BlockPool, swap_pool: BlockPool) -> BlockManagerStats:
     """The stats of the resident sequences, each ``(num_tokens, block tables per group)``, over these pools."""
+    # (a windowed group's table still short of the tokens, its blocks given chunk by chunk, ends in a full block)
     last_block_fill = {table[-1]: (num_tokens - 1) % block_size + 1 for num_tokens, tables in resident_seqs
-                       for table in tables if table[-1] != PAD_BLOCK_ID}
+                       for table in tables if len(table) == -(-num_tokens // block_size) and table[-1] != PAD_BLOCK_ID}
     fragmentation = sum(block_size - fill for fill in last_block_fill.values())
     used, logical = kv_pool.num_used, kv_pool.num_refs  # (each table entry of a resident sequence holds one reference)
     by_type: dict[str, set[int]] = {}

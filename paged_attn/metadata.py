@@ -27,11 +27,11 @@ def token_slots(block_table: list[int], block_size: int, start: int, end: int) -
     return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
 
 
-def block_tables_tensor(tables: list[list[int]]) -> torch.Tensor:
-    """int32 ``[len(tables), max_blocks]`` block tables on the CPU, each row padded with ``PAD_BLOCK_ID`` (the
-    ``block_tables`` of ``paged_attention``). Filled row by row through NumPy: converting a nested list with
-    ``torch.tensor`` costs several times more."""
-    max_blocks = max(map(len, tables), default=0)
+def block_tables_tensor(tables: list[list[int]], max_blocks: Optional[int] = None) -> torch.Tensor:
+    """int32 ``[len(tables), max_blocks]`` block tables on the CPU (default width: the longest table), each row
+    padded with ``PAD_BLOCK_ID`` (the ``block_tables`` of ``paged_attention``). Filled row by row through NumPy:
+    converting a nested list with ``torch.tensor`` costs several times more."""
+    max_blocks = max(map(len, tables), default=0) if max_blocks is None else max_blocks
     rows = np.full((len(tables), max_blocks), PAD_BLOCK_ID, dtype=np.int32)
     for row, table in zip(rows, tables):
         row[:len(table)] = table
@@ -67,7 +67,9 @@ def paged_metadata(block_tables: list[list[list[int]]], starts: list[int], query
             slots[group] += [reserved[group]] if reserved is not None else \
                 token_slots(table, block_size, start, start + query_len)
         seq_lens.append(start + query_len)
-    tables = [block_tables_tensor([seq_tables[group] for seq_tables in block_tables]) for group in range(num_groups)]
+    max_blocks = max((len(table) for seq_tables in block_tables for table in seq_tables), default=0)
+    tables = [block_tables_tensor([seq_tables[group] for seq_tables in block_tables], max_blocks)
+              for group in range(num_groups)]  # (a windowed group's table can be shorter: given chunk by chunk)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     max_query_len = max(query_lens, default=0)
     shared_plans = None

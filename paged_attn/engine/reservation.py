@@ -12,6 +12,8 @@ to them than a real contiguous allocator (no external fragmentation).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .sampling import SamplingParams
 from .sequence import Request
 
@@ -22,19 +24,19 @@ class KVReservation:
     """A ``kv_reservation`` policy over a pool of blocks of ``block_size`` tokens in ``num_groups`` KV-cache groups,
     for sequences of at most ``max_model_len`` tokens."""
 
-    def __init__(self, policy: str, block_size: int, num_groups: int, max_model_len: int):
+    def __init__(self, policy: str, max_model_len: int, blocks_held: Callable[[int], int]):
         if policy not in KV_RESERVATIONS:
             raise ValueError(f"kv_reservation must be one of {KV_RESERVATIONS}, got {policy!r}")
-        self.policy, self.block_size = policy, block_size
-        self.num_groups, self.max_model_len = num_groups, max_model_len
+        self.policy, self.max_model_len = policy, max_model_len
+        self.blocks_held = blocks_held  # the most blocks a sequence of n tokens holds at once, all groups counted
 
     def max_blocks(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The most blocks a request can ever hold, and what it reserves under a kv_reservation policy. With
-        windowed KV-cache groups this is an upper bound: a (re)admitted prompt holds its blocks in every group until
-        its chunks are computed."""
+        """The most blocks a request can ever hold at once (every sequence counted, none shared), and what it
+        reserves under a kv_reservation policy (windowed KV-cache groups hold only what their queries see:
+        ``BlockManager.max_blocks_held``)."""
         max_len = self.max_model_len if self.policy == "max_model_len" else \
             min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        return params.num_seqs * self.num_groups * -(-max_len // self.block_size)
+        return params.num_seqs * self.blocks_held(max_len)
 
     def unused_blocks(self, running: list[Request], block_manager) -> int:
         """Blocks that the running requests have reserved but not yet taken from ``block_manager`` (0 when

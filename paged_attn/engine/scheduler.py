@@ -7,7 +7,11 @@ tokens as the step's budget (``max_num_batched_tokens``) leaves, so a long promp
 several steps. A request's sequences are scheduled, swapped and preempted together.
 
 Admission (or re-admission after preemption by recomputation) allocates blocks for all of a request's tokens,
-prefix-cache hits counted as computed; the request is then in *prefill* until every one of them is computed. It
+prefix-cache hits counted as computed; the request is then in *prefill* until every one of them is computed. With
+windowed KV-cache groups, those groups are given their blocks chunk by chunk, before the step that computes the
+chunk (``hold_tokens``), so that they hold only what the chunk's queries see; admission keeps free what every
+prefill under way may still take there (``window_blocks_to_come``), and a chunk that finds too few free blocks
+is cut to fit, newer prefills preempted if none of it fits. It
 samples only in the step that computes the last token of each of its sequences (a chunk that ends earlier gives no
 token); from then on it decodes, and the slots of each newly sampled token are reserved (``append_slots``) when the
 step that writes its KV is scheduled. How much KV memory admission promises a request is ``kv_reservation``'s
@@ -46,7 +50,7 @@ class Scheduler:
         self.block_manager = BlockManager(num_kv_blocks, block_size, num_swap_blocks=num_swap_blocks,
                                           enable_prefix_caching=enable_prefix_caching, group_windows=group_windows)
         self.num_groups = self.block_manager.num_groups
-        self.reservation = KVReservation(kv_reservation, block_size, self.num_groups, max_model_len)
+        self.reservation = KVReservation(kv_reservation, max_model_len, self.max_blocks_held)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.swapped: list[Request] = []  # oldest first
@@ -55,6 +59,10 @@ class Scheduler:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens holds at once, its prompt chunked by the step's token budget."""
+        return self.block_manager.max_blocks_held(num_tokens, self.max_num_batched_tokens)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError for a request that could never run: too many sequences, or more blocks than the pool."""
@@ -123,8 +131,8 @@ class Scheduler:
         step = ScheduledStep()
         self._swap_in(step)
         self._schedule_decodes(step)
-        for request in self.running:
-            if not request.prefilled and self._budget(step) > 0:
+        for request in list(self.running):
+            if not request.prefilled and request in self.running and self._budget(step) > 0:
                 self._schedule_prefill(step, request)
         if not self.swapped:
             self._admit(step)
@@ -196,8 +204,33 @@ class Scheduler:
             for num_tokens in remaining:
                 chunk.append(min(num_tokens - 1, budget))
                 budget -= chunk[-1]
+        chunk = self._fit_chunk(step, request, chunk)
+        for seq, num_tokens in zip(request.seqs, chunk):  # windowed groups: the chunk's blocks
+            self.block_manager.hold_tokens(seq.seq_id, seq.num_computed_tokens + num_tokens)
         self._add_to_step(step, request, chunk)
         step.num_prefill_tokens += sum(chunk)
+
+    def _fit_chunk(self, step: ScheduledStep, request: Request, chunk: list[int]) -> list[int]:
+        """The chunk cut to the blocks its windowed groups can take now (the newest prefills preempted while none
+        of it fits; at worst it waits a step). Cut, it never holds a sequence's last token."""
+        while True:
+            free, fitted = self.block_manager.num_free_blocks, []
+            for seq, num_tokens in zip(request.seqs, chunk):
+                start = seq.num_computed_tokens
+                end = start + num_tokens
+                while end > start and self.block_manager.blocks_to_hold(seq.seq_id, end) > free:
+                    end = max(start, (end - 1) // self.block_size * self.block_size)  # a block less in each group
+                free -= self.block_manager.blocks_to_hold(seq.seq_id, end)
+                fitted.append(end - start)
+            newer = [other for other in self.running if other.request_id > request.request_id and not other.prefilled]
+            if any(fitted) or not newer:
+                break
+            self.running.remove(newer[-1])
+            self._preempt(newer[-1], step)
+        if fitted != chunk:
+            fitted = [min(num_tokens, len(seq.token_ids) - seq.num_computed_tokens - 1)
+                      for seq, num_tokens in zip(request.seqs, fitted)]
+        return fitted
 
     def _add_to_step(self, step: ScheduledStep, request: Request, num_new_tokens: list[int],
                      reserved_slots: Optional[list[list[int]]] = None) -> None:
@@ -222,11 +255,24 @@ class Scheduler:
         # again, and each preemption by recomputation redoes a prefill.
         keep_free = self.admission_headroom * self.num_groups * (self._running_seqs() + len(request.seqs)) \
             if self.running else 0
-        if len(request.seqs) == 1:
-            return self.block_manager.can_allocate(request.seqs[0].token_ids, keep_free)  # counts prefix-cache hits
+        # and what the prefills under way and this one may still take in windowed groups, their chunks to come
+        keep_free += self._window_blocks_to_come() + sum(
+            self.max_blocks_held(len(seq.token_ids)) - self._global_blocks(len(seq.token_ids)) for seq in request.seqs)
+        if len(request.seqs) == 1:  # counts prefix-cache hits
+            return self.block_manager.can_allocate(request.seqs[0].token_ids, keep_free, num_tokens=0)
         # recomputing a request with several sequences: each is allocated on its own (hits can only help)
-        needed = self.num_groups * sum(self.blocks_for(len(seq.token_ids)) for seq in request.seqs)
+        needed = sum(self._global_blocks(len(seq.token_ids)) for seq in request.seqs)
         return needed + keep_free <= self.block_manager.num_free_blocks
+
+    def _global_blocks(self, num_tokens: int) -> int:
+        """The blocks a new sequence of num_tokens takes at once in the global groups (windowed ones: chunk by
+        chunk)."""
+        return self.blocks_for(num_tokens) * sum(window is None for window in self.block_manager.group_windows)
+
+    def _window_blocks_to_come(self) -> int:
+        return sum(self.block_manager.window_blocks_to_come(seq.seq_id, self.max_num_batched_tokens)
+                   for request in self.running if not request.prefilled for seq in request.seqs
+                   if not self.block_manager.is_swapped_out(seq.seq_id))
 
     def _admit(self, step: ScheduledStep) -> None:
         while self.waiting and self._budget(step) > 0:
@@ -238,7 +284,7 @@ class Scheduler:
             if self._shares_blocks_being_computed(request):
                 break  # later, its prefix is in the cache: it shares those blocks instead of computing them
             for seq in request.seqs:
-                seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+                seq.num_computed_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids, num_tokens=0)
                 step.prefix_cache_hit_tokens += seq.num_computed_tokens
             self.waiting.popleft()
             self._add_running(request)

@@ -590,6 +590,33 @@ def test_a_windowed_group_releases_blocks_once_no_later_query_sees_them():
     assert bm.num_free_blocks == 32 and bm.stats().kv_blocks_used == 0
 
 
+def test_a_windowed_group_takes_its_blocks_chunk_by_chunk():
+    """allocate(..., num_tokens=0) gives the global group every block and the windowed one none; hold_tokens before
+    each chunk of 4 gives it the chunk's, mark_computed after releases those out of the window: it never holds
+    more than max_blocks_held (ceil((6 - 1 + 4) / 4) + 1 = 4 of the prompt's 5)."""
+    bm = BlockManager(32, 4, group_windows=(None, 6))
+    prompt = list(range(1, 21))  # 20 tokens: 5 blocks
+    assert bm.max_blocks_held(20, 4, per_group=True) == [5, 4] and bm.max_blocks_held(20, 4) == 9
+    assert bm.max_blocks_held(20, 100, per_group=True) == [5, 5] and bm.max_blocks_held(3, 1) == 2
+    assert bm.can_allocate(prompt, keep_free=27, num_tokens=0) and not bm.can_allocate(prompt, keep_free=27)
+    raises_unchanged(bm, ValueError, bm.allocate, 0, prompt, 21, match="num_tokens must be <= the 20 tokens")
+    assert bm.allocate(0, prompt, num_tokens=0) == 0
+    assert bm.block_tables(0)[1] == [] and bm.num_free_blocks == 27
+    assert bm.window_blocks_to_come(0, 4) == 4
+    held = []
+    for start in range(0, 20, 4):
+        assert bm.blocks_to_hold(0, start + 4) <= bm.window_blocks_to_come(0, 4)
+        bm.hold_tokens(0, start + 4)
+        assert bm.slot_mapping(0, start, start + 4, group=1)  # the chunk's slots exist
+        held.append(sum(b != PAD_BLOCK_ID for b in bm.block_table(0, 1)))
+        bm.mark_computed(0, start + 4)
+    assert held == [1, 2, 3, 3, 3] and max(held) <= 4
+    assert len(bm.block_table(0, 1)) == 5 and bm.window_blocks_to_come(0, 4) == 0
+    raises_unchanged(bm, ValueError, bm.hold_tokens, 0, 21, match="num_tokens must be <= the sequence's 20")
+    bm.free(0)
+    assert bm.num_free_blocks == 32
+
+
 def test_append_slots_copies_on_write_in_every_group():
     bm = BlockManager(16, 4, group_windows=(None, 4, 4))
     bm.allocate(0, [1, 2, 3, 4, 5])

@@ -153,6 +153,41 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.mark(seq_id)
         self.past_prompts = (self.past_prompts + [prompt])[-16:]
 
+    @rule(tail=st.lists(st.integers(0, 2), min_size=1, max_size=20), base=st.integers(0, 1000),
+          cut=st.integers(0, 12), chunk_tokens=st.integers(1, 7), chunks=st.lists(st.integers(1, 7), max_size=8))
+    def allocate_in_chunks(self, tail, base, cut, chunk_tokens, chunks):
+        """A prompt computed in chunks of at most chunk_tokens, its windowed groups given their blocks chunk by
+        chunk (allocate with num_tokens=0, then hold_tokens before each chunk): no group ever holds more than
+        max_blocks_held says, and each chunk needs no more than window_blocks_to_come promised. Out of blocks,
+        the sequence is dropped (a preemption); the rule ends with the whole prompt computed."""
+        bm = self.bm
+        seq_id, prompt = self.new_prompt(tail, base, cut)
+        if not bm.can_allocate(prompt, num_tokens=0):
+            self.expect_unchanged(OutOfBlocksError, bm.allocate, seq_id, prompt, 0)
+            return
+        start = bm.allocate(seq_id, prompt, num_tokens=0)
+        self.expected[seq_id], self.floor[seq_id] = list(prompt), start
+        most = bm.max_blocks_held(len(prompt), chunk_tokens, per_group=True)
+        sizes = iter(chunks)
+        while start < len(prompt):
+            end = min(len(prompt), start + min(next(sizes, chunk_tokens), chunk_tokens))
+            needed = bm.blocks_to_hold(seq_id, end)
+            assert needed <= bm.window_blocks_to_come(seq_id, chunk_tokens)
+            if needed > bm.num_free_blocks:
+                self.expect_unchanged(OutOfBlocksError, bm.hold_tokens, seq_id, end)
+                bm.free(seq_id)
+                del self.expected[seq_id]
+                return
+            bm.hold_tokens(seq_id, end)
+            for group, table in enumerate(bm.block_tables(seq_id)):
+                assert sum(b != PAD_BLOCK_ID for b in table) <= most[group], (group, table, most)
+                for position, slot in enumerate(bm.slot_mapping(seq_id, start, end, group), start=start):
+                    self.write(slot, kv(prompt, position))
+            self.mark(seq_id, end)
+            start = end
+        assert bm.window_blocks_to_come(seq_id, chunk_tokens) == 0
+        self.past_prompts = (self.past_prompts + [prompt])[-16:]
+
     @rule(index=st.integers(0, 1000), token=st.integers(0, 2), computed=st.booleans())
     def append_slot(self, index, token, computed):
         seq_id = self.pick(index, swapped_out=False)

@@ -180,9 +180,11 @@ def test_the_window_changes_the_answer(model, hf_model, prompts, hf_greedy):
 @pytest.mark.parametrize("config", [
     dict(block_size=16),
     dict(block_size=8),
-    # tiny pools (a block holds 3 of the 18 layers): a long prompt is preempted once the short ones grow
-    dict(block_size=16, num_kv_blocks=342, num_swap_blocks=768, admission_headroom=0, max_num_batched_tokens=100),
-    dict(block_size=8, num_kv_blocks=678, admission_headroom=0, max_num_batched_tokens=100),
+    # tiny pools (a block holds 3 of the 18 layers; a long prompt's windowed groups take their blocks chunk by
+    # chunk, so it holds at most 253 at once): the short prompts admitted beside the first long one grow into the
+    # blocks it has yet to take, and the newest request is preempted
+    dict(block_size=16, num_kv_blocks=256, num_swap_blocks=768, admission_headroom=0, max_num_batched_tokens=100),
+    dict(block_size=16, num_kv_blocks=256, admission_headroom=0, max_num_batched_tokens=100),
     # the same with every layer's blocks kept (a block holds all 18 layers)
     dict(block_size=16, num_kv_blocks=109, num_swap_blocks=128, admission_headroom=0, window_kv_memory=False),
     dict(block_size=16, max_num_batched_tokens=100, enable_prefix_caching=True),
@@ -190,9 +192,10 @@ def test_the_window_changes_the_answer(model, hf_model, prompts, hf_greedy):
 def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
     llm = make_llm(**config)
     assert llm.stats().num_kv_cache_groups == (1 if config.get("window_kv_memory") is False else 6)
-    assert greedy_tokens(llm, prompts) == hf_greedy
+    order = [LONG[0], *SHORT[:1], LONG[1], *SHORT[1:]] if config.get("num_kv_blocks") else range(len(prompts))
+    assert greedy_tokens(llm, [prompts[i] for i in order]) == [hf_greedy[i] for i in order]
     stats = llm.stats()
-    if config.get("num_kv_blocks"):  # a long prompt is preempted once the short ones grow
+    if config.get("num_kv_blocks"):  # a request is preempted
         assert (stats.num_swapped_out if config.get("num_swap_blocks") else stats.num_recomputed) > 0
     if config.get("enable_prefix_caching"):
         # the second long prompt hits the 50 full blocks it shares with the first (past the window) ...
@@ -208,7 +211,12 @@ def test_greedy_equals_transformers(make_llm, prompts, hf_greedy, config):
      LONG[1], [SHORT[1], SHORT[3]]),
     (dict(block_size=16, num_kv_blocks=56, admission_headroom=0, window_kv_memory=False),
      LONG[1], [SHORT[1], SHORT[3]]),
-], ids=["default", "swap", "recompute"])
+    # window-aware memory in pools where the long request's chunks and the beams' growth preempt the newest
+    (dict(block_size=16, num_kv_blocks=256, num_swap_blocks=512, admission_headroom=0, max_num_batched_tokens=100),
+     LONG[1], [SHORT[1], SHORT[3]]),
+    (dict(block_size=16, num_kv_blocks=256, admission_headroom=0, max_num_batched_tokens=100),
+     LONG[1], [SHORT[1], SHORT[3]]),
+], ids=["default", "swap", "recompute", "swap_window", "recompute_window"])
 def test_beam_search_equals_transformers_best_beam(make_llm, prompts, hf_greedy, hf_beams, config, greedy, beams):
     """A greedy request first, then two beam searches (width 3); by default the beams of the long prompt drop
     their windowed blocks as they decode. With every layer's blocks kept, in the pool of 56 blocks the long
@@ -247,6 +255,21 @@ def test_windowed_blocks_are_released_and_reported(make_llm, prompts, hf_greedy)
     per_layer_block = stats.bytes_per_block // 18  # (the all-layer LLM's block)
     assert held[True] == {"global": 52 * 3 * per_layer_block, "sliding_window": 5 * 33 * 3 * per_layer_block}
     assert held[False] == {"global": 52 * 18 * per_layer_block}
+
+
+def test_windowed_groups_take_their_blocks_chunk_by_chunk(make_llm, prompts, hf_greedy):
+    """The 820-token prompt in chunks of 100 tokens: a windowed group holds at most the 40 blocks of 16 that a
+    chunk's queries see (511 + 100 tokens, and one block for the misalignment), not the prompt's 52, so the
+    request's peak is 52 + 5 * 40 blocks of 3 layers (81% of 6 * 52), and it finishes holding 33 per windowed
+    group; the tokens are transformers'. At every step the block tables hold what the step's queries read."""
+    llm = make_llm(block_size=16, max_num_batched_tokens=100)
+    assert greedy_tokens(llm, [prompts[LONG[0]]]) == [hf_greedy[LONG[0]]]
+    stats = llm.stats()
+    per_group_block = stats.bytes_per_block
+    assert llm.scheduler.max_blocks_held(len(prompts[LONG[0]]) + MAX_TOKENS) == 52 + 5 * 40
+    assert stats.peak_kv_bytes_by_attention_type["global"] == 52 * per_group_block
+    assert 34 * 5 * per_group_block < stats.peak_kv_bytes_by_attention_type["sliding_window"] \
+        <= 5 * 40 * per_group_block
 
 
 def test_llm_from_a_transformers_gemma3(hf_model, prompts, hf_greedy):
