@@ -5,9 +5,18 @@
 //   1. candidates: the rows with min_shared_tokens or more tokens in full blocks (a partly filled block is never
 //      shared: the kernel shares whole blocks);
 //   2. sort them by their full blocks' entries: neighbours' common blocks form the prefix tree as an array;
-//   3. walk the tree's nodes (the intervals of sorted rows whose common blocks reach a depth, with a stack): a node
-//      that two or more rows reach and that adds min_shared_tokens or more to its parent gives tasks, each the
-//      node's block range [parent's depth, depth) and up to rows_per_task of its rows, a lone leftover row in none.
+//   3. cut the sorted rows into groups of at most rows_per_task consecutive rows (a task's rows) where it costs
+//      least: a cut between neighbours that share c blocks has both sides read those c blocks (per kv head), so
+//      the cuts are those of least total c (a small dynamic program; none where the rows fit one group);
+//   4. walk each group's prefix tree (the intervals of its rows whose common blocks reach a depth, with a stack;
+//      a group's edges close every interval): a node that two or more rows reach and that adds min_shared_tokens or
+//      more to its parent gives one task, the node's block range [parent's depth, depth) and all its rows.
+// So a row is listed at most rows_per_task - 1 <= 7 times at any depth (the nodes of a group that hold it are
+// nested, each with more rows than the one inside), within the kernel's kMaxRowListings = 8 (rule d: a row listed
+// more often loses every listing; a plan of the whole tree listed the deepest rows of a chain of 13 forks 9 to 12
+// times). A group reads each block its rows share once: blocks that m rows hold are read once per group holding
+// some of them, ceil(m / rows_per_task) times where the cuts fall between subtrees (the samples of one prompt, the
+// requests behind a system prompt, a chain of forks).
 #include "shared_blocks.h"
 
 #include <torch/library.h>
@@ -69,12 +78,26 @@ at::Tensor plan_shared_blocks(const at::Tensor& block_tables, const at::Tensor& 
       std::move(candidates), [&](int64_t r) { return entries + r * width; },
       [&](int64_t r) { return full[r] * block_size; }, block_size);
   const std::vector<int64_t>& order = sorted.order;
-  // 3. The nodes: on the stack (depth, first sorted row) of the open intervals, deepest on top; an interval closes
-  // where a neighbour pair shares less than its depth.
-  std::vector<std::pair<int64_t, int64_t>> stack = {{0, 0}};
+  // 3. The groups: cut_cost(j), the blocks sorted rows j - 1 and j share (the reads a cut before row j adds);
+  // least[j], the least total cost of cutting rows [0, j) into groups; from[j], where the last of those starts (on
+  // a tie the latest start: the groups in front stay full, as the rows of one prompt in tasks of rows_per_task).
   const int64_t n = static_cast<int64_t>(order.size());
+  const auto cut_cost = [&](int64_t j) { return j == 0 ? 0 : sorted.common[j - 1] / block_size; };
+  std::vector<int64_t> least(n + 1, 0), from(n + 1, 0);
+  for (int64_t j = 1; j <= n; ++j) {
+    least[j] = -1;
+    for (int64_t start = j - 1; start >= std::max<int64_t>(0, j - per_task); --start) {
+      const int64_t cost = least[start] + cut_cost(start);
+      if (least[j] < 0 || cost < least[j]) least[j] = cost, from[j] = start;
+    }
+  }
+  std::vector<bool> group_start(n + 1, false);
+  for (int64_t j = n; j > 0; j = from[j]) group_start[from[j]] = true;
+  // 4. The nodes: on the stack (depth, first sorted row) of the open intervals, deepest on top; an interval closes
+  // where a neighbour pair shares less than its depth, or a group ends.
+  std::vector<std::pair<int64_t, int64_t>> stack = {{0, 0}};
   for (int64_t i = 1; i <= n; ++i) {
-    const int64_t depth = i < n ? sorted.common[i - 1] / block_size : 0;
+    const int64_t depth = i < n && !group_start[i] ? sorted.common[i - 1] / block_size : 0;
     int64_t first = i - 1;
     while (depth < stack.back().first) {
       const auto [node_depth, node_first] = stack.back();
@@ -82,11 +105,10 @@ at::Tensor plan_shared_blocks(const at::Tensor& block_tables, const at::Tensor& 
       first = node_first;
       const int64_t parent = std::max(depth, stack.back().first);
       if (node_depth - parent < min_blocks) continue;
-      for (int64_t t = node_first; i - t >= 2; t += per_task) {  // rows [t, t + per_task) of the node's, 2 or more
-        const int64_t end = std::min(i, t + per_task);
-        plan.insert(plan.end(), {static_cast<int32_t>(order[t]), static_cast<int32_t>(parent),
-                                 static_cast<int32_t>(node_depth)});
-        for (int64_t k = 0; k < kSharedRows; ++k) plan.push_back(t + k < end ? static_cast<int32_t>(order[t + k]) : -1);
+      plan.insert(plan.end(), {static_cast<int32_t>(order[node_first]), static_cast<int32_t>(parent),
+                               static_cast<int32_t>(node_depth)});  // rows [node_first, i): 2 to per_task
+      for (int64_t k = 0; k < kSharedRows; ++k) {
+        plan.push_back(node_first + k < i ? static_cast<int32_t>(order[node_first + k]) : -1);
       }
     }
     if (depth > stack.back().first) stack.push_back({depth, first});

@@ -7,7 +7,8 @@
 //     prefix of another sorts just before it), and sorted rows i < j share min(common[i], ..., common[j - 1])
 //     tokens: the rows' prefix tree, as an array.
 //   The CPU decode (cpu/decode.cpp: find_shared_blocks) cuts it into shared segments per partition, and
-//   plan_shared_blocks (shared_blocks.cpp: the op, the CUDA kernel's shared_plan) into tasks per node of the tree.
+//   plan_shared_blocks (shared_blocks.cpp: the op, the CUDA kernel's shared_plan) into groups of rows, and each
+//   group's tree into tasks per node.
 #pragma once
 
 #include <algorithm>

@@ -25,12 +25,14 @@ def plan_shared_blocks(
     ``.to(device, non_blocking=True)``.
 
     The rows' full blocks (``seq_lens[s] // block_size``) are sorted by their block-table entries; rows that agree
-    on their first ``n`` entries share those blocks. Each node of that prefix tree that two or more rows reach, and
-    that adds ``min_shared_tokens`` or more tokens to its parent, gives tasks: the node's block range ``[parent's
-    n, n)`` and up to ``8 // heads_per_block`` of its rows each (``heads_per_block``: the query heads a thread
-    block serves, ``num_queries_per_kv`` up to 8, else ``ceil(group / ceil(group / 8))``), each row in one task
-    per node, a lone leftover row in none. So samples of one prompt, beams forked at different steps and requests
-    behind one cached system prompt are found in one call, at any depth.
+    on their first ``n`` entries share those blocks. The sorted rows are cut into groups of at most
+    ``8 // heads_per_block`` (a task's rows; ``heads_per_block``: the query heads a thread block serves,
+    ``num_queries_per_kv`` up to 8, else ``ceil(group / ceil(group / 8))``), where neighbours share the fewest
+    blocks (a cut makes both sides read what they share). Each node of a group's prefix tree that two or more of
+    its rows reach, and that adds ``min_shared_tokens`` or more tokens to its parent, gives one task: the node's
+    block range ``[parent's n, n)`` and its rows. So a row is listed at most 7 times, whatever the depth of the
+    tree (the kernel takes 8), and samples of one prompt, beams forked at different steps and requests behind one
+    cached system prompt are found in one call, at any depth.
 
     Args:
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]`` on the CPU, the tables of the call.
@@ -52,7 +54,9 @@ def plan_shared_blocks(
     length is ``ref``'s (the samples or beams of one prompt; requests of other lengths are served without ALiBi
     only), ``r`` is listed at most 8 times in the plan and no other listing of ``r`` overlaps them. Else the row
     computes those partitions itself. A thread block of a task holds 8 head slots: the blocks are read once per
-    task and kv head, so a node of ``m`` rows reads them ``ceil(m / (8 // heads_per_block))`` times, not ``m``.
+    task and kv head, so blocks that ``m`` rows hold are read once per group that holds some of them:
+    ``ceil(m / (8 // heads_per_block))`` times where the cuts fall between subtrees (one prompt's samples, a chain
+    of forks), not ``m``.
 
     Example::
 

@@ -24,7 +24,9 @@
 //   (d) r is listed at most kMaxRowListings times in the plan, and no other listing of r (in another task, or
 //       again in this one) has a range that overlaps [begin, end).
 // Both sides evaluate this rule on the same tables, so each record is written exactly once whatever the plan holds:
-// a plan that does not match the tables it is used with costs time, never a wrong result.
+// a plan that does not match the tables it is used with costs time, never a wrong result. (d) bounds the listings a
+// thread block looks at; plan_shared_blocks lists a row at most 7 times (its tasks hold rows of one group of at
+// most kSharedRows rows: csrc/shared_blocks.cpp), so its plans lose no listing to it at any depth.
 #pragma once
 
 #include "attention_params.cuh"

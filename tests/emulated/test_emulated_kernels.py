@@ -27,6 +27,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA_OPS
 from test_attention import NAN, make_case, tolerance
+from test_plan_shared_blocks import MAX_ROW_LISTINGS, caterpillar, fewest_possible_reads, listings, modelled_reads
 from test_emulator import CUDA_INCLUDE, CXX, SANITIZER_REPORT, build_programs
 from test_varlen_attention import MIXED, make_varlen_case
 
@@ -1215,15 +1216,17 @@ def check_shared(driver, case, tmp_path, plan=None):
     (4, 4, None), (4, 4, "alibi"), (4, 4, "window"), (4, 4, "soft_cap_sinks"),
     (8, 4, None), (8, 4, "alibi"), (6, 2, "window"), (6, 2, "soft_cap_sinks")])
 def test_shared_blocks_tree(driver, tmp_path, num_heads, num_kv_heads, feature):
-    """A tree of shared blocks at three depths and a second group, with MHA (4 rows per task), groups of 2 and 3
-    (2 rows per task: 4 and 6 of the 8 head slots); ALiBi (each slot its row's position), a window of 100 (it
+    """A tree of shared blocks at three depths and a second group, with MHA (8 rows per task), groups of 2 and 3
+    (4 and 2 rows per task: 8 and 6 of the 8 head slots); ALiBi (each slot its row's position), a window of 100 (it
     starts inside the shared prompt for the longer rows: their listings fail the window rule and they read those
     blocks themselves), soft cap with sinks and lse (the reduce's)."""
     case = shared_tree_case(num_heads, num_kv_heads, alibi=feature == "alibi",
                             sliding_window=100 if feature == "window" else None,
                             soft_cap=5.0 if feature == "soft_cap_sinks" else None, sinks=feature == "soft_cap_sinks")
     plan = check_shared(driver, case, tmp_path)
-    assert plan.shape[0] >= 4, plan  # the tree's nodes were found (tasks of 4 or 2 rows)
+    # the tree's nodes were found: 4 tasks, or with 2 rows per task 3 (rows 0-1, 3-4 and 6-7; rows 2 and 5 read
+    # their shared blocks themselves, as few reads as any plan of 2 rows per task)
+    assert plan.shape[0] >= 3, plan
 
 
 def test_shared_blocks_serve_the_rows_they_list(driver, tmp_path):
@@ -1247,6 +1250,41 @@ def test_shared_blocks_serve_the_rows_they_list(driver, tmp_path):
             served = sorted(set(served) | set(case.tensors["shared_plan"][:, 0].tolist()))
         assert nan_rows == served, (name, nan_rows, case.tensors["shared_plan"])
 
+
+def deep_tree_case(shape, num_heads, num_kv_heads):
+    """Trees deeper than a row's listings the kernel takes (8), block size 16, partitions of 32 tokens, each row
+    ending in a partly filled block of its own. "caterpillar": 13 rows, row d leaves a shared prompt after 4 (d + 1)
+    blocks (tests/ops' test_plan_shared_blocks.caterpillar): rows 8-12 lie in 9 to 12 of the tree's nodes.
+    "twin_caterpillar": 24 rows, rows 2k and 2k + 1 leave it after 2 (k + 1) blocks: rows 22 and 23 lie in 12."""
+    if shape == "caterpillar":
+        _, lens = caterpillar(13, 4, 16)
+        groups = [([12, d], 4 * (d + 1)) for d in range(12)]
+    else:
+        lens = torch.tensor([2 * (r // 2 + 1) * 16 + 1 + (5 * r) % 15 for r in range(24)])
+        groups = [([23, r], 2 * (r // 2 + 1)) for r in range(23)]
+    case = attention_case(lens.tolist(), num_heads, num_kv_heads, 64, 16, torch.bfloat16, split=True)
+    return share_blocks(case, groups)
+
+
+@pytest.mark.parametrize("shape, num_heads, num_kv_heads", [("caterpillar", 1, 1), ("twin_caterpillar", 2, 1)],
+                         ids=["caterpillar-mha", "twin_caterpillar-gqa2"])
+def test_shared_blocks_at_depth(driver, tmp_path, shape, num_heads, num_kv_heads):
+    """The deepest rows of a deep tree keep their sharing: the plan lists no row more often than the kernel takes,
+    the tasks serve every row (without the tasks' thread blocks, drop_shared_tasks, every row's output is NaN; a
+    plan of the whole tree listed rows 8-12 of the caterpillar 9 to 12 times, and the kernel served them none of
+    it), the same bits as without the plan, and (modelled from the plan with the kernel's rules: the emulator does
+    not count reads) each partition that m rows hold is read ceil(m / rows_per_task) times per kv head."""
+    case = deep_tree_case(shape, num_heads, num_kv_heads)
+    t = case.tensors
+    rows_per_task = 8 // (num_heads // num_kv_heads)
+    plan = check_shared(driver, case, tmp_path)
+    assert max(len(found) for found in listings(plan).values()) < MAX_ROW_LISTINGS, plan
+    (tmp_path / "dropped").mkdir()
+    dropped = with_plan(case, plan, drop_shared_tasks=1)
+    out = run_everywhere(Driver(driver.programs, RUNS[:1]), dropped, tmp_path / "dropped", ["out"])["out"]
+    assert [row for row in range(out.shape[0]) if out[row].isnan().any()] == list(range(out.shape[0])), plan
+    reads = modelled_reads(plan, t["block_tables"], t["seq_lens"], 16, rows_per_task, partition_blocks=2)
+    assert reads == fewest_possible_reads(t["block_tables"], t["seq_lens"], 16, rows_per_task, partition_blocks=2)
 
 def test_shared_blocks_plan_of_other_tables_is_harmless(driver, tmp_path):
     """A plan made for other tables: rows moved (the plan's rows now hold other prefixes), a row whose shared blocks

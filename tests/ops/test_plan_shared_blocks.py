@@ -4,7 +4,9 @@ of rows, the op's own checks and its fake; and the shared_plan argument
 of paged_attention at the door (CPU: checked, not read; CUDA, where a GPU is present: the same outputs). The kernel
 itself runs in tests/emulated/test_emulated_kernels.py (test_shared_blocks_*)."""
 
+import functools
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -111,6 +113,185 @@ def test_short_segments_and_partial_blocks_are_not_listed():
     assert tasks == [(0, 2, (0, 1, 2, 3)), (2, 3, (0, 1))]  # rows 2 and 3 agree on block 2: partial for row 3
     unrelated = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
     assert paged_attn.plan_shared_blocks(unrelated, lens[:2], 16).shape == (0, 11)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Deep trees: what the kernel takes of a plan (rule d of csrc/cuda/shared_blocks.cuh), and the K/V blocks it reads.
+
+MAX_ROW_LISTINGS = 8  # csrc/cuda/shared_blocks.cuh: kMaxRowListings
+
+
+def caterpillar(num_rows=13, step=4, block_size=16, *, deepest_first=False):
+    """A chain of forks: row d holds a spine's first step * (d + 1) blocks, then blocks of its own: a partly filled
+    one (each row's full blocks a prefix of the next row's: the rows sort shallowest first), or a full one numbered
+    above the spine's and a partly filled one (the deepest first)."""
+    spine = list(range(step * num_rows))
+    width = step * num_rows + 2
+    tables, lens = [], []
+    for d in range(num_rows):
+        own = [len(spine) + 2 * d, len(spine) + 2 * d + 1][:1 + deepest_first]
+        row = spine[:step * (d + 1)] + own
+        tables.append(row + [-1] * (width - len(row)))
+        lens.append((len(row) - 1) * block_size + 1 + (5 * d) % (block_size - 1))
+    return torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def binary_tree(depth, blocks_per_level=1, block_size=16):
+    """2 ** depth rows forked in halves at every level: rows r and r' share blocks_per_level blocks for each leading
+    bit of r and r' they agree on, then each row has one block of its own (partly filled)."""
+    num_rows = 2 ** depth
+    tables = []
+    for r in range(num_rows):
+        row = []
+        for level in range(depth):  # the node of r's first `level + 1` bits
+            node = (1 << (level + 1)) - 2 + (r >> (depth - level - 1))
+            row += [node * blocks_per_level + b for b in range(blocks_per_level)]
+        tables.append(row + [(2 ** (depth + 1)) * blocks_per_level + r])
+    lens = [(depth * blocks_per_level) * block_size + 3] * num_rows
+    return torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def listings(plan):
+    """row -> [(task, place, first_block, end_block)] of the plan."""
+    found = {}
+    for task, (_, first, end, *rows) in enumerate(plan.tolist()):
+        for place, r in enumerate(rows):
+            if r >= 0:
+                found.setdefault(r, []).append((task, place, first, end))
+    return found
+
+
+def modelled_reads(plan, tables, lens, block_size, rows_per_task, partition_blocks=1):
+    """The K/V reads of the CUDA kernel with the plan, per kv head, as a Counter of (partition, its physical blocks):
+    the kernel takes a listing of a row where its place fits the task's rows_per_task, the row's length reaches the
+    end of the task's partitions and its entries there equal the reference's, it is listed at most 8 times and no
+    other listing of it overlaps (rules a-d of csrc/cuda/shared_blocks.cuh); a task with a listing taken reads its
+    whole partitions once (through its reference's table), a row the partitions of its own that no listing taken
+    covers. partition_blocks: the split-KV partition in blocks (1: a block is a partition)."""
+    def task_range(first, end):
+        return -(-first // partition_blocks), end // partition_blocks
+
+    def key(row, p, num_blocks):
+        return p, tuple(tables[row, p * partition_blocks:min((p + 1) * partition_blocks, num_blocks)].tolist())
+
+    plan_rows = plan.tolist()
+    taken = set()  # the tasks with a listing taken
+    covered = {r: set() for r in range(tables.shape[0])}
+    for r, mine in listings(plan).items():
+        for task, place, first, end in mine if len(mine) <= MAX_ROW_LISTINGS else []:
+            begin, stop = task_range(first, end)
+            ref = plan_rows[task][0]
+            others = [task_range(f, e) for t, pl, f, e in mine if (t, pl) != (task, place)]
+            if (begin < stop and place < rows_per_task and int(lens[r]) >= stop * partition_blocks * block_size
+                    and torch.equal(tables[r, begin * partition_blocks:stop * partition_blocks],
+                                    tables[ref, begin * partition_blocks:stop * partition_blocks])
+                    and not any(b < e and b < stop and begin < e for b, e in others)):
+                taken.add(task)
+                covered[r].update(range(begin, stop))
+    reads = Counter()
+    for task in taken:
+        ref, first, end = plan_rows[task][:3]
+        begin, stop = task_range(first, end)
+        for p in range(begin, stop):
+            reads[key(ref, p, stop * partition_blocks)] += 1
+    for r in range(tables.shape[0]):
+        num_blocks = -(-int(lens[r]) // block_size)
+        for p in range(-(-num_blocks // partition_blocks)):
+            if p not in covered[r]:
+                reads[key(r, p, num_blocks)] += 1
+    return reads
+
+
+def fewest_reads(tables, lens, block_size, rows_per_task):
+    """The least reads of any plan whose tasks hold rows of one group, over the cuts of the rows (sorted by their
+    full blocks' entries) into groups of at most rows_per_task consecutive rows: a group reads each full block its
+    rows hold behind the same entries once, a row its partly filled last block itself (the groups' reads counted
+    directly, the least over the cuts found by recursion)."""
+    full = [int(n) // block_size for n in lens]
+    order = sorted((r for r in range(tables.shape[0]) if full[r]), key=lambda r: (tables[r, :full[r]].tolist(), r))
+    partial = sum(int(n) % block_size != 0 for n in lens)
+
+    @functools.lru_cache(maxsize=None)
+    def group_reads(i, j):
+        return len({tuple(tables[r, :b + 1].tolist()) for r in order[i:j] for b in range(full[r])})
+
+    @functools.lru_cache(maxsize=None)
+    def least(j):  # the rows before sorted row j
+        return 0 if j == 0 else min(least(i) + group_reads(i, j) for i in range(max(0, j - rows_per_task), j))
+
+    return least(len(order)) + partial
+
+
+def fewest_possible_reads(tables, lens, block_size, rows_per_task, partition_blocks=1):
+    """The reads of the rows' partitions, per kv head, where every partition that m rows hold whole is read
+    ceil(m / rows_per_task) times (once per task of rows_per_task of them) and every other one once: a Counter as
+    modelled_reads' (partition_blocks as there)."""
+    held, partial = Counter(), Counter()
+    for r in range(tables.shape[0]):
+        num_blocks = -(-int(lens[r]) // block_size)
+        for p in range(-(-num_blocks // partition_blocks)):
+            key = p, tuple(tables[r, p * partition_blocks:min((p + 1) * partition_blocks, num_blocks)].tolist())
+            (held if int(lens[r]) >= (p + 1) * partition_blocks * block_size else partial)[key] += 1
+    return Counter({key: -(-m // rows_per_task) for key, m in held.items()}) + partial
+
+
+def check_deep_plan(plan, tables, lens, block_size, rows_per_task, min_shared_tokens):
+    """Valid, disjoint listings (check_plan), no row listed more than rows_per_task - 1 (< 8) times; returns the
+    listings."""
+    check_plan(plan, tables, lens, block_size, rows_per_task, min_shared_tokens)
+    found = listings(plan)
+    most = max((len(v) for v in found.values()), default=0)
+    assert most <= rows_per_task - 1 < MAX_ROW_LISTINGS, {r: len(v) for r, v in found.items()}
+    return found
+
+
+@pytest.mark.parametrize("num_queries_per_kv, rows_per_task", [(1, 8), (2, 4), (4, 2)])
+@pytest.mark.parametrize("shape", ["caterpillar", "caterpillar_deepest_first", "caterpillar_24", "binary_depth_10"])
+def test_deep_trees_keep_their_sharing(shape, num_queries_per_kv, rows_per_task):
+    """A chain of forks (row d leaves the shared prefix after 4 (d + 1) blocks; 13 rows, or 24, sorted deepest or
+    shallowest first) and a binary tree of 1024 rows, 10 levels deep: the plan lists no row more often than the
+    kernel takes (a plan of the whole tree listed the deepest rows once per level, 9 to 12 times, and the kernel
+    then used none of their listings), lists every row (each shares its first blocks with another) but, with 4 or 2
+    rows per task, one of 13 left over, the shallowest (it reads its 4 shared blocks itself: ceil(13 / k) reads of
+    them either way), and with the plan the kernel reads each shared block ceil(m / rows_per_task) times for the m
+    rows that hold it, and each other block once."""
+    if shape == "binary_depth_10":
+        tables, lens = binary_tree(10)
+    else:
+        tables, lens = caterpillar(24 if shape == "caterpillar_24" else 13,
+                                   deepest_first=shape == "caterpillar_deepest_first")
+    plan = paged_attn.plan_shared_blocks(tables, lens, 16, num_queries_per_kv=num_queries_per_kv,
+                                         min_shared_tokens=16)
+    found = check_deep_plan(plan, tables, lens, 16, rows_per_task, 16)
+    num_rows = tables.shape[0]
+    left_over = {0} if shape.startswith("caterpillar") and num_rows % rows_per_task == 1 else set()
+    assert set(range(num_rows)) - set(found) == left_over
+    reads = modelled_reads(plan, tables, lens, 16, rows_per_task)
+    expected = fewest_possible_reads(tables, lens, 16, rows_per_task)
+    assert reads == expected, {key: (reads[key], expected[key]) for key in reads | expected
+                               if reads[key] != expected[key]}
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("num_queries_per_kv, rows_per_task", [(1, 8), (2, 4)])
+def test_random_trees_read_the_fewest_blocks_of_any_cut(seed, num_queries_per_kv, rows_per_task):
+    """24 rows of random forks, chains of forks among them: no row listed more often than the kernel takes, and the
+    kernel's modelled reads with the plan are the fewest of any cut of the sorted rows into groups of rows_per_task
+    (tasks hold rows of one group: so a row is in at most rows_per_task - 1 nodes of two rows or more)."""
+    rng = random.Random(seed)
+    tables, lens = tree_tables(seed, 24, 16)
+    for _ in range(rng.randint(0, 2)):  # a chain of forks: rows a, b, c... each a fork of the one before, deeper
+        rows = rng.sample(range(24), 6)
+        for depth, (a, b) in enumerate(zip(rows, rows[1:]), 1):
+            n = min(int(lens[a]) // 16, 2 * depth)
+            tables[b, :n] = tables[a, :n]
+            lens[b] = max(int(lens[b]), (n + 1) * 16 + 1)
+            tables[b, n:] = torch.arange(10_000 + b * 40 + n, 10_000 + b * 40 + 40, dtype=torch.int32)  # its own
+    plan = paged_attn.plan_shared_blocks(tables, lens, 16, num_queries_per_kv=num_queries_per_kv,
+                                         min_shared_tokens=16)
+    check_deep_plan(plan, tables, lens, 16, rows_per_task, 16)
+    reads = modelled_reads(plan, tables, lens, 16, rows_per_task)
+    assert sum(reads.values()) == fewest_reads(tables, lens, 16, rows_per_task)
 
 
 @pytest.mark.parametrize("bad", ["dtype", "device_meta", "dims", "rows", "block_size", "group", "min_tokens",
