@@ -27,7 +27,7 @@ against its torch for ``vllm+paged_attn``::
 
 Run from the repository root (2-core CPU: ~15 min for both dtypes with ``--profile``; ``--quick``: ~3 min)::
 
-    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --profile   # float32 and bfloat16, top ops at batch 32
+    GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --profile   # float32 and bfloat16, time by kind, each batch
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --quick
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_vs_vllm.py --vllm-env VLLM_CPU_ATTN_SPLIT_KV=0
 
@@ -41,7 +41,11 @@ NOTE: by default vLLM runs an engine-core process and a worker process; on 2 cor
 (float32 and bfloat16) and 13-25% slower at batch 1. ``--vllm-env VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps both
 in one process; compare against the faster of the two settings at each batch size (bench/RESULTS.md does).
 
-``--profile`` then loads both engines again and runs torch.profiler (CPU) around one batch-32 generate of each.
+``--profile`` then loads both engines again and runs torch.profiler (CPU) around one generate of each at every batch
+size and dtype: the top ops at batch 32, and at each batch the call's wall time cut by kind of work (matmuls,
+attention, cache writes, sampling, elementwise: the ops' self time on the calling thread, vLLM's compiled graph of
+fused elementwise kernels counted as elementwise) and "outside ops" (the wall time no op covers: Python,
+scheduling, metadata).
 vLLM normally runs its model in engine-core and worker processes, out of the profiler's reach; the profiled vLLM
 runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which keeps the engine core and its one CPU worker, and so the
 model's ops, in the calling process (measured: the table then shows vLLM's oneDNN matmuls and CPU attention).
@@ -84,7 +88,7 @@ def parse_args():
     parser.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra environment variable for vLLM (repeatable), e.g. VLLM_CPU_ATTN_SPLIT_KV=0")
     parser.add_argument("--engines", default="ours,vllm", help="comma-separated, of: " + ", ".join(ENGINES))
-    parser.add_argument("--profile", action="store_true", help="also profile one batch-32 call of each engine")
+    parser.add_argument("--profile", action="store_true", help="also profile one call of each engine per batch")
     parser.add_argument("--attention", action="store_true", help="also time the attention layers' work alone "
                         "(the backend's forward and cache update) in the vLLM engines, in-process")
     parser.add_argument("--torch-compile", action="store_true",
@@ -178,12 +182,34 @@ class VllmEngine:
             setattr(impl, name, timed)
 
 
-def profile_table(engine, prompts: list[list[int]], max_tokens: int, row_limit: int = 15) -> str:
+# The kinds of work in a profile, by op name (the first that matches; anything else is elementwise).
+PROFILE_KINDS = {
+    "matmuls": ("linear", "onednn_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"),
+    "attention": ("paged_attention", "cpu_attention", "unified_attention", "varlen_attention"),
+    "cache writes": ("reshape_and_cache", "kv_cache_update"),
+    "sampling": ("argmax", "log_softmax", "softmax", "topk", "multinomial", "sort", "sampler"),
+}
+
+
+def profile_kind(name: str) -> str:
+    return next((kind for kind, keys in PROFILE_KINDS.items() if any(key in name for key in keys)), "elementwise")
+
+
+def profile_table(engine, prompts: list[list[int]], max_tokens: int, row_limit: int = 15) -> tuple[str, dict]:
+    """The top ops by self CPU time, and the call's seconds by kind of work (``outside ops``: the wall time that
+    no op covers)."""
     import torch.profiler
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         engine.generate(prompts, max_tokens)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+        wall = time.perf_counter() - start
+    kinds = dict.fromkeys([*PROFILE_KINDS, "elementwise"], 0.0)
+    for event in prof.key_averages():
+        if "ProfilerStep" not in event.key:
+            kinds[profile_kind(event.key)] += event.self_cpu_time_total / 1e6
+    kinds["outside ops"] = max(0.0, wall - sum(kinds.values()))
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit), kinds
 
 
 def worker_main(args) -> None:
@@ -209,8 +235,8 @@ def worker_main(args) -> None:
         command = line.split()
         if command[0] == "profile":
             batch = prompts[:int(command[1])]
-            table, seconds = timed_call(profile_table, engine, batch, max_tokens)
-            result = {"table": table, "seconds": seconds}
+            (table, kinds), seconds = timed_call(profile_table, engine, batch, max_tokens)
+            result = {"table": table, "kinds": kinds, "seconds": seconds}
         else:
             batch = prompts[:int(command[0])]
             attention_before = getattr(engine, "attention_seconds", 0.0)
@@ -383,17 +409,33 @@ def run_attention(args, dtype: str, prompts, spec_path: str) -> None:
 
 
 def run_profiles(args, dtype: str, prompts, spec_path: str) -> None:
-    workers = start_workers(args, dtype, prompts, spec_path, [PROFILE_BATCH],
+    """Per batch size, one profiled generate of each engine: the call's time by kind of work per output token
+    (a table), and the top ops at batch PROFILE_BATCH."""
+    workers = start_workers(args, dtype, prompts, spec_path, args.batch_sizes,
                             dict(args.vllm_env, VLLM_ENABLE_V1_MULTIPROCESSING="0"), args.engines)
+    rows = []
     try:
-        for name, worker in workers.items():
-            result = worker.ask(f"profile {PROFILE_BATCH}")
-            print(f"\nprofile, {name}, {dtype}, batch {PROFILE_BATCH}, {args.max_tokens} new tokens "
-                  f"({result['seconds']:.1f} s under the profiler), top ops by self CPU time:\n{result['table']}",
-                  flush=True)
+        for batch_size in args.batch_sizes:
+            for name, worker in workers.items():
+                result = worker.ask(f"profile {batch_size}")
+                tokens = batch_size * args.max_tokens
+                rows.append((batch_size, name, sum(result["kinds"].values()) * 1e3 / tokens,
+                             {kind: seconds * 1e3 / tokens for kind, seconds in result["kinds"].items()}))
+                if batch_size == PROFILE_BATCH:
+                    print(f"\nprofile, {name}, {dtype}, batch {batch_size}, {args.max_tokens} new tokens "
+                          f"({result['seconds']:.1f} s under the profiler), top ops by self CPU time:\n"
+                          f"{result['table']}", flush=True)
     finally:
         for worker in workers.values():
             worker.close()
+    kinds = [*PROFILE_KINDS, "elementwise", "outside ops"]
+    print(f"\n{dtype}, under the profiler: ms of the generate call per output token (prefill included), by kind of "
+          f"work\n")
+    print("| batch | engine | total | " + " | ".join(kinds) + " |")
+    print("|---:|---|---:|" + "---:|" * len(kinds))
+    for batch_size, name, total, by_kind in rows:
+        print(f"| {batch_size} | {name} | {total:.2f} | " + " | ".join(f"{by_kind[k]:.2f}" for k in kinds) + " |")
+    print(flush=True)
 
 
 def main():
@@ -427,7 +469,8 @@ def main():
             for dtype in args.dtypes:
                 run_attention(args, dtype, prompts, spec_path)
         if args.profile:
-            run_profiles(args, args.dtypes[0], prompts, spec_path)
+            for dtype in args.dtypes:
+                run_profiles(args, dtype, prompts, spec_path)
 
 
 if __name__ == "__main__":
