@@ -9,6 +9,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import sampling
 from .sampling import SamplingParams, sample
 from .stop_strings import completes_stop, cut_at_stop
 from .scheduler import Scheduler
@@ -49,9 +50,7 @@ class OutputProcessor:
     def process(self, step: ScheduledStep, logits: torch.Tensor) -> list[Request]:
         """Sample for the step's sampling requests from their float32 ``logits [num_sampling_seqs, vocab_size]``
         (rows in the step's order); return the requests that finished."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        greedy = logprobs.argmax(dim=-1)
-        greedy_ids, greedy_logprobs = greedy.tolist(), logprobs.gather(-1, greedy[:, None]).squeeze(-1).tolist()
+        logprobs, greedy_ids, greedy_logprobs = sampling.greedy_logprobs(logits)
         finished, row = [], 0
         for request in step.sampling_requests:
             rows = slice(row, row + len(request.seqs))

@@ -113,6 +113,14 @@ def _finite_float(name: str, value) -> float:
     return float(value)
 
 
+def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, list[int], list[float]]:
+    """The step's work on its float32 ``logits [num_rows, vocab_size]`` that every request needs: the log-probabilities,
+    and each row's greedy token and its log-probability (as Python lists)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    greedy = logprobs.argmax(dim=-1)
+    return logprobs, greedy.tolist(), logprobs.gather(-1, greedy[:, None]).squeeze(-1).tolist()
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row of float32 ``logits [num_rows, vocab_size]``; greedy params take the argmax."""
     if params.is_greedy:  # dividing by a temperature that rounds to 0 would give NaN probabilities
