@@ -221,7 +221,8 @@ class BlockManager:
         computes them): the windowed groups of a sequence allocated with fewer tokens take their next blocks."""
         seq = self._resident_seq(seq_id)
         num_blocks = -(-self._held_tokens(seq, num_tokens) // self.block_size)
-        self._check_kv_capacity(self.blocks_to_hold(seq_id, num_tokens), f"holding tokens of sequence {seq_id!r}")
+        self._check_kv_capacity(sum(max(0, num_blocks - len(table)) for table in seq.block_tables),
+                                f"holding tokens of sequence {seq_id!r}")
         for table in seq.block_tables:
             table += [self.kv_pool.take() for _ in range(len(table), num_blocks)]
 
@@ -231,8 +232,10 @@ class BlockManager:
         seq = self._resident_seq(seq_id)
         num_blocks = -(-len(seq.token_ids) // self.block_size)
         most = self.max_blocks_held(len(seq.token_ids), chunk_tokens, per_group=True)
-        return sum(min(num_blocks - len(table), max(0, limit - sum(block_id != PAD_BLOCK_ID for block_id in table)))
-                   for limit, table, window in zip(most, seq.block_tables, self.group_windows) if window is not None)
+        # a group holds its entries from released_below on (those before it are PAD_BLOCK_ID)
+        return sum(min(num_blocks - len(table), max(0, limit - (len(table) - released)))
+                   for limit, table, released, window in zip(most, seq.block_tables, seq.released_below,
+                                                             self.group_windows) if window is not None)
 
     def max_blocks_held(self, num_tokens: int, chunk_tokens: int, per_group: bool = False):
         """The most blocks a sequence of up to ``num_tokens`` tokens holds at once in all groups (or a list per
