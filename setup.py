@@ -8,12 +8,16 @@ cost minutes of compiling there, for code that machine cannot run. Environment s
   PAGED_ATTN_FORCE_CUDA=1   build the CUDA kernels without a GPU, and fail unless they can be built
   TORCH_CUDA_ARCH_LIST      GPU architectures; a visible GPU's by default, else DEFAULT_ARCH_LIST
   MAX_JOBS                  parallel compile jobs (ninja)
+  PAGED_ATTN_NVCC_CACHE     a directory: nvcc compiles through scripts/nvcc_cache.py, which keeps each object under
+                            the hash of what it read (CI's torch 2.11 build takes the torch-free kernels' objects
+                            from its torch 2.14 build)
 """
 
 import glob
 import os
 import platform
 import shutil
+import sys
 
 from setuptools import find_packages, setup
 
@@ -53,6 +57,9 @@ def want_cuda():
         return False
     if ok:
         os.environ["CUDA_HOME"] = cuda_home  # read when torch.utils.cpp_extension is imported
+        if os.environ.get("PAGED_ATTN_NVCC_CACHE"):  # torch's ninja rule calls $PYTORCH_NVCC for nvcc
+            cache = os.path.join(ROOT, "scripts", "nvcc_cache.py")
+            os.environ["PYTORCH_NVCC"] = f"{sys.executable} {cache} {os.path.join(cuda_home, 'bin', 'nvcc')}"
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
     return ok

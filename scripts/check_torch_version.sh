@@ -4,7 +4,8 @@
 # builds them (a GPU, or PAGED_ATTN_FORCE_CUDA=1 as in CI), and runs the tests that another torch can change: those
 # marked `extension` (the compiled ops, their registration, fakes and torch.compile; see pyproject.toml). The rest
 # (block manager, engine logic, the CLI, the emulated kernels, the SASS report) do not depend on torch's version
-# and ran with the README's test command. The in-place build that .venv uses is left alone.
+# and ran with the README's test command. The in-place build that .venv uses is left alone. With
+# PAGED_ATTN_NVCC_CACHE (as CI sets it), the torch-free CUDA kernel files come from the objects of an earlier build.
 #
 #   bash scripts/check_torch_version.sh [VERSION]          # venv, build and tests
 #   bash scripts/check_torch_version.sh --venv [VERSION]   # only make the venv (CI starts this early)
