@@ -3,6 +3,7 @@
 // checks are in attention_checks.cpp).
 #include "common.h"
 
+#include <ATen/ops/isnan.h>
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 // call these before anything is written.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "overlap.h"  // has_self_overlap, block_span_bytes, tensors_overlap, same_memory, address_of
 

@@ -13,7 +13,7 @@
 // NOTE: PyTorch has no negative strides, so no element lies before data_ptr.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/SmallVector.h>
 
 #include <cstdint>

@@ -19,6 +19,7 @@
 // requests behind a system prompt, a chain of forks).
 #include "shared_blocks.h"
 
+#include <ATen/ops/tensor.h>
 #include <torch/library.h>
 
 #include <atomic>

@@ -19,6 +19,7 @@
 // (AttentionGroupVariants) select the kernel instantiations. No host-device synchronization (unless index
 // validation is on): the plans come from the tensors' shapes (the block table's width, num_tokens, num_seqs), never
 // from seq_lens or query_start_loc, so the op can be captured in a CUDA graph.
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

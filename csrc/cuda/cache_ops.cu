@@ -7,6 +7,7 @@
 //
 // Index validation synchronizes, so it is opt-in (PAGED_ATTN_VALIDATE=1 / paged_attn.set_validation(True));
 // swap_blocks' mapping lives on the CPU and is always checked.
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -2,7 +2,7 @@
 // viewed as a PagedCache<T> by the CUDA launchers (attention.cu, cache_ops.cu). Cache layout: see paged_attn/ops.py.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
