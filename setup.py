@@ -87,7 +87,8 @@ def extensions():
         print("paged_attn: building the CPU kernels only")
         return [CppExtension(**kwargs)]
     print(f"paged_attn: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST')}")
-    kwargs["sources"] += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/instantiations/*.cu"))
+    kwargs["sources"] += (sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")) +
+                          sorted(glob.glob("csrc/cuda/instantiations/*.cu")))
     # --resource-usage: ptxas prints each kernel's registers, spills and shared memory into the build log;
     # scripts/ptxas_report.py turns them into build/registers.txt.
     kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]

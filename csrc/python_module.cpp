@@ -38,6 +38,10 @@ PyObject* tensors_overlap(PyObject* /*self*/, PyObject* args) {
   return PyBool_FromLong(paged_attn::tensors_overlap(THPVariable_Unpack(a), THPVariable_Unpack(b)) ? 1 : 0);
 }
 
+PyObject* linear_uses_avx512(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyBool_FromLong(paged_attn::linear_uses_avx512() ? 1 : 0);
+}
+
 PyObject* shared_tokens_saved(PyObject* /*self*/, PyObject* /*unused*/) {
   return PyLong_FromLongLong(paged_attn::shared_tokens_saved());
 }
@@ -112,6 +116,8 @@ PyMethodDef methods[] = {
     {"_tensors_overlap", tensors_overlap, METH_VARARGS, "Whether two tensors share memory (the ops' check; tests)."},
     {"_shared_tokens_saved", shared_tokens_saved, METH_NOARGS,
      "Key tokens the CPU decode read once for several rows, since loading (shared_blocks.h; tests)."},
+    {"_linear_uses_avx512", linear_uses_avx512, METH_NOARGS,
+     "Whether paged_attn.linear runs its AVX-512 micro-kernels on this CPU (csrc/cpu/linear.cpp)."},
     {"_launch_plan", launch_plan, METH_VARARGS, "The launch plan of a CUDA kernel for given sizes (tests)."},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -1,5 +1,5 @@
 // The table of contents: every op of the paged_attn library, declared once. Each backend file
-// (csrc/cpu/*.cpp, csrc/cuda/*.cu) registers its kernels at its bottom with TORCH_LIBRARY_IMPL, so a
+// (csrc/cpu/*.cpp, csrc/cuda/*.cu and *.cpp) registers its kernels at its bottom with TORCH_LIBRARY_IMPL, so a
 // CPU-only build simply leaves the .cu files out. Fake (meta) kernels for torch.compile live in
 // paged_attn/fakes.py.
 //
@@ -44,6 +44,12 @@ TORCH_LIBRARY(paged_attn, m) {
   // full blocks, per task (ref, first_block, end_block, row_0..row_7); csrc/shared_blocks.cpp.
   m.def("plan_shared_blocks(Tensor block_tables, Tensor seq_lens, int block_size, int num_queries_per_kv, "
         "int min_shared_tokens) -> Tensor");
+  // The engine's projections on the CPU: y = x W^T, x [num_rows, in_features] (float32 or bfloat16), W [out_features,
+  // in_features] packed once by pack_linear_weight for the dot-product units ([ceil(out_features / 64),
+  // ceil(in_features / kps), 64, kps], kps = 2 for bfloat16, 1 for float32; csrc/cpu/linear.cpp); sums in float32.
+  // On CUDA the packed weight is W itself (cuBLAS).
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
   // Merge two partial attention results over disjoint key ranges (out_* [num_tokens, num_heads, head_dim], lse_*
   // float32 [num_tokens, num_heads], natural log): out = softmax-weighted mix of out_a, out_b; lse = logaddexp.
   m.def("merge_attention_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, Tensor out_b, "

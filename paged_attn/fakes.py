@@ -431,6 +431,46 @@ def _(block_tables, seq_lens, block_size, num_queries_per_kv, min_shared_tokens)
     return block_tables.new_empty((num_tasks, SHARED_PLAN_COLUMNS))
 
 
+_LINEAR_BLOCK = 64  # outputs per column block of a CPU-packed weight (csrc/cpu/linear.cpp)
+
+
+def _linear_dtypes(device) -> tuple:
+    return (torch.float32, torch.bfloat16) + ((torch.float16,) if device.type == "cuda" else ())
+
+
+@torch.library.register_fake("paged_attn::pack_linear_weight")
+def _(weight) -> torch.Tensor:
+    _require(weight.dim() == 2, "pack_linear_weight: expected a 2-D weight [out_features, in_features], got shape ",
+             _shape(weight))
+    _require(weight.dtype in _linear_dtypes(weight.device), "pack_linear_weight: expected a float32 or bfloat16 "
+             "weight, got ", weight.dtype)
+    if weight.device.type == "cuda":  # cuBLAS takes the weight as it is
+        return weight.new_empty(weight.shape)
+    kps = 2 if weight.dtype == torch.bfloat16 else 1
+    n, k = weight.shape
+    return weight.new_empty(((n + _LINEAR_BLOCK - 1) // _LINEAR_BLOCK, (k + kps - 1) // kps, _LINEAR_BLOCK, kps))
+
+
+@torch.library.register_fake("paged_attn::linear")
+def _(x, packed_weight, out_features) -> torch.Tensor:
+    _require(x.dim() == 2, "linear: expected x of shape [num_rows, in_features], got ", _shape(x))
+    _require(x.dtype == packed_weight.dtype and x.dtype in _linear_dtypes(x.device), "linear: expected x and "
+             "packed_weight of one dtype, float32 or bfloat16, got ", x.dtype, " and ", packed_weight.dtype)
+    if x.device.type != "cuda":
+        kps = 2 if x.dtype == torch.bfloat16 else 1
+        _require(packed_weight.dim() == 4 and packed_weight.shape[1:] == ((x.shape[1] + kps - 1) // kps,
+                 _LINEAR_BLOCK, kps), "linear: packed_weight must be pack_linear_weight's output for ", x.shape[1],
+                 " input features, got shape ", _shape(packed_weight))
+        blocks = packed_weight.shape[0]
+        _require((blocks - 1) * _LINEAR_BLOCK < out_features <= blocks * _LINEAR_BLOCK, "linear: out_features ",
+                 out_features, " does not match packed_weight's ", blocks, " blocks of 64 outputs")
+    else:
+        _require(tuple(packed_weight.shape) == (out_features, x.shape[1]), "linear: on CUDA packed_weight must be "
+                 "pack_linear_weight's output [", out_features, ", ", x.shape[1], "], got shape ",
+                 _shape(packed_weight))
+    return x.new_empty((x.shape[0], out_features))
+
+
 def _check_latent_cache(kv_cache, name="kv_cache") -> None:
     _require(kv_cache.dim() == 3, name, " must have shape [num_blocks, block_size, kv_lora_rank + rope_dim], got ",
              _shape(kv_cache))

@@ -56,9 +56,10 @@ class LlamaModel:
             })
             self.layers.append(layer)
         self.rope_cos, self.rope_signed_sin = self._rope_tables(config.rope_theta)
-        # NOTE: on the CPU, oneDNN's matmul on weights packed once in its blocked layout runs these small-batch
-        # projections several times faster than the default F.linear (MKL sgemm): figures in bench/RESULTS.md,
-        # "Serving engine". The embedding stays dense for lookups.
+        # NOTE: on the CPU, matmuls on weights packed once run these small-batch projections several times faster
+        # than the default F.linear (MKL sgemm), and ops.linear's AVX-512 micro-kernels 1.1-1.5x faster than oneDNN's
+        # blocked layout: figures in bench/RESULTS.md, "Serving engine" and "The projections on packed weights".
+        # The embedding stays dense for lookups.
         self.lm_head = self._pack(self.lm_head)
         for layer in self.layers:
             for name in _PROJECTIONS:
@@ -73,13 +74,20 @@ class LlamaModel:
         self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
         self.check_dtype(self.device, self.dtype, use_onednn)
 
-    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """A projection's weight packed once in oneDNN's blocked layout (with use_onednn), else as it is."""
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.use_onednn else weight
+    def _pack(self, weight: torch.Tensor):
+        """A projection's weight packed once for the CPU's matmul (with use_onednn), else as it is: for
+        ops.linear's AVX-512 micro-kernels where they run (float32 and bfloat16), else in oneDNN's blocked layout."""
+        if not self.use_onednn:
+            return weight
+        if weight.dtype in (torch.float32, torch.bfloat16) and ops.linear_uses_avx512():
+            return ops.pack_linear_weight(weight)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     @staticmethod
-    def _dense(weight: torch.Tensor) -> torch.Tensor:
-        """A weight as a plain tensor (unpacked from oneDNN's layout)."""
+    def _dense(weight) -> torch.Tensor:
+        """A weight as a plain tensor (unpacked from its packed layout)."""
+        if isinstance(weight, ops.PackedLinearWeight):
+            return weight.dense()
         return weight.to_dense() if weight.is_mkldnn else weight
 
     def _rope_tables(self, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +95,9 @@ class LlamaModel:
         return rope_tables(theta, self.config.head_dim, self.config.max_model_len, self.device, self.dtype)
 
     @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _linear(x: torch.Tensor, weight) -> torch.Tensor:
+        if isinstance(weight, ops.PackedLinearWeight):
+            return ops.linear(x, weight)
         if weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
         return F.linear(x, weight)

@@ -15,7 +15,8 @@ _spec = importlib.util.spec_from_file_location("sass_report", Path(__file__).res
 sass_report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_report)
 
-OPS = ["reshape_and_cache", "copy_blocks", "swap_blocks", "merge_attention_states"]
+OPS = ["reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention", "merge_attention_states",
+       "concat_and_cache_mla", "mla_attention", "pack_linear_weight", "linear"]
 HOST_OPS = ["plan_shared_blocks"]  # they take CPU tensors in every build
 
 
