@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..linear import PackedLinearWeight, linear, linear_uses_avx512, pack_linear_weight
 from .batch import Batch
 from .layers import CompiledElementwise, rms_norm, rope_qkv, rope_tables, serial_elementwise, silu_mul
 from .loader import ModelConfig, Tokenizer, config_from_transformers, default_model_path, load_gguf
@@ -79,14 +80,14 @@ class LlamaModel:
         ops.linear's AVX-512 micro-kernels where they run (float32 and bfloat16), else in oneDNN's blocked layout."""
         if not self.use_onednn:
             return weight
-        if weight.dtype in (torch.float32, torch.bfloat16) and ops.linear_uses_avx512():
-            return ops.pack_linear_weight(weight)
+        if weight.dtype in (torch.float32, torch.bfloat16) and linear_uses_avx512():
+            return pack_linear_weight(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     @staticmethod
     def _dense(weight) -> torch.Tensor:
         """A weight as a plain tensor (unpacked from its packed layout)."""
-        if isinstance(weight, ops.PackedLinearWeight):
+        if isinstance(weight, PackedLinearWeight):
             return weight.dense()
         return weight.to_dense() if weight.is_mkldnn else weight
 
@@ -96,8 +97,8 @@ class LlamaModel:
 
     @staticmethod
     def _linear(x: torch.Tensor, weight) -> torch.Tensor:
-        if isinstance(weight, ops.PackedLinearWeight):
-            return ops.linear(x, weight)
+        if isinstance(weight, PackedLinearWeight):
+            return linear(x, weight)
         if weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
         return F.linear(x, weight)
