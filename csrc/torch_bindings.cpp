@@ -1,6 +1,6 @@
 // The table of contents: every op of the paged_attn library, declared once. Each backend file
-// (csrc/cpu/*.cpp, csrc/cuda/*.cu and *.cpp) registers its kernels at its bottom with TORCH_LIBRARY_IMPL, so a
-// CPU-only build simply leaves the .cu files out. Fake (meta) kernels for torch.compile live in
+// (csrc/cpu/*.cpp, csrc/cuda/*.cpp) registers its kernels at its bottom with TORCH_LIBRARY_IMPL, so a
+// CPU-only build simply leaves csrc/cuda/ out. Fake (meta) kernels for torch.compile live in
 // paged_attn/fakes.py.
 //
 // Every op takes caches [num_blocks, block_size, num_kv_heads, head_dim]; cache layout: see paged_attn/ops.py.

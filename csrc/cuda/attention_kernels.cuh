@@ -1,7 +1,7 @@
 // Paged decode attention on CUDA cores: the decode kernel (paged_attention_kernel), split-KV's reduce and the dispatch
 // over their instantiations. One query row attends to the keys/values of its sequence, which lie in scattered blocks
 // of the paged cache, reached through its block table.
-// No torch here: csrc/cuda/attention.cu checks the tensors and launches these kernels with the plan of
+// No torch here: csrc/cuda/attention.cpp checks the tensors and launches these kernels with the plan of
 // plan_attention (launch_plan.h); the emulated tests launch them with the same plan. (Query rows of sequences with
 // several query tokens have a tensor-core kernel of their own: varlen_attention_kernels.cuh; and on compute
 // capability 8.0+ float16/bfloat16 decode over a cache of the same dtype takes decode_mma_kernels.cuh, which shares

@@ -1,52 +1,18 @@
 // The launch of the attention kernels for one dtype: the instantiation that the plan and head_dim select, with
 // <<<>>> on a stream. Compiled for each dtype in its own file under instantiations/ (attention_float.cu,
 // attention_half.cu, attention_bf16.cu, attention_fp8_*.cu; the tensor-core kernel in varlen_attention_half.cu,
-// varlen_attention_bf16.cu and varlen_attention_fp8_*.cu), so the instantiations compile in parallel;
-// csrc/cuda/attention.cu calls launch_paged_attention and launch_varlen_attention.
+// varlen_attention_bf16.cu and varlen_attention_fp8_*.cu), so the instantiations compile in parallel; they define
+// the functions that attention_launch.h declares, which csrc/cuda/attention.cpp calls.
 #pragma once
 
 #include <atomic>
 
+#include "attention_launch.h"
 #include "attention_kernels.cuh"
 #include "decode_mma_kernels.cuh"
 #include "varlen_attention_kernels.cuh"
 
 namespace paged_attn {
-
-// Launches paged_attention_kernel (decode_mma_kernel when plan.tensor_cores), then (split-KV)
-// paged_attention_reduce_kernel, on `stream`; returns the launch error (cudaGetLastError), cudaErrorInvalidValue when
-// the head dim or group variant is not instantiated. params must hold the plan (params.set_plan(plan)).
-cudaError_t launch_paged_attention(const AttentionParams<float>& params, const AttentionPlan& plan,
-                                   cudaStream_t stream);
-cudaError_t launch_paged_attention(const AttentionParams<__half>& params, const AttentionPlan& plan,
-                                   cudaStream_t stream);
-cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16>& params, const AttentionPlan& plan,
-                                   cudaStream_t stream);
-// fp8 caches (attention_fp8_float.cu, attention_fp8_half.cu, attention_fp8_bf16.cu).
-cudaError_t launch_paged_attention(const AttentionParams<float, Fp8>& params, const AttentionPlan& plan,
-                                   cudaStream_t stream);
-cudaError_t launch_paged_attention(const AttentionParams<__half, Fp8>& params, const AttentionPlan& plan,
-                                   cudaStream_t stream);
-cudaError_t launch_paged_attention(const AttentionParams<__nv_bfloat16, Fp8>& params, const AttentionPlan& plan,
-                                   cudaStream_t stream);
-
-// The thread blocks of the paged_attention_kernel instantiation for params' head dim and group_variant (or, with
-// tensor_cores, of decode_mma_kernel for the head dim) that one SM of the current device (`device`) holds at once,
-// into *blocks: cudaOccupancyMaxActiveBlocksPerMultiprocessor at kAttentionThreads threads and the kernel's dynamic
-// shared memory, cached per (device, instantiation); plan_attention's blocks_per_sm. cudaErrorInvalidValue when the
-// head dim or group variant is not instantiated.
-cudaError_t paged_attention_blocks_per_sm(const AttentionParams<float>& params, int group_variant, bool tensor_cores,
-                                          int device, int* blocks);
-cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__half>& params, int group_variant, bool tensor_cores,
-                                          int device, int* blocks);
-cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__nv_bfloat16>& params, int group_variant,
-                                          bool tensor_cores, int device, int* blocks);
-cudaError_t paged_attention_blocks_per_sm(const AttentionParams<float, Fp8>& params, int group_variant,
-                                          bool tensor_cores, int device, int* blocks);
-cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__half, Fp8>& params, int group_variant,
-                                          bool tensor_cores, int device, int* blocks);
-cudaError_t paged_attention_blocks_per_sm(const AttentionParams<__nv_bfloat16, Fp8>& params, int group_variant,
-                                          bool tensor_cores, int device, int* blocks);
 
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor of `kernel` (with `shared_bytes` of dynamic shared memory, opted into
 // above 48 KiB), cached per device in the static of the calling instantiation.
@@ -127,18 +93,6 @@ cudaError_t launch_paged_attention_kernels(const AttentionParams<T, C>& params, 
   });
   return found ? cudaGetLastError() : cudaErrorInvalidValue;
 }
-
-// Launches varlen_attention_kernel on `stream` (float16 and bfloat16 queries; caches of the same dtype, or fp8:
-// varlen_attention_fp8_half.cu, varlen_attention_fp8_bf16.cu); returns the launch error, cudaErrorInvalidValue when
-// the head dim is not instantiated. params must hold the plan (params.set_varlen_plan).
-cudaError_t launch_varlen_attention(const AttentionParams<__half>& params, const VarlenPlan& plan,
-                                    cudaStream_t stream);
-cudaError_t launch_varlen_attention(const AttentionParams<__nv_bfloat16>& params, const VarlenPlan& plan,
-                                    cudaStream_t stream);
-cudaError_t launch_varlen_attention(const AttentionParams<__half, Fp8>& params, const VarlenPlan& plan,
-                                    cudaStream_t stream);
-cudaError_t launch_varlen_attention(const AttentionParams<__nv_bfloat16, Fp8>& params, const VarlenPlan& plan,
-                                    cudaStream_t stream);
 
 template <typename T, typename C>
 cudaError_t launch_varlen_attention_kernel(const AttentionParams<T, C>& params, const VarlenPlan& plan,

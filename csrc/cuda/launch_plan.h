@@ -1,5 +1,5 @@
 // Launch planning of the CUDA attention kernels (the cache ops': copy_plan.h): plain C++17 (no CUDA, no torch), so
-// that the torch-facing launchers (csrc/cuda/*.cu), the emulated kernel tests and the Python test hook
+// that the torch-facing launchers (csrc/cuda/*.cpp), the emulated kernel tests and the Python test hook
 // (paged_attn._C._launch_plan) compute the same launches. Each plan_* function takes sizes as the tensors give them
 // (int64) and returns the grid, the block size, the dynamic shared memory and the kernel variant to launch, or an
 // error that says why it cannot be launched.

@@ -1,5 +1,5 @@
-// merge_attention_states on CUDA: the kernel and its parameters (no torch; merge_attention_states.cu launches it
-// with plan_merge_attention_states of launch_plan.h).
+// merge_attention_states on CUDA: the kernel (no torch; its parameters: merge_attention_states_params.h; launched by
+// csrc/cuda/instantiations/merge_attention_states.cu with plan_merge_attention_states of copy_plan.h).
 //
 // Two partial attention results over disjoint key ranges A and B, each a row of head_dim values with the
 // natural-log log-sum-exp of its logits, merged exactly:
@@ -22,8 +22,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "device.cuh"
 #include "copy_plan.h"
+#include "device.cuh"
+#include "merge_attention_states_params.h"
 
 namespace paged_attn {
 namespace merge_detail {
@@ -40,19 +41,6 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 }  // namespace merge_detail
 
-// Strides in elements; the last dimension of out, out_a and out_b is contiguous.
-template <typename T>
-struct MergeAttentionStatesParams {
-  T* out;               // [num_tokens, num_heads, head_dim]
-  float* lse;           // [num_tokens, num_heads]
-  const T* out_a;       // [num_tokens, num_heads, head_dim]
-  const float* lse_a;   // [num_tokens, num_heads]
-  const T* out_b;       // [num_tokens, num_heads, head_dim]
-  const float* lse_b;   // [num_tokens, num_heads]
-  int64_t out_stride[2], out_a_stride[2], out_b_stride[2];  // token, head
-  int64_t lse_stride[2], lse_a_stride[2], lse_b_stride[2];  // token, head
-  int num_heads, head_dim;
-};
 
 template <typename T>
 __global__ void merge_attention_states_kernel(const MergeAttentionStatesParams<T> p) {

@@ -1,5 +1,5 @@
 // The host side of PagedCache (paged_cache.cuh, which stays torch-free for the CPU emulator): a cache tensor
-// viewed as a PagedCache<T> by the CUDA launchers (attention.cu, cache_ops.cu). Cache layout: see paged_attn/ops.py.
+// viewed as a PagedCache<T> by the CUDA launchers (attention.cpp, cache_ops.cpp). Cache layout: see paged_attn/ops.py.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -7,7 +7,7 @@
 // P = L - q_s + i and attends causally to tokens t in [max(0, P + 1 - sliding_window), P]: logit
 // x = scale * (q . k_t), then soft cap, then + slope[h] * (t - P); softmax and the weighted sum of V in float32.
 //
-// Who serves which query row (the launcher, csrc/cuda/attention.cu, launches both kernels on the same stream):
+// Who serves which query row (the launcher, csrc/cuda/attention.cpp, launches both kernels on the same stream):
 //   - sequences with one query row: the decode kernel (rows = kSingleTokenSeqs), split-KV and all, so a decode row
 //     gets the same bits with or without query_start_loc;
 //   - sequences with two or more: this kernel; its thread blocks of other sequences return at once.

@@ -40,7 +40,7 @@ logger = logging.getLogger("paged_attn.vllm")
 # how tests see that the backend really ran, in every worker (``LLM.collective_rpc``).
 forward_calls = 0
 
-# Block sizes and head dims of our CUDA kernels (csrc/cuda/attention.cu, csrc/cuda/launch_plan.h); the CPU kernels
+# Block sizes and head dims of our CUDA kernels (csrc/cuda/attention.cpp, csrc/cuda/launch_plan.h); the CPU kernels
 # take any.
 CUDA_BLOCK_SIZES = [32, 16, 8]
 CUDA_HEAD_DIMS = [32, 64, 80, 96, 112, 120, 128, 192, 256]

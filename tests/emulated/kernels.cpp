@@ -234,7 +234,7 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
                         int64_t num_items) {
   const View& block_tables = c.tensor("block_tables");
   const int64_t num_heads = p.num_heads, head_dim = p.key_cache.head_dim;
-  // As csrc/cuda/attention.cu: the tensor-core decode kernel where decode_on_tensor_cores says so (the scalar
+  // As csrc/cuda/attention.cpp: the tensor-core decode kernel where decode_on_tensor_cores says so (the scalar
   // tensor_cores = 0 takes the CUDA-core kernel, as a GPU below compute capability 8.0 does).
   const bool tensor_cores = paged_attn::decode_on_tensor_cores(
       head_dim, sizeof(C), std::is_same_v<C, paged_attn::Fp8>,
@@ -307,7 +307,7 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
               static_cast<long long>(plan.grid.z), plan.group_variant, plan.blocks_per_group);
 }
 
-// The launches of csrc/cuda/attention.cu: without query_start_loc the decode kernels; with it, for float16 and
+// The launches of csrc/cuda/attention.cpp: without query_start_loc the decode kernels; with it, for float16 and
 // bfloat16 queries (caches of the same dtype or fp8) at a head dim with a tensor-core instantiation, the decode
 // kernels for the one-row sequences and the tensor-core kernel for the others (or, with the scalar every_row = 1, the
 // decode kernels for every row, as float32 and the other head dims take). C: the cache element type (T, or Fp8 with

@@ -771,7 +771,7 @@ def test_merge_attention_states(driver, tmp_path, dtype, num_heads, head_dim):
 # ---------------------------------------------------------------------------------------------------------------
 # fp8 caches (float8_e4m3fn, float8_e5m2; float32 / float16 / bfloat16 queries): attention against the reference on
 # the dequantized caches, reshape_and_cache's bytes against reference.quantize_fp8 (test_fp8.py's checks). Unused
-# slots hold the NaN byte. With query_start_loc the launches of csrc/cuda/attention.cu: the tensor-core kernel for
+# slots hold the NaN byte. With query_start_loc the launches of csrc/cuda/attention.cpp: the tensor-core kernel for
 # float16 / bfloat16 queries, the decode kernels for every row with float32 queries.
 
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the driver's fp8_format scalar

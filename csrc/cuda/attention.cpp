@@ -1,4 +1,5 @@
-// paged_attention on CUDA: the torch-facing launcher. It checks the arguments, plans the launches (launch_plan.h),
+// paged_attention on CUDA: the torch-facing launcher (plain C++: the kernels are launched through attention_launch.h,
+// by the torch-free files of instantiations/). It checks the arguments, plans the launches (launch_plan.h),
 // allocates the split-KV scratch, fills AttentionParams and launches on the current stream. The decode plan takes the
 // SM count and the resident blocks per SM of the kernel instantiation it launches (both cached per device).
 //
@@ -30,7 +31,7 @@
 #include <type_traits>
 
 #include "../common.h"
-#include "attention_launch.cuh"
+#include "attention_launch.h"
 #include "copy_plan.h"  // access_width
 #include "paged_cache_host.h"
 

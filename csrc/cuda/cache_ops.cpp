@@ -1,5 +1,5 @@
-// The cache ops on CUDA: the torch-facing launchers. The kernels are in cache_ops_kernels.cuh, their launch plans in
-// launch_plan.h.
+// The cache ops on CUDA: the torch-facing launchers (plain C++: the kernels, cache_ops_kernels.cuh, are launched by
+// csrc/cuda/instantiations/cache_ops.cu through cache_ops_launch.h); their launch plans are in copy_plan.h.
 //
 //   reshape_and_cache, copy_blocks: one kernel launch each (copy_blocks: one per kMaxLayersPerLaunch layers).
 //   swap_blocks: no kernel: runs of consecutive (src, dst) block ids become one cudaMemcpy2DAsync each
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "../common.h"
-#include "cache_ops_kernels.cuh"
+#include "cache_ops_launch.h"
 #include "paged_cache_host.h"
 
 namespace paged_attn {
@@ -54,8 +54,7 @@ void reshape_and_cache_fp8(const at::Tensor& key,          // [num_tokens, num_k
         k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr,
         v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr,
         key_cache.scalar_type() == at::kFloat8_e5m2 ? __NV_E5M2 : __NV_E4M3};
-    reshape_and_cache_fp8_kernel<T><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(launch_reshape_and_cache_fp8(params, plan, stream));
   };
   switch (key.scalar_type()) {  // check_reshape_and_cache_args allows exactly these
     case at::kFloat: return run(float{});
@@ -113,8 +112,7 @@ void reshape_and_cache_cuda(const at::Tensor& key,          // [num_tokens, num_
                                              paged_cache_of<Unit>(key_cache),
                                              paged_cache_of<Unit>(value_cache),
                                              slots.data_ptr<int64_t>()};
-    reshape_and_cache_kernel<Unit><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(launch_reshape_and_cache(params, plan, stream));
   });
 }
 
@@ -169,8 +167,7 @@ void copy_blocks_cuda(at::TensorList key_caches,     // num_layers x [num_blocks
     TORCH_CHECK(plan.error.empty(), "copy_blocks: this call cannot be launched on CUDA: ", plan.error);
     dispatch_width(width, [&](auto unit) {
       using Unit = decltype(unit);
-      copy_blocks_kernel<Unit><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      C10_CUDA_CHECK(launch_copy_blocks<Unit>(params, plan, stream));
     });
   }
 }

@@ -1,5 +1,6 @@
-// merge_attention_states on CUDA: the torch-facing launcher. The kernel, its algorithm and grid mapping are in
-// merge_attention_states_kernels.cuh, its launch plan in launch_plan.h (plan_merge_attention_states).
+// merge_attention_states on CUDA: the torch-facing launcher (plain C++). The kernel, its algorithm and grid mapping
+// are in merge_attention_states_kernels.cuh (launched by csrc/cuda/instantiations/merge_attention_states.cu), its
+// launch plan in copy_plan.h (plan_merge_attention_states).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -8,7 +9,7 @@
 #include <limits>
 
 #include "../common.h"
-#include "merge_attention_states_kernels.cuh"
+#include "merge_attention_states_launch.h"
 
 namespace paged_attn {
 namespace {
@@ -39,9 +40,7 @@ void merge_attention_states_cuda(at::Tensor& out,             // [num_tokens, nu
         {out.stride(0), out.stride(1)}, {out_a.stride(0), out_a.stride(1)}, {out_b.stride(0), out_b.stride(1)},
         {lse.stride(0), lse.stride(1)}, {lse_a.stride(0), lse_a.stride(1)}, {lse_b.stride(0), lse_b.stride(1)},
         static_cast<int>(num_heads), static_cast<int>(head_dim)};
-    // grid (num_tokens, ceil(num_heads / kMergeRowsPerBlock)), one warp per (token, head) row
-    merge_attention_states_kernel<T><<<to_dim3(plan.grid), plan.threads, plan.shared_bytes, stream>>>(params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(launch_merge_attention_states(params, plan, stream));
   };
   switch (out_a.scalar_type()) {  // check_merge_attention_states_args allows exactly these
     case at::kFloat: return run(float{});
