@@ -36,10 +36,10 @@ class DeepseekV3Model(LlamaModel):
     NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm")
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer=None, device="cpu",
-                 dtype: Optional[torch.dtype] = None, use_onednn: bool = True):
+                 dtype: Optional[torch.dtype] = None, use_onednn: bool = True, packed_linear: bool = True):
         if config.mla is None or config.moe is None:
             raise ValueError("expected a DeepSeek-V3 config (with its latent attention and experts)")
-        self._place(config, tokenizer, device, dtype, use_onednn)
+        self._place(config, tokenizer, device, dtype, use_onednn, packed_linear)
         mla, moe = config.mla, config.moe
 
         def get(name, dtype=self.dtype):

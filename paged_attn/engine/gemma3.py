@@ -33,12 +33,12 @@ class Gemma3Model(LlamaModel):
     NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
              "self_attn.q_norm", "self_attn.k_norm")
 
-    def __init__(self, config, weights, tokenizer=None, device="cpu", dtype=None, use_onednn=True):
+    def __init__(self, config, weights, tokenizer=None, device="cpu", dtype=None, use_onednn=True, packed_linear=True):
         if config.architecture != self.ARCHITECTURE or len(config.sliding_windows) != config.num_layers:
             raise ValueError(f"expected a Gemma 3 config with a window (or None) per layer, got architecture "
                              f"{config.architecture!r} and {len(config.sliding_windows)} windows for "
                              f"{config.num_layers} layers")
-        super().__init__(config, weights, tokenizer, device, dtype, use_onednn)
+        super().__init__(config, weights, tokenizer, device, dtype, use_onednn, packed_linear)
         self.local_rope_cos, self.local_rope_signed_sin = self._rope_tables(config.local_rope_theta)
         # as transformers: a float32 scalar, cast to the model's dtype
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(device=self.device, dtype=self.dtype)

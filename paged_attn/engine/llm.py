@@ -135,7 +135,7 @@ class LLM:
         if isinstance(model, MODEL_CLASSES):
             if model.device != device or (dtype is not None and dtype != model.dtype):
                 model = type(model)(model.config, model.state_dict(), model.tokenizer, device, dtype,
-                                    model.use_onednn)
+                                    model.use_onednn, model.packed_linear)
         elif model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
             model = load_model(None if model is None else str(model), device, dtype)
         elif hasattr(model, "config") and hasattr(model, "state_dict"):

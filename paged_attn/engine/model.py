@@ -35,8 +35,9 @@ class LlamaModel:
     NORMS = ("input_layernorm", "post_attention_layernorm")  # each layer's norm weights (transformers' names)
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Optional[Tokenizer] = None,
-                 device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None, use_onednn: bool = True):
-        self._place(config, tokenizer, device, dtype, use_onednn)
+                 device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None, use_onednn: bool = True,
+                 packed_linear: bool = True):
+        self._place(config, tokenizer, device, dtype, use_onednn, packed_linear)
 
         def get(name):
             return weights[name].to(device=self.device, dtype=self.dtype)
@@ -66,13 +67,16 @@ class LlamaModel:
             for name in _PROJECTIONS:
                 layer[name] = self._pack(layer[name])
 
-    def _place(self, config: ModelConfig, tokenizer, device, dtype: Optional[torch.dtype], use_onednn: bool) -> None:
+    def _place(self, config: ModelConfig, tokenizer, device, dtype: Optional[torch.dtype], use_onednn: bool,
+               packed_linear: bool = True) -> None:
         """The model's config, tokenizer, device and dtype (float32 on the CPU, bfloat16 elsewhere by default), and
-        whether its projections run on oneDNN; raises ValueError for a dtype the device cannot run."""
+        whether its projections run on packed weights (use_onednn), and on ops.linear's where it runs (packed_linear;
+        else oneDNN's); raises ValueError for a dtype the device cannot run."""
         self.config, self.tokenizer = config, tokenizer
         self.device = torch.device(device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.use_onednn = use_onednn and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.packed_linear = packed_linear
         self.check_dtype(self.device, self.dtype, use_onednn)
 
     def _pack(self, weight: torch.Tensor):
@@ -80,7 +84,7 @@ class LlamaModel:
         ops.linear's AVX-512 micro-kernels where they run (float32 and bfloat16), else in oneDNN's blocked layout."""
         if not self.use_onednn:
             return weight
-        if weight.dtype in (torch.float32, torch.bfloat16) and linear_uses_avx512():
+        if self.packed_linear and weight.dtype in (torch.float32, torch.bfloat16) and linear_uses_avx512():
             return pack_linear_weight(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 

@@ -27,7 +27,8 @@ def model_class(name: str) -> type[LlamaModel]:
     raise ValueError(f"expected a Llama, Gemma 3 or DeepSeek-V3 model, got {name!r}")
 
 
-def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True) -> LlamaModel:
+def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True,
+               packed_linear=True) -> LlamaModel:
     """The model of a GGUF (default: SmolLM2-135M-Instruct) or of a transformers checkpoint folder (config.json and
     safetensors: the DeepSeek-V3 architecture, ``checkpoint.load_checkpoint``), of the class its architecture
     needs; a name of ``loader.MODELS`` (``"gemma3-270m"``, ``"smollm2-135m"``) where no such file exists stands for
@@ -41,4 +42,4 @@ def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=
         config, weights, tokenizer = load_checkpoint(path)
     else:
         config, weights, tokenizer = load_gguf(path or default_model_path())
-    return model_class(config.architecture)(config, weights, tokenizer, device, dtype, use_onednn)
+    return model_class(config.architecture)(config, weights, tokenizer, device, dtype, use_onednn, packed_linear)
