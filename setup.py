@@ -91,7 +91,11 @@ def extensions():
                           sorted(glob.glob("csrc/cuda/instantiations/*.cu")))
     # --resource-usage: ptxas prints each kernel's registers, spills and shared memory into the build log;
     # scripts/ptxas_report.py turns them into build/registers.txt.
-    kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage"]
+    # -std=c++17: the .cu files read no torch header, so they need no more than C++17 (the emulator builds them so),
+    # and one standard for every torch release (torch 2.11 would pass c++17, 2.14 c++20) lets a build against one
+    # take the other's objects from scripts/nvcc_cache.py.
+    kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "--resource-usage",
+                                            "-std=c++17"]
     return [CUDAExtension(**kwargs)]
 
 
