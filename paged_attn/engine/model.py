@@ -59,7 +59,7 @@ class LlamaModel:
             self.layers.append(layer)
         self.rope_cos, self.rope_signed_sin = self._rope_tables(config.rope_theta)
         # NOTE: on the CPU, matmuls on weights packed once run these small-batch projections several times faster
-        # than the default F.linear (MKL sgemm), and ops.linear's AVX-512 micro-kernels 1.1-1.5x faster than oneDNN's
+        # than the default F.linear (MKL sgemm), and ops.linear's AVX-512 micro-kernels 1.08-1.41x faster than oneDNN's
         # blocked layout: figures in bench/RESULTS.md, "Serving engine" and "The projections on packed weights".
         # The embedding stays dense for lookups.
         self.lm_head = self._pack(self.lm_head)
