@@ -27,10 +27,6 @@ class PackedLinearWeight:
     out_features: int
     in_features: int
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.packed.dtype
-
     def dense(self) -> torch.Tensor:
         """The weight ``[out_features, in_features]`` as it was packed."""
         if self.packed.dim() == 2:  # CUDA: the weight itself

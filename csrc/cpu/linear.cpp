@@ -111,7 +111,8 @@ PA_TARGET_LINEAR void rows_times_block_avx512(const scalar_t* x, int64_t ldx, in
   }
 }
 
-// Steps 1-2, portable: the same sums, in the same order per output (the compiler vectorizes the 64 outputs).
+// Steps 1-2, portable: the same sums, one input at a time (float32: in the AVX-512 path's order; bfloat16 adds a
+// pair's two products one after the other), the compiler vectorizing the 64 outputs.
 template <typename scalar_t>
 void block_sums_portable(const scalar_t* x, int64_t ldx, int rows, int64_t in_features, const scalar_t* w,
                          float (*sums)[kBlockOutputs]) {

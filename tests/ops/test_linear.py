@@ -4,12 +4,10 @@ micro-kernel's rows (6) and the cache chunks (96 rows); x as a strided slice who
 path again in a child process (PAGED_ATTN_NO_AVX512=1); errors, fakes and torch.compile."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, cpu_flags, run_on_portable_path
 
 from paged_attn import ops
 
@@ -72,19 +70,17 @@ def test_rows_are_independent_of_the_batch():
 
 
 def test_portable_path_when_avx512_is_switched_off():
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PAGED_ATTN_NO_AVX512="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k",
-                             "float64_product and cpu", os.path.abspath(__file__)],
-                            env=env, cwd=tests_dir, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout
+    run_on_portable_path(
+        "import torch, test_linear as t\n"
+        "from paged_attn import ops\n"
+        "assert not ops.linear_uses_avx512()\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    for shape in t.SHAPES:\n"
+        "        t.test_linear_equals_the_float64_product('cpu', dtype, *shape)\n")
 
 
 def test_avx512_is_reported_where_the_cpu_has_it():
-    with open("/proc/cpuinfo") as f:
-        flags = f.read()
-    assert ops.linear_uses_avx512() == (" avx512_bf16" in flags and " avx512bw" in flags
+    assert ops.linear_uses_avx512() == ({"avx512_bf16", "avx512bw"} <= cpu_flags()
                                         and "PAGED_ATTN_NO_AVX512" not in os.environ)
 
 
