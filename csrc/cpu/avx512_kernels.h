@@ -310,6 +310,33 @@ void attend_tile_avx512(const AttentionParams<at::BFloat16, cache_t>& params, co
   });
 }
 
+// 16 floats -> 16 bfloat16, rounded to nearest even as c10::BFloat16's constructor rounds (NaN to 0x7FC0,
+// denormals kept), where vcvtneps2bf16 would flush denormals.
+PA_TARGET_AVX512 inline __m256i round_to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0)));
+}
+
+// out[d] = bfloat16(acc[acc_index(d)] * scale) for d < head_dim (a multiple of 32): step 3's accumulator order
+// undone 32 elements at a time (lo holds elements 8L + 0..3 of each 128-bit lane L, hi 8L + 4..7) and rounded as
+// the scalar conversion rounds (round_to_bf16): the same bits.
+PA_TARGET_AVX512 inline void store_head_avx512(const float* acc, float scale, at::BFloat16* out, int64_t head_dim) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < head_dim; d += kBf16Vec) {
+    const __m512 lo = _mm512_loadu_ps(acc + d), hi = _mm512_loadu_ps(acc + d + 16);
+    const __m512 x0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), factor);
+    const __m512 x1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), factor);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), round_to_bf16(x0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d + 16), round_to_bf16(x1));
+  }
+}
+
 // The AVX-512 path is used where the CPU has AVX512F/BW/VL/DQ and AVX512_BF16, unless the environment variable
 // PAGED_ATTN_NO_AVX512 is set (to test the portable AVX2 path on such a CPU).
 inline bool use_avx512() {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "attention_common.h"
+#include "avx512_kernels.h"  // store_head_avx512
 
 namespace paged_attn {
 namespace {
@@ -73,6 +74,14 @@ void write_row(const AttentionParams<scalar_t, cache_t>& params, int64_t row, Ro
     const float inv_sum = finish.out_scale;
     const float* acc = state.acc + h * head_dim;
     scalar_t* dst = out + (params.token(row) * num_heads + h) * head_dim;
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (params.avx512_bf16) {
+        store_head_avx512(acc, inv_sum, dst, head_dim);
+        continue;
+      }
+    }
+#endif
     for (int64_t d = 0; d < head_dim; ++d) {
       dst[d] = static_cast<scalar_t>(acc[acc_index(d, params.avx512_bf16)] * inv_sum);
     }
