@@ -2,7 +2,7 @@
 // bfloat16 query over a bfloat16 or fp8 cache, as AVX-512 micro-kernels, and the run-time choice of this path.
 // Only these functions are compiled for AVX-512 (function target attribute) and they run only where the CPU has it
 // (use_avx512), so no AVX-512 code can run on a CPU without it. (The prefill's AVX-512 float32 micro-kernels are in
-// prefill_kernels.h; they use PA_TARGET_AVX512 and exp_nonpositive from here.)
+// prefill_kernels.h. PA_TARGET_AVX512, exp_nonpositive and the bfloat16 conversions are in avx512_math.h.)
 //
 // AVX-512 bf16 (bfloat16 caches, head_dim a multiple of 32, CPU with AVX512_BF16; chosen at run time): both
 // products use vdpbf16ps (32 bf16 multiply-adds into 16 float32 lanes per instruction, products exact, sums in
@@ -15,6 +15,7 @@
 #pragma once
 
 #include "attention_common.h"
+#include "avx512_math.h"  // PA_TARGET_AVX512, exp_nonpositive, widen_bf16, round_to_bf16
 
 namespace paged_attn {
 namespace {
@@ -32,7 +33,6 @@ inline int64_t acc_index(int64_t d, bool avx512_bf16) {
   return d - r + (w / 4) * 16 + lane * 4 + w % 4;
 }
 
-#define PA_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // Decodes cache elements to bfloat16, 32 at a time (load_bf16x32): for fp8 caches the 128 magnitudes' bfloat16 bits
 // (Fp8Table::bf16_magnitude) in four vectors, loaded once per call of the functions below.
@@ -122,28 +122,6 @@ PA_TARGET_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_stride
                                        add_lane_pairs(quarter[j][2], quarter[j][3]));
     logits[j] = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
   }
-}
-
-// exp(x) for x <= 0 (exact 0 below about -87, and for -inf): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2,
-// 2^f by a degree-5 polynomial whose constant term is 1, so exp(0) = 1 exactly (a row that sees one key with logit 0
-// has lse 0). Largest relative error against exp in double, every float x (bench/exp_error.c): 2.3e-7 over
-// [-1, 0], 3.9e-6 over [-87, 0], the most of it from rounding x log2 e to float32 where |x| is large.
-PA_TARGET_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 y = _mm512_max_ps(_mm512_set1_ps(-200.f), _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 poly = _mm512_set1_ps(1.3266980e-3f);
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.6754692e-3f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5507425e-2f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.4022122e-1f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.9314694e-1f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(poly, n);
-}
-
-// 16 bfloat16 -> 16 float32 (exact).
-PA_TARGET_AVX512 inline __m512 widen_bf16(__m256i bf16) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
 }
 
 // Step 2 (softmax) for one head: x = its logits of the tile (lanes past the tile's tokens -inf). Raises the running
@@ -308,17 +286,6 @@ void attend_tile_avx512(const AttentionParams<at::BFloat16, cache_t>& params, co
     }
     attend_heads_avx512<kHeads, 2>(params, query, kv_head, head0, tile, last_token, sc, pf);
   });
-}
-
-// 16 floats -> 16 bfloat16, rounded to nearest even as c10::BFloat16's constructor rounds (NaN to 0x7FC0,
-// denormals kept), where vcvtneps2bf16 would flush denormals.
-PA_TARGET_AVX512 inline __m256i round_to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7FFF));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0)));
 }
 
 // out[d] = bfloat16(acc[acc_index(d)] * scale) for d < head_dim (a multiple of 32): step 3's accumulator order
