@@ -50,6 +50,13 @@ TORCH_LIBRARY(paged_attn, m) {
   // On CUDA the packed weight is W itself (cuBLAS).
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
+  // The engine's elementwise layer work, one pass per row (csrc/cpu/elementwise.cpp; on CUDA torch's own ops): RMSNorm
+  // out = T(weight * T(x / sqrt(mean(x^2) + eps))) of x [num_rows, width] (float32 math, T() rounding to x's dtype,
+  // as transformers' LlamaRMSNorm); add_rms_norm: hidden = T(x + residual) and its RMSNorm, (hidden, out);
+  // silu_and_mul: T(T(silu(gate)) * up) of gate_up [num_rows, 2 * width] = [gate | up], out [num_rows, width].
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   // Merge two partial attention results over disjoint key ranges (out_* [num_tokens, num_heads, head_dim], lse_*
   // float32 [num_tokens, num_heads], natural log): out = softmax-weighted mix of out_a, out_b; lse = logaddexp.
   m.def("merge_attention_states(Tensor(a!) out, Tensor(b!) lse, Tensor out_a, Tensor lse_a, Tensor out_b, "

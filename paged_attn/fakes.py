@@ -471,6 +471,50 @@ def _(x, packed_weight, out_features) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
 
 
+def _check_elementwise_rows(x, op, name) -> None:
+    _require(x.dim() == 2, op, ": expected ", name, " of shape [num_rows, width], got ", _shape(x))
+    _require(x.dtype in (torch.float32, torch.bfloat16, torch.float16), op, ": expected ", name,
+             " of dtype float32, bfloat16 or float16, got ", x.dtype)
+    if x.device.type != "cuda":
+        _require(x.shape[1] == 0 or x.stride(1) == 1, op, ": ", name, "'s rows must be contiguous, got strides ",
+                 list(x.stride()))
+
+
+def _check_norm_args(x, weight, op) -> None:
+    _check_elementwise_rows(x, op, "x")
+    ok = weight.device == x.device and weight.dim() == 1 and weight.shape[0] == x.shape[1] and weight.dtype == x.dtype
+    if x.device.type != "cuda":
+        _require(ok and weight.is_contiguous(), op, ": expected a contiguous CPU weight [", x.shape[1], "] of x's "
+                 "dtype ", x.dtype, ", got shape ", _shape(weight), ", dtype ", weight.dtype, " on ", weight.device)
+    else:
+        _require(ok, op, ": expected a weight [", x.shape[1], "] of x's dtype ", x.dtype, " on ", x.device,
+                 ", got shape ", _shape(weight), ", dtype ", weight.dtype, " on ", weight.device)
+    _require(x.shape[1] > 0, op, ": expected rows of at least one element, got x of shape ", _shape(x))
+
+
+@torch.library.register_fake("paged_attn::rms_norm")
+def _(x, weight, eps) -> torch.Tensor:
+    _check_norm_args(x, weight, "rms_norm")
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("paged_attn::add_rms_norm")
+def _(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_norm_args(x, weight, "add_rms_norm")
+    _check_elementwise_rows(residual, "add_rms_norm", "residual")
+    _require(residual.shape == x.shape and residual.dtype == x.dtype, "add_rms_norm: expected residual of x's shape ",
+             _shape(x), " and dtype ", x.dtype, ", got ", _shape(residual), " and ", residual.dtype)
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@torch.library.register_fake("paged_attn::silu_and_mul")
+def _(gate_up) -> torch.Tensor:
+    _check_elementwise_rows(gate_up, "silu_and_mul", "gate_up")
+    _require(gate_up.shape[1] % 2 == 0, "silu_and_mul: expected gate_up [num_rows, 2 * width], got an odd width ",
+             gate_up.shape[1])
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
 def _check_latent_cache(kv_cache, name="kv_cache") -> None:
     _require(kv_cache.dim() == 3, name, " must have shape [num_blocks, block_size, kv_lora_rank + rope_dim], got ",
              _shape(kv_cache))

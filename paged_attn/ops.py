@@ -85,6 +85,7 @@ import torch
 from . import _C
 from . import fakes  # noqa: F401  (registers the fake kernels)
 from .fakes import _INT64_MAX, _check_max_query_len, _is_finite, _is_int
+from .elementwise import add_rms_norm, rms_norm, silu_and_mul  # noqa: F401  (part of this module's API)
 from .linear import PackedLinearWeight, linear, linear_uses_avx512, pack_linear_weight  # noqa: F401  (part of this module's API)
 from .mla import concat_and_cache_mla, mla_attention  # noqa: F401  (part of this module's API)
 from .shared_plan import plan_shared_blocks  # noqa: F401  (part of this module's API)

@@ -16,7 +16,8 @@ sass_report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_report)
 
 OPS = ["reshape_and_cache", "copy_blocks", "swap_blocks", "paged_attention", "merge_attention_states",
-       "concat_and_cache_mla", "mla_attention", "pack_linear_weight", "linear"]
+       "concat_and_cache_mla", "mla_attention", "pack_linear_weight", "linear", "rms_norm", "add_rms_norm",
+       "silu_and_mul"]
 HOST_OPS = ["plan_shared_blocks"]  # they take CPU tensors in every build
 
 
