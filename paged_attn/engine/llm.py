@@ -134,8 +134,10 @@ class LLM:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
         if isinstance(model, MODEL_CLASSES):
             if model.device != device or (dtype is not None and dtype != model.dtype):
+                fused_elementwise = model.fused_elementwise
                 model = type(model)(model.config, model.state_dict(), model.tokenizer, device, dtype,
                                     model.use_onednn, model.packed_linear)
+                model.fused_elementwise = fused_elementwise
         elif model is None or isinstance(model, str) or hasattr(model, "__fspath__"):
             model = load_model(None if model is None else str(model), device, dtype)
         elif hasattr(model, "config") and hasattr(model, "state_dict"):

@@ -16,9 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..elementwise import add_rms_norm, rms_norm, silu_and_mul
 from ..linear import PackedLinearWeight, linear, linear_uses_avx512, pack_linear_weight
 from .batch import Batch
-from .layers import CompiledElementwise, rms_norm, rope_qkv, rope_tables, serial_elementwise, silu_mul
+from .layers import CompiledElementwise, rope_qkv, rope_tables, serial_elementwise
+from .layers import rms_norm as eager_rms_norm
+from .layers import silu_mul as eager_silu_mul
 from .loader import ModelConfig, Tokenizer, config_from_transformers, default_model_path, load_gguf
 
 __all__ = ["LlamaModel", "SUPPORTED_DTYPES"]
@@ -33,6 +36,10 @@ class LlamaModel:
 
     ARCHITECTURE, MODEL_TYPE = "llama", "llama"  # GGUF general.architecture, transformers model_type
     NORMS = ("input_layernorm", "post_attention_layernorm")  # each layer's norm weights (transformers' names)
+    # The layers' residual adds, norms and SiLU gating through ops.add_rms_norm, rms_norm and silu_and_mul (one pass
+    # each; in float32 within a few ulps of the eager code); False: torch's eager ops, bit for bit transformers' (and
+    # vLLM's) order of operations. Steps that take torch_compile's kernels use those either way.
+    fused_elementwise = True
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Optional[Tokenizer] = None,
                  device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None, use_onednn: bool = True,
@@ -191,14 +198,23 @@ class LlamaModel:
         signed_sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
         if elementwise is not None and num_tokens >= elementwise.min_tokens:
             norm, rope, gated = elementwise.rms_norm, elementwise.rope_qkv, elementwise.silu_mul
+        elif self.fused_elementwise:  # the residual add and the norms, SiLU and the gating product in one pass each
+            norm, rope, gated = rms_norm, rope_qkv, silu_and_mul
         else:
-            norm, rope, gated = rms_norm, rope_qkv, silu_mul
+            norm, rope, gated = eager_rms_norm, rope_qkv, eager_silu_mul
+        final_norm = rms_norm if self.fused_elementwise else eager_rms_norm  # a few rows: never compiled
+        if norm is rms_norm:
+            add_norm = add_rms_norm
+        else:
+            def add_norm(x, residual, weight, eps):
+                hidden = residual + x
+                return hidden, norm(hidden, weight, eps)
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         serial = serial_elementwise(self.device, num_tokens)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        with serial:
+            x = norm(hidden, self.layers[0]["input_layernorm"], eps)
         for i, layer in enumerate(self.layers):
-            with serial:
-                x = norm(hidden, layer["input_layernorm"], eps)
             qkv = self._linear(x, layer["qkv_proj"])
             with serial:
                 q, k, v = rope(qkv, cos, signed_sin, *heads)
@@ -206,16 +222,16 @@ class LlamaModel:
                                 kv_scales[i] if kv_scales is not None else None, kv_amax)
             o = self._linear(attn, layer["o_proj"])
             with serial:
-                hidden = hidden + o
-                x = norm(hidden, layer["post_attention_layernorm"], eps)
+                hidden, x = add_norm(o, hidden, layer["post_attention_layernorm"], eps)
             gate_up = self._linear(x, layer["gate_up_proj"])
             with serial:
                 x = gated(gate_up)
             down = self._linear(x, layer["down_proj"])
-            with serial:
-                hidden = hidden + down
+            if i + 1 < len(self.layers):  # the residual add and the next layer's input norm
+                with serial:
+                    hidden, x = add_norm(down, hidden, self.layers[i + 1]["input_layernorm"], eps)
         with serial:
-            hidden = rms_norm(hidden[batch.logits_indices], self.norm, eps)
+            hidden = final_norm((hidden + down)[batch.logits_indices], self.norm, eps)
         return self._linear(hidden, self.lm_head).float()
 
     @staticmethod

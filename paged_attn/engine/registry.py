@@ -28,7 +28,7 @@ def model_class(name: str) -> type[LlamaModel]:
 
 
 def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=True,
-               packed_linear=True) -> LlamaModel:
+               packed_linear=True, fused_elementwise=True) -> LlamaModel:
     """The model of a GGUF (default: SmolLM2-135M-Instruct) or of a transformers checkpoint folder (config.json and
     safetensors: the DeepSeek-V3 architecture, ``checkpoint.load_checkpoint``), of the class its architecture
     needs; a name of ``loader.MODELS`` (``"gemma3-270m"``, ``"smollm2-135m"``) where no such file exists stands for
@@ -42,4 +42,6 @@ def load_model(path: Optional[str] = None, device="cpu", dtype=None, use_onednn=
         config, weights, tokenizer = load_checkpoint(path)
     else:
         config, weights, tokenizer = load_gguf(path or default_model_path())
-    return model_class(config.architecture)(config, weights, tokenizer, device, dtype, use_onednn, packed_linear)
+    model = model_class(config.architecture)(config, weights, tokenizer, device, dtype, use_onednn, packed_linear)
+    model.fused_elementwise = fused_elementwise  # see LlamaModel.fused_elementwise
+    return model

