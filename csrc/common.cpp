@@ -352,4 +352,15 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst, const 
   }
 }
 
+bool cpu_avx512_bf16() {
+#if defined(__x86_64__)
+  static const bool use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bf16") && std::getenv("PAGED_ATTN_NO_AVX512") == nullptr;
+  return use;
+#else
+  return false;
+#endif
+}
+
 }  // namespace paged_attn

@@ -24,9 +24,10 @@ void set_validation_enabled(bool enabled);
 // or read 1 MiB. Figures: bench/RESULTS.md, "Waking OpenMP's threads: a quarter of a large decode step".
 constexpr int64_t kMinBytesPerCpuTask = int64_t{1} << 20;
 
-// Whether the CPU linear runs its AVX-512 micro-kernels here (csrc/cpu/linear.cpp; AVX512_BF16 and no
-// PAGED_ATTN_NO_AVX512 in the environment); else its portable loop, slower than oneDNN, which the engine then uses.
-bool linear_uses_avx512();
+// Whether the CPU kernels take their AVX-512 paths here: the CPU has AVX512F/BW/VL/DQ and AVX512_BF16, and
+// PAGED_ATTN_NO_AVX512 (which tests set to run the portable paths) is not in the environment. Decode, linear and
+// elementwise ask it; elsewhere the linear's portable loop is slower than oneDNN, which the engine then uses.
+bool cpu_avx512_bf16();
 
 // float8_e4m3fn or float8_e5m2: a cache of 8-bit floats, read as float(stored) * scale (see check_kv_scales).
 bool is_fp8(at::ScalarType dtype);

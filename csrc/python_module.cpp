@@ -39,7 +39,7 @@ PyObject* tensors_overlap(PyObject* /*self*/, PyObject* args) {
 }
 
 PyObject* linear_uses_avx512(PyObject* /*self*/, PyObject* /*unused*/) {
-  return PyBool_FromLong(paged_attn::linear_uses_avx512() ? 1 : 0);
+  return PyBool_FromLong(paged_attn::cpu_avx512_bf16() ? 1 : 0);
 }
 
 PyObject* shared_tokens_saved(PyObject* /*self*/, PyObject* /*unused*/) {

@@ -305,13 +305,8 @@ PA_TARGET_AVX512 inline void store_head_avx512(const float* acc, float scale, at
 }
 
 // The AVX-512 path is used where the CPU has AVX512F/BW/VL/DQ and AVX512_BF16, unless the environment variable
-// PAGED_ATTN_NO_AVX512 is set (to test the portable AVX2 path on such a CPU).
-inline bool use_avx512() {
-  static const bool use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512bf16") && std::getenv("PAGED_ATTN_NO_AVX512") == nullptr;
-  return use;
-}
+// PAGED_ATTN_NO_AVX512 is set (to test the portable AVX2 path on such a CPU): common.h's cpu_avx512_bf16.
+inline bool use_avx512() { return cpu_avx512_bf16(); }
 
 // A bfloat16 query over a bfloat16 or fp8 cache.
 template <typename scalar_t, typename cache_t>

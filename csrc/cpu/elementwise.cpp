@@ -18,7 +18,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "../common.h"
@@ -26,13 +25,6 @@
 
 namespace paged_attn {
 namespace {
-
-bool elementwise_uses_avx512() {
-  static const bool use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512bf16") && std::getenv("PAGED_ATTN_NO_AVX512") == nullptr;
-  return use;
-}
 
 // ---- AVX-512: 16 elements of a row as float32, the last `n` < 16 of a row masked ----
 
@@ -186,7 +178,7 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
   const T* wp = weight.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
   const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
-  const bool avx512 = !std::is_same_v<T, at::Half> && elementwise_uses_avx512();
+  const bool avx512 = !std::is_same_v<T, at::Half> && cpu_avx512_bf16();
   for_each_row(rows, n * int64_t{sizeof(T)} * (residual ? 4 : 2), [&](int64_t i) {
     const T* r = rp ? rp + i * rs : nullptr;
     T* h = hp ? hp + i * n : nullptr;
@@ -247,7 +239,7 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& gate_up) {  // [num_rows, 2 * widt
     const T* gp = gate_up.const_data_ptr<T>();
     T* op = out.mutable_data_ptr<T>();
     const int64_t gs = gate_up.stride(0);
-    const bool avx512 = !std::is_same_v<T, at::Half> && elementwise_uses_avx512();
+    const bool avx512 = !std::is_same_v<T, at::Half> && cpu_avx512_bf16();
     for_each_row(rows, 3 * n * int64_t{sizeof(T)}, [&](int64_t i) {
       if constexpr (!std::is_same_v<T, at::Half>) {
         if (avx512) return silu_row_avx512<T>(gp + i * gs, gp + i * gs + n, n, op + i * n);

@@ -25,18 +25,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include "../common.h"
 
 namespace paged_attn {
-
-bool linear_uses_avx512() {
-  static const bool use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512bf16") && std::getenv("PAGED_ATTN_NO_AVX512") == nullptr;
-  return use;
-}
 
 namespace {
 
@@ -145,7 +138,7 @@ void linear_blocks(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y,
   const scalar_t* w_ptr = packed.data_ptr<scalar_t>();
   scalar_t* y_ptr = y.data_ptr<scalar_t>();
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
-  const bool avx512 = linear_uses_avx512();
+  const bool avx512 = cpu_avx512_bf16();
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t work_per_block = block_bytes * std::max<int64_t>(1, (rows + kMaxRows - 1) / kMaxRows);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerCpuTask / work_per_block);
