@@ -10,7 +10,7 @@ decodes, prompts and chunks of prompts: each layer writes the new tokens' keys a
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,14 @@ __all__ = ["LlamaModel", "SUPPORTED_DTYPES"]
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # where the device's matmul has them
+
+
+def _add_then(norm: Callable) -> Callable:
+    """``add_rms_norm``'s contract from separate ops: ``(residual + x, norm(residual + x, weight, eps))``."""
+    def add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        hidden = residual + x
+        return hidden, norm(hidden, weight, eps)
+    return add_norm
 
 
 class LlamaModel:
@@ -198,17 +206,13 @@ class LlamaModel:
         signed_sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
         if elementwise is not None and num_tokens >= elementwise.min_tokens:
             norm, rope, gated = elementwise.rms_norm, elementwise.rope_qkv, elementwise.silu_mul
+            add_norm = _add_then(norm)
         elif self.fused_elementwise:  # the residual add and the norms, SiLU and the gating product in one pass each
-            norm, rope, gated = rms_norm, rope_qkv, silu_and_mul
+            norm, add_norm, rope, gated = rms_norm, add_rms_norm, rope_qkv, silu_and_mul
         else:
             norm, rope, gated = eager_rms_norm, rope_qkv, eager_silu_mul
+            add_norm = _add_then(norm)
         final_norm = rms_norm if self.fused_elementwise else eager_rms_norm  # a few rows: never compiled
-        if norm is rms_norm:
-            add_norm = add_rms_norm
-        else:
-            def add_norm(x, residual, weight, eps):
-                hidden = residual + x
-                return hidden, norm(hidden, weight, eps)
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         serial = serial_elementwise(self.device, num_tokens)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
