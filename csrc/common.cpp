@@ -76,8 +76,11 @@ void check_sink_values(const std::optional<at::Tensor>& sinks) {
 }
 
 void check_cache(const at::Tensor& cache, const char* name) {
-  TORCH_CHECK(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
-              cache.sizes());
+  TORCH_CHECK(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim]",
+              is_tiled(cache) ? " (a tiled cache, from pack_cache, is read by the CPU ops only, with both caches "
+                                "tiled)"
+                              : "",
+              ", got ", cache.sizes());
   const auto dtype = cache.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || is_fp8(dtype), name,
               " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", dtype);
@@ -89,6 +92,58 @@ void check_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK(!has_self_overlap(cache), name,
               ": its elements must not overlap (no two (block, token, kv head) rows may share memory), got shape ",
               cache.sizes(), " with strides ", cache.strides());
+}
+
+void check_tiled_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(key_cache.dim() == 6 && value_cache.dim() == 5,
+              "key_cache and value_cache must have one layout: both tiled (pack_cache: key_cache [num_blocks, "
+              "num_kv_heads, block_size / 16, head_dim / 2, 16, 2], value_cache [num_blocks, num_kv_heads, "
+              "block_size / 2, head_dim, 2]) or both [num_blocks, block_size, num_kv_heads, head_dim], got shapes ",
+              key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(),
+              "tiled caches are read by the CPU ops only, got key_cache on ", key_cache.device(),
+              " and value_cache on ", value_cache.device());
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || is_fp8(dtype),
+              "a tiled cache must be bfloat16, float8_e4m3fn or float8_e5m2 (the dot-product units' types), got ",
+              dtype);
+  TORCH_CHECK(value_cache.scalar_type() == dtype, "key_cache and value_cache must have the same dtype, got ", dtype,
+              " and ", value_cache.scalar_type());
+  const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(1);
+  const int64_t block_size = key_cache.size(2) * 16, head_dim = key_cache.size(3) * 2;
+  TORCH_CHECK(key_cache.size(4) == 16 && key_cache.size(5) == 2 && value_cache.size(4) == 2 &&
+                  value_cache.size(0) == num_blocks && value_cache.size(1) == num_kv_heads &&
+                  value_cache.size(2) * 2 == block_size && value_cache.size(3) == head_dim,
+              "tiled key_cache [num_blocks, num_kv_heads, block_size / 16, head_dim / 2, 16, 2] and value_cache "
+              "[num_blocks, num_kv_heads, block_size / 2, head_dim, 2] must describe one cache, got shapes ",
+              key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK(num_kv_heads > 0 && block_size > 0 && head_dim > 0 && head_dim % 32 == 0,
+              "a tiled cache needs num_kv_heads, block_size and head_dim positive and head_dim a multiple of 32, "
+              "got key_cache shape ", key_cache.sizes());
+  for (const at::Tensor* t : {&key_cache, &value_cache}) {
+    const char* name = t == &key_cache ? "key_cache" : "value_cache";
+    int64_t expected = 1;
+    for (int64_t dim = t->dim() - 1; dim >= 1; --dim) {
+      TORCH_CHECK(t->stride(dim) == expected, name, ": a tiled cache must be contiguous within each block (as ",
+                  "pack_cache makes it), got shape ", t->sizes(), " with strides ", t->strides());
+      expected *= t->size(dim);
+    }
+    TORCH_CHECK(num_blocks <= 1 || t->stride(0) >= expected, name,
+                ": the block stride must reach past a block's elements, got shape ", t->sizes(), " with strides ",
+                t->strides());
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> caches_for_checks(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  if (!is_tiled(key_cache) && !is_tiled(value_cache)) return {key_cache, value_cache};
+  check_tiled_cache_pair(key_cache, value_cache);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2) * 16;
+  const int64_t head_dim = key_cache.size(3) * 2;
+  const auto view = [&](const at::Tensor& t) {
+    return t.as_strided({t.size(0), block_size, num_kv_heads, head_dim},
+                        {t.stride(0), num_kv_heads * head_dim, head_dim, 1});
+  };
+  return {view(key_cache), view(value_cache)};
 }
 
 bool has_packed_rows(const at::Tensor& cache) {

@@ -59,6 +59,18 @@ void check_sink_values(const std::optional<at::Tensor>& sinks);
 // num_kv_heads and head_dim positive (num_blocks may be 0), head_dim contiguous, no self-overlap (has_self_overlap).
 void check_cache(const at::Tensor& cache, const char* name);
 
+// The tiled layout (csrc/cpu/paged_cache.h; paged_attn/tiled_cache.py): key_cache [num_blocks, num_kv_heads,
+// block_size / 16, head_dim / 2, 16, 2] and value_cache [num_blocks, num_kv_heads, block_size / 2, head_dim, 2],
+// bfloat16 or fp8, head_dim a multiple of 32, contiguous within a block, on the CPU. The rank tells the layouts
+// apart: an op never reads one as the other, and one tiled cache with a row-major one is an error.
+inline bool is_tiled(const at::Tensor& cache) { return cache.dim() == 6 || cache.dim() == 5; }
+void check_tiled_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache);
+// The caches as the other checks see them: as they are, or, where either is tiled, both checked
+// (check_tiled_cache_pair) and viewed as [num_blocks, block_size, num_kv_heads, head_dim] over exactly the same
+// memory (a block is one contiguous run in both layouts), so that the shape, dtype and overlap checks apply
+// unchanged. The views' elements are not the caches' (only the kernels read the tiles).
+std::pair<at::Tensor, at::Tensor> caches_for_checks(const at::Tensor& key_cache, const at::Tensor& value_cache);
+
 // Whether a cache's block is one contiguous run: [block_size, num_kv_heads, head_dim] packed (strides
 // num_kv_heads * head_dim, head_dim, 1).
 bool has_packed_rows(const at::Tensor& cache);

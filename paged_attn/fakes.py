@@ -27,8 +27,9 @@ tensors; the kernels check those when they run (on CUDA index ranges and scale v
 one value a fake can know: a scale made as a constant while tracing (torch.tensor([0.0]) inside the traced code)
 carries it, and is checked (_known_value).
 The messages are held to the C++ ones by tests/ops/test_torch_library.py, which runs every error case of the op tests
-through both, and the overlap rule in every mode by tests/ops/test_fake_aliasing.py. Cache layout: see
-paged_attn/ops.py.
+through both, and the overlap rule in every mode by tests/ops/test_fake_aliasing.py (the tiled layout's by
+tests/ops/test_tiled_cache.py). Cache layout: see paged_attn/ops.py. Tiled caches (paged_attn/tiled_cache.py): a
+pair is checked by that file's rules (tiled_pair_problem), then the row-major checks run on its logical views.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _C  # noqa: F401  (defines the ops the fakes are registered for)
-from . import overlap
+from . import overlap, tiled_cache
 
 
 def _is_int(x) -> bool:
@@ -88,8 +89,9 @@ def _shape(t: torch.Tensor) -> list:
 
 
 def _check_cache(cache, name) -> None:
-    _require(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim], got ",
-             _shape(cache))
+    _require(cache.dim() == 4, name, " must have shape [num_blocks, block_size, num_kv_heads, head_dim]",
+             " (a tiled cache, from pack_cache, is read by the CPU ops only, with both caches tiled)"
+             if tiled_cache.is_tiled(cache) else "", ", got ", _shape(cache))
     _require(cache.dtype in _KV_DTYPES + _FP8_DTYPES, name,
              " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.dtype)
     _require(all(n > 0 for n in cache.shape[1:]), name,
@@ -102,6 +104,20 @@ def _check_same_layout(a, a_name, b, b_name) -> None:
     _require(a.dtype == b.dtype, a_name, " and ", b_name, " must have the same dtype, got ", a.dtype, " and ", b.dtype)
     _require(a.shape == b.shape, a_name, " and ", b_name, " must have the same shape, got ", _shape(a), " and ",
              _shape(b))
+
+
+def _caches_for_checks(key_cache, value_cache) -> tuple:
+    """csrc/common.cpp's caches_for_checks: a pair as it is, or, where either is tiled (paged_attn/tiled_cache.py),
+    both checked as a tiled pair and replaced by their 4-dim logical views (the same bytes), on which the row-major
+    checks then run unchanged. The CUDA kernels take no tiled caches and skip this door (dispatch goes to CUDA when
+    any argument is there): their check_cache refuses a tiled cache, and so does the fake's."""
+    if not (tiled_cache.is_tiled(key_cache) or tiled_cache.is_tiled(value_cache)):
+        return key_cache, value_cache
+    if key_cache.device.type == "cuda" or value_cache.device.type == "cuda":
+        return key_cache, value_cache
+    problem = tiled_cache.tiled_pair_problem(key_cache, value_cache)
+    _require(problem is None, *(problem or ()))
+    return tiled_cache.logical_view(key_cache), tiled_cache.logical_view(value_cache)
 
 
 def _check_cache_pair(key_cache, value_cache) -> None:
@@ -268,6 +284,7 @@ def _check_swap_spans(src, dst, block_mapping) -> None:
 
 @torch.library.register_fake("paged_attn::reshape_and_cache")
 def _(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
+    key_cache, value_cache = _caches_for_checks(key_cache, value_cache)  # tiled: as 4 dims
     _check_cache_pair(key_cache, value_cache)
     _require(key.dim() == 3, "key must have shape [num_tokens, num_kv_heads, head_dim], got ", _shape(key))
     _check_same_layout(key, "key", value, "value")
@@ -285,6 +302,11 @@ def _(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale
 
 @torch.library.register_fake("paged_attn::copy_blocks")
 def _(key_caches, value_caches, block_mapping) -> None:
+    # Each layer's tiled pair as its 4-dim views (a block is one contiguous run in both layouts, and copy_blocks
+    # moves whole blocks), before any other check, as the C++ does.
+    key_caches, value_caches = list(key_caches), list(value_caches)
+    for layer in range(min(len(key_caches), len(value_caches))):
+        key_caches[layer], value_caches[layer] = _caches_for_checks(key_caches[layer], value_caches[layer])
     _require(len(key_caches) == len(value_caches) or not value_caches, "key_caches and value_caches must have the "
              "same number of layers (or value_caches none: one cache per layer, as MLA's latent caches), got ",
              len(key_caches), " and ", len(value_caches))
@@ -327,6 +349,7 @@ def _(src, dst, block_mapping) -> None:
 def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
       logits_soft_cap, query_start_loc=None, max_query_len=None, *, k_scale=None, v_scale=None, lse=None,
       sinks=None, shared_plan=None) -> None:
+    key_cache, value_cache = _caches_for_checks(key_cache, value_cache)  # tiled: as 4 dims
     _check_cache(key_cache, "key_cache")
     _check_cache(value_cache, "value_cache")
     _require(value_cache.device == key_cache.device and value_cache.dtype == key_cache.dtype

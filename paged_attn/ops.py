@@ -16,7 +16,7 @@ Glossary: every file of this repository (C++, CUDA, Python, docs) uses these wor
 - tile: the keys (key tile) or query rows (query tile) that one step of a kernel loads and works on together: CPU
   decode 16 keys at multiples of 16; CPU prefill 32 keys x 48 rows; CUDA-core decode 256 keys; tensor-core decode
   16 keys per warp; CUDA prefill 64 keys (16 at head dim 256) x 64 rows. (MMA operands and AMX tile registers keep
-  their hardware names.)
+  their hardware names; the *tiled cache layout*, below, is named for the 16-token tiles of its key cache.)
 - vector: what one SIMD register or memory access holds: ``kVecSize`` floats, or 32 bfloat16 (``kBf16Vec``) on
   the CPU's AVX-512 path; 16 bytes on CUDA.
 - partition: a span of a row's keys attended from a fresh online-softmax state (max, sum, acc); a row's partitions'
@@ -66,6 +66,14 @@ The cache layout (the one full description; every other file points here):
   the end of its last, the bytes between its rows included (the V rows of a packed K|V block when its K half is
   swapped); the block stride must reach past a block's span.
 
+The tiled layout (paged_attn/tiled_cache.py holds its one full description): a second layout for the CPU ops
+(:func:`reshape_and_cache`, :func:`copy_blocks`, :func:`swap_blocks`, :func:`paged_attention`), bfloat16 or fp8,
+laid out for the dot-product units: keys ``[num_blocks, num_kv_heads, block_size // 16, head_dim // 2, 16, 2]``,
+values ``[num_blocks, num_kv_heads, block_size // 2, head_dim, 2]``, each block contiguous. Both caches of a call are
+tiled or neither (the rank tells them apart: 6 and 5 dims); slots, block tables and scales are as above.
+:func:`pack_cache` and :func:`unpack_cache` convert, :func:`tiled_cache_shapes` gives the shapes, :func:`is_tiled`
+tells the layouts apart. CUDA ops and the MLA ops do not take tiled caches.
+
 Memory: a tensor an op writes (the caches of :func:`reshape_and_cache` and :func:`copy_blocks`, ``dst`` of
 :func:`swap_blocks`, ``out`` of :func:`paged_attention`, ``out`` and ``lse`` of :func:`merge_attention_states`) must
 not share a byte with any other argument; the tensors an op only reads may share memory with each other (one scale
@@ -89,6 +97,7 @@ from .elementwise import add_rms_norm, rms_norm, silu_and_mul  # noqa: F401  (pa
 from .linear import PackedLinearWeight, linear, linear_uses_avx512, pack_linear_weight  # noqa: F401  (part of this module's API)
 from .mla import concat_and_cache_mla, mla_attention  # noqa: F401  (part of this module's API)
 from .shared_plan import plan_shared_blocks  # noqa: F401  (part of this module's API)
+from .tiled_cache import is_tiled, logical_shape, pack_cache, tiled_cache_shapes, unpack_cache  # noqa: F401  (API)
 
 BlockMapping = Union[torch.Tensor, Sequence[Sequence[int]]]
 
@@ -109,7 +118,8 @@ def reshape_and_cache(
         key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the caches (float32, float16 or
             bfloat16 for an fp8 cache); any strides as long as the last dimension is contiguous (e.g. slices of a
             fused QKV projection).
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, modified in place.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, modified in place; or, on the
+            CPU, a tiled pair (:func:`pack_cache`), written in its layout.
         slot_mapping: int64 ``[num_tokens]`` on the caches' device; token ``i`` goes to slot ``slot_mapping[i]``;
             a negative slot marks a padding token, which is skipped.
         k_scale, v_scale: fp8 caches only: float32 ``[1]`` on the caches' device (default 1.0); the key cache stores
@@ -136,7 +146,8 @@ def copy_blocks(
         key_caches, value_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache per layer, all of
             the same shape, dtype and device. Caches without a K/V pair (MLA's latent caches ``[num_blocks,
             block_size, kv_lora_rank + rope_dim]``, or any single cache per layer): ``key_caches`` only and
-            ``value_caches=[]``.
+            ``value_caches=[]``. On the CPU a layer's pair may be tiled (:func:`pack_cache`: both of the layer's
+            caches; the layers' logical shapes, dtypes and devices must agree).
         block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` (or a list of pairs), on the CPU or
             the caches' device. Every pair is copied in every layer; destinations are distinct and never sources.
             On CUDA all layers and pairs take one kernel launch and the host never waits for the device.
@@ -160,7 +171,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: BlockMappin
             itself (one copy instead of two). So the runs dst's blocks span must not overlap src's (e.g. the K and
             V halves of one packed cache cannot be swapped into each other) nor ``block_mapping``, unless src and
             dst are the same memory (same data pointer, shape and strides: one cache, whose destinations are then
-            never sources).
+            never sources). Tiled caches (:func:`pack_cache`) are swapped as any others: a block is a contiguous run.
         block_mapping: int64 ``[num_pairs, 2]`` of ``(src_block, dst_block)`` on the CPU (or a list of pairs);
             destinations are distinct.
 
@@ -202,7 +213,8 @@ def paged_attention(
             ``h // (num_heads // num_kv_heads)``). The values may have a width of their own, ``head_dim_v``
             (``value_cache`` ``[..., head_dim_v]``, the output too): MLA's prefill with up-projected keys of 192 and
             values of 128, or a latent cache's first columns as values (CPU; on CUDA not yet). On the CPU such a
-            call runs every row on the decode kernel (the rows of a prompt share its partitions there).
+            call runs every row on the decode kernel (the rows of a prompt share its partitions there). On the CPU
+            the caches may be a tiled pair (:func:`pack_cache`; then ``head_dim_v = head_dim``).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past ``ceil(seq_lens[s] / block_size)`` are
             never read and may hold anything (e.g. -1).
         seq_lens: int32 ``[num_seqs]``: tokens of each sequence in the cache, the query tokens' own included
@@ -288,7 +300,10 @@ def paged_attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
-        out = torch.empty(query.shape[:2] + value_cache.shape[3:], dtype=query.dtype, device=query.device)
+        # head_dim_v: a row-major cache's last size; a tiled one's is not (its logical shape says it). The op checks
+        # the caches; a malformed one only sizes out wrongly here before the op refuses it.
+        value_shape = logical_shape(value_cache) if is_tiled(value_cache) else value_cache.shape
+        out = torch.empty(tuple(query.shape[:2]) + tuple(value_shape[3:]), dtype=query.dtype, device=query.device)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device) if return_lse else None
     torch.ops.paged_attn.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), alibi_slopes,

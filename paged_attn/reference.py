@@ -1,4 +1,9 @@
-"""Pure-PyTorch references for every op, written for clarity, not speed. Tests compare the kernels with them."""
+"""Pure-PyTorch references for every op, written for clarity, not speed. Tests compare the kernels with them.
+
+Tiled caches (paged_attn/tiled_cache.py): the references of the cache ops and of paged_attention take a tiled pair
+as the ops do; they compute on the row-major caches unpack_cache gives, and the writers write the result back, packed.
+copy_blocks and swap_blocks move whole blocks, which is the same for either layout.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import math
 from typing import Optional, Sequence
 
 import torch
+
+from .tiled_cache import is_tiled, pack_cache, unpack_cache
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -36,13 +43,20 @@ def dequantize_fp8(
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], or a tiled pair
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens], int64, < 0 = padding
     *,
     k_scale: Optional[torch.Tensor] = None,  # float32 [1], fp8 caches only
     v_scale: Optional[torch.Tensor] = None,
 ) -> None:
+    if is_tiled(key_cache) or is_tiled(value_cache):
+        key_rows, value_rows = unpack_cache(key_cache, value_cache)  # (checks the pair)
+        reshape_and_cache(key, value, key_rows, value_rows, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        key_tiled, value_tiled = pack_cache(key_rows, value_rows)
+        key_cache.copy_(key_tiled)  # in place, whatever the caches' block stride
+        value_cache.copy_(value_tiled)
+        return
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -54,7 +68,7 @@ def reshape_and_cache(
 
 
 def copy_blocks(
-    key_caches: Sequence[torch.Tensor],  # num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
+    key_caches: Sequence[torch.Tensor],  # num_layers x [num_blocks, ...] (any layout: whole blocks are copied)
     value_caches: Sequence[torch.Tensor],
     block_mapping: torch.Tensor,  # [num_pairs, 2] of (src_block, dst_block)
 ) -> None:
@@ -74,7 +88,7 @@ def swap_blocks(
 
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], or a tiled pair
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v] (head_dim_v: any)
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq], int32
     seq_lens: torch.Tensor,  # [num_seqs], int32
@@ -96,6 +110,8 @@ def paged_attention(
     reaches it). return_lse: also each row's natural-log log-sum-exp of its final logits (-inf for a row that sees
     no key). sinks: as openai/gpt-oss's torch/model.py sdpa, the sink is concatenated to the row's final logits
     before the softmax and its weight dropped (+inf: the limit, weights 0 and lse +inf); the lse counts it."""
+    if is_tiled(key_cache) or is_tiled(value_cache):
+        key_cache, value_cache = unpack_cache(key_cache, value_cache)  # (checks the pair)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -236,7 +252,8 @@ class PagedAttentionExecutor:
     It keeps its own cache layout, the one of the paper's (and vLLM's original) kernel: keys as
     ``[num_blocks, num_kv_heads, head_dim, block_size]``, so that one block of keys for a head is a matrix the query
     multiplies directly, and values as ``[num_blocks, num_kv_heads, block_size, head_dim]``. ``from_nhd`` converts
-    this project's cache layout. Slow on purpose: read it, don't run it in production.
+    this project's row-major cache layout (a tiled pair: ``unpack_cache`` it first). Slow on purpose: read it, don't
+    run it in production.
     """
 
     def __init__(self, key_blocks: torch.Tensor, value_blocks: torch.Tensor):

@@ -31,17 +31,59 @@
 
 #include "amx_kernels.h"  // (attention_common.h first): use_amx, avx512_bf16_path
 
+#include <ATen/Functions.h>
 #include <torch/library.h>
 
 namespace paged_attn {
 
 namespace {
 
+// A call on tiled caches that the tiled kernel does not serve (a query of another dtype than bfloat16, a CPU without
+// AVX512_BF16, sequences for the prefill kernel): the blocks the rows read (as check_block_table_range reckons
+// them: from the first row's window start to the end) unpacked into row-major caches, and the block tables
+// renumbered to them (entries no row reads: 0). The rows' bits are then those of row-major caches.
+struct UnpackedBlocks {
+  at::Tensor key_cache, value_cache, block_tables;
+};
+UnpackedBlocks unpack_read_blocks(const at::Tensor& key_tiled, const at::Tensor& value_tiled,
+                                  const at::Tensor& tables,  // [num_seqs, max_blocks_per_seq], int32, contiguous
+                                  const at::Tensor& lens,    // [num_seqs], int32, contiguous
+                                  const at::Tensor& starts,  // [num_seqs + 1], int32, contiguous, or undefined
+                                  int64_t block_size, int64_t sliding_window) {
+  const int64_t num_seqs = tables.size(0), width = tables.size(1);
+  std::vector<int32_t> new_id(key_tiled.size(0), -1);
+  std::vector<int64_t> read;
+  at::Tensor renumbered = at::zeros(tables.sizes(), tables.options());
+  const int32_t* table = tables.const_data_ptr<int32_t>();
+  const int32_t* len = lens.const_data_ptr<int32_t>();
+  int32_t* out = renumbered.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first_row = int64_t{len[s]} - (starts.defined() ? starts.const_data_ptr<int32_t>()[s + 1] -
+                                                                        starts.const_data_ptr<int32_t>()[s]
+                                                                  : 1);
+    const int64_t first_read = sliding_window > 0 ? std::max<int64_t>(0, first_row - sliding_window + 1) : 0;
+    for (int64_t b = first_read / block_size; b < (len[s] + block_size - 1) / block_size; ++b) {
+      int32_t& id = new_id[table[s * width + b]];
+      if (id < 0) id = static_cast<int32_t>(read.size()), read.push_back(table[s * width + b]);
+      out[s * width + b] = id;
+    }
+  }
+  const at::Tensor ids = at::empty({static_cast<int64_t>(read.size())}, at::kLong);
+  std::copy(read.begin(), read.end(), ids.data_ptr<int64_t>());
+  const int64_t n = ids.size(0), num_kv_heads = key_tiled.size(1), head_dim = value_tiled.size(3);
+  // As integers of the element's width (index_select and copies of any dtype), then back.
+  const auto bits = key_tiled.element_size() == 1 ? at::kByte : at::kShort;
+  const at::Tensor key = key_tiled.view(bits).index_select(0, ids).permute({0, 2, 4, 1, 3, 5});
+  const at::Tensor value = value_tiled.view(bits).index_select(0, ids).permute({0, 2, 4, 1, 3});
+  return {key.reshape({n, block_size, num_kv_heads, head_dim}).view(key_tiled.scalar_type()),
+          value.reshape({n, block_size, num_kv_heads, head_dim}).view(value_tiled.scalar_type()), renumbered};
+}
+
 // paged_attention_cpu's work, with p_terms (AttentionParams): 1 for MLA.
 void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_heads, head_dim], contiguous
                          const at::Tensor& query,         // [num_tokens, num_heads, head_dim], last dim contiguous
-                         const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_dim]
-                         const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_dim]
+                         const at::Tensor& key_cache,     // [num_blocks, block_size, num_kv_heads, head_dim], or tiled
+                         const at::Tensor& value_cache,   // [num_blocks, block_size, num_kv_heads, head_dim], or tiled
                          const at::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq], int32
                          const at::Tensor& seq_lens,      // [num_seqs], int32
                          double scale,
@@ -55,21 +97,22 @@ void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_he
                          const std::optional<at::Tensor>& sinks,  // [num_heads], float32/16, bfloat16, or none
                          // [num_tasks, 11], int32, or none: checked, not read (this kernel finds the sharing itself)
                          const std::optional<at::Tensor>& shared_plan, int p_terms) {
-  check_paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
+  const auto [key_checked, value_checked] = caches_for_checks(key_cache, value_cache);  // tiled: as 4 dims
+  check_paged_attention_args(out, query, key_checked, value_checked, block_tables, seq_lens, scale, alibi_slopes,
                              sliding_window, logits_soft_cap, query_start_loc, max_query_len, k_scale, v_scale, lse,
                              sinks, shared_plan);
-  const int64_t block_size = key_cache.size(1);
+  const int64_t block_size = key_checked.size(1);
   if (query_start_loc.has_value()) {
     check_query_start_loc_range(*query_start_loc, seq_lens, query.size(0), max_query_len);
   }
-  check_block_table_range(block_tables, seq_lens, key_cache.size(0), block_size, query_start_loc, sliding_window);
+  check_block_table_range(block_tables, seq_lens, key_checked.size(0), block_size, query_start_loc, sliding_window);
   check_kv_scale_values(k_scale, v_scale);
   check_sink_values(sinks);
   if (out.numel() == 0) return;
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(2), head_dim_v = value_cache.size(3);
+  const int64_t num_kv_heads = key_checked.size(2), head_dim_v = value_checked.size(3);
 
-  const auto tables = block_tables.contiguous();
+  auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const auto slopes = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
   const auto sinks_f32 = sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();  // exact
@@ -97,14 +140,21 @@ void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_he
       }
     }
   }
+  // Tiled caches: read as they are by the AVX-512 bf16 decode steps (avx512_kernels.h), else unpacked.
+  at::Tensor keys = key_cache, values = value_cache;
+  if (is_tiled(key_cache) && !(query.scalar_type() == at::kBFloat16 && use_avx512() && prefill_seqs.empty())) {
+    UnpackedBlocks unpacked = unpack_read_blocks(key_cache, value_cache, tables, lens, starts, block_size,
+                                                 sliding_window);
+    keys = unpacked.key_cache, values = unpacked.value_cache, tables = unpacked.block_tables;
+  }
   const float k_scale_value = k_scale.has_value() ? k_scale->item<float>() : 1.f;
   const float v_scale_value = v_scale.has_value() ? v_scale->item<float>() : 1.f;
   const auto run = [&](auto dtype_tag, auto cache_tag) {
     using scalar_t = decltype(dtype_tag);
     using cache_t = decltype(cache_tag);
     AttentionParams<scalar_t, cache_t> params;
-    params.kv.key = cpu::paged_cache_of<const cache_t>(key_cache);
-    params.kv.value = cpu::paged_cache_of<const cache_t>(value_cache);
+    params.kv.key = cpu::paged_cache_of<const cache_t>(keys);
+    params.kv.value = cpu::paged_cache_of<const cache_t>(values);
     params.query = query.const_data_ptr<scalar_t>();
     params.query_row_stride = query.stride(0);
     params.query_head_stride = query.stride(1);
@@ -123,7 +173,8 @@ void run_paged_attention(at::Tensor& out,                 // [num_tokens, num_he
     params.logits_soft_cap = static_cast<float>(logits_soft_cap);
     params.v_scale = v_scale_value;
     params.avx512_bf16 = avx512_bf16_path<scalar_t, cache_t>(head_dim, head_dim_v);
-    params.amx = params.avx512_bf16 && use_amx() && head_dim_v == head_dim;
+    params.tiled = params.kv.key.tiled;
+    params.amx = params.avx512_bf16 && use_amx() && head_dim_v == head_dim && !params.tiled;
     params.p_terms = p_terms;
     params.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
     params.sinks = sinks_f32.defined() ? sinks_f32.const_data_ptr<float>() : nullptr;

@@ -118,16 +118,35 @@ using cpu::PagedKV;
 
 // The rows of up to kTileTokens consecutive tokens [first, first + num_tokens) of one sequence. Entries from
 // num_tokens on repeat the last token's rows, so that full-width loops may read them (their p is 0).
+// Tiled caches (paged_cache.h): the tokens are lanes [lane0, lane0 + num_tokens) of the cache's tile that holds
+// them (first - lane0 a multiple of 16), key_tile and value_tile its kv head 0's keys and values; keys[i] and
+// values[i] are then the tiles' head_dim-wide slices lane0 + i, the memory the prefetcher walks.
 template <typename scalar_t>
 struct Tile {
   int64_t first = 0, num_tokens = 0;
   const scalar_t* keys[kTileTokens];    // token first + i: [num_kv_heads, head_dim]
   const scalar_t* values[kTileTokens];  // token first + i: [num_kv_heads, head_dim]
+  int64_t lane0 = 0;                    // tiled: the first token's lane (row-major: 0)
+  const scalar_t* key_tile = nullptr;   // tiled: [head_dim / 2][16][2]; kv head h: + h * head_stride
+  const scalar_t* value_tile = nullptr;  // tiled: [8][head_dim][2]
 
   void load(const PagedKV<scalar_t>& kv, const int32_t* block_table, int64_t block_size, int64_t tile_first,
             int64_t end) {
     first = tile_first;
     num_tokens = std::min(kTileTokens, end - first);
+    if (kv.key.tiled) {  // a tile lies in one block (block_size a multiple of 16)
+      static_assert(kTileTokens == cpu::kTiledTokens, "a decode tile is a cache tile");
+      lane0 = first % kTileTokens;
+      const int64_t block = block_table[first / block_size], offset = first % block_size;
+      key_tile = kv.key.tile(block, offset), value_tile = kv.value.tile(block, offset);
+      for (int64_t i = 0; i < num_tokens; ++i) {
+        keys[i] = key_tile + (lane0 + i) * kv.key.token_stride;
+        values[i] = value_tile + (lane0 + i) * kv.value.token_stride;
+      }
+      std::fill(keys + num_tokens, keys + kTileTokens, keys[num_tokens - 1]);
+      std::fill(values + num_tokens, values + kTileTokens, values[num_tokens - 1]);
+      return;
+    }
     int64_t block = first / block_size, offset = first % block_size;
     for (int64_t i = 0; i < num_tokens; ++i) {
       keys[i] = kv.key.token(block_table[block], offset);

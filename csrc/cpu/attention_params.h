@@ -43,6 +43,8 @@ struct AttentionParams {  // every field set by name (attention.cpp: paged_atten
   const float* sinks = nullptr;  // [num_heads]: each head's sink logit (gpt-oss), or nullptr
   bool avx512_bf16 = false;  // take the AVX-512 bf16 path (and keep acc in its order, see acc_index)
   bool amx = false;          // and within it the AMX path for the decode steps (amx_kernels.h)
+  bool tiled = false;        // the caches are tiled (paged_cache.h), read as they are on the AVX-512 bf16 path; acc
+                             // then in the natural order
   // The bfloat16 terms of each softmax weight p in the AVX-512 path's P V products: 2 (hi + lo: p to about 2^-16,
   // as float32 math) or 1 (p rounded to bfloat16, half the products: MLA, whose heads make decode compute-bound).
   int p_terms = 2;

@@ -12,10 +12,16 @@
 // the same hi + lo, so the weights still sum to one. The output agrees with the float32 reference to float32
 // rounding, not just to the half-type tolerance. hi and lo are both > 0 where p > 0, and rows past a tile's
 // tokens are not multiplied, so that a value of inf gives inf as in float32 (never 0 * inf or inf - inf).
+//
+// Tiled caches (paged_cache.h) are read as they are, with no shuffles: q . k as head_dim / 2 vdpbf16ps per head, each
+// a tile row (one pair of dims of the 16 tokens) times the query's pair broadcast, into the 16 tokens' logits (no
+// sum across lanes); p * v as one vdpbf16ps per 16 dims, token pair and term, a tile row of values (16 dims of
+// the pair, interleaved) times the pair's weights broadcast, into the accumulator in the natural order.
 #pragma once
 
 #include "attention_common.h"
 #include "avx512_math.h"  // PA_TARGET_AVX512, exp_nonpositive, widen_bf16, round_to_bf16
+
 
 namespace paged_attn {
 namespace {
@@ -121,6 +127,53 @@ PA_TARGET_AVX512 void tile_logits_avx512(const at::BFloat16* q, int64_t q_stride
     const __m512 sums = add_lane_pairs(add_lane_pairs(quarter[j][0], quarter[j][1]),
                                        add_lane_pairs(quarter[j][2], quarter[j][3]));
     logits[j] = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+  }
+}
+
+// A pair of bfloat16 read as one 32-bit word (for a broadcast), at any even address (a query head may start at any
+// element), without breaking the aliasing rules.
+typedef int32_t bf16_pair_t __attribute__((aligned(2), may_alias));
+
+// Step 1 on a tiled cache: logits[j] lane i = scale * (q_j . k_i) for kHeads bf16 query heads q_j = q + j * q_stride
+// over the 16 tokens of a tile of keys, key_tile [head_dim / 2][16][2]: per tile row (dims 2r, 2r + 1) one vdpbf16ps
+// per head into U running sums per head (U * kHeads >= 8 independent chains, to cover the latency). Prefetch: the
+// rows in 16 equal parts, one step and the next unit's slice (its keys(i)) per part.
+template <int kHeads, typename cache_t>
+PA_TARGET_AVX512 void tile_logits_tiled_avx512(const at::BFloat16* q, int64_t q_stride, const cache_t* key_tile,
+                                               int64_t head_dim, float scale, Prefetcher<cache_t>* prefetcher,
+                                               __m512 logits[kHeads]) {
+  constexpr int U = kHeads >= 3 ? 2 : 8 / kHeads;  // head_dim / 2 is a multiple of 16
+  const Bf16Decoder decoder = bf16_decoder<cache_t>();
+  const int64_t num_rows = head_dim / 2, part_rows = num_rows / kTileTokens;  // prefetch: a step per 16th
+  const bf16_pair_t* pairs[kHeads];  // each head's query as pairs of dims
+#pragma GCC unroll 4
+  for (int j = 0; j < kHeads; ++j) pairs[j] = reinterpret_cast<const bf16_pair_t*>(q + j * q_stride);
+  __m512 acc[kHeads][U];
+#pragma GCC unroll 4
+  for (int j = 0; j < kHeads; ++j)
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
+  // Steps of step_rows rows (a multiple of U and of part_rows: both powers of two), each with its parts' prefetch.
+  const int64_t step_rows = std::max<int64_t>(U, part_rows), parts_per_step = step_rows / part_rows;
+  int64_t part = 0;
+  for (int64_t r0 = 0; r0 < num_rows; r0 += step_rows) {
+    for (int64_t p = 0; prefetcher && p < parts_per_step; ++p, ++part) prefetcher->step(), prefetcher->keys(part);
+    for (int64_t r = r0; r < r0 + step_rows; r += U) {
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const __m512bh keys = (__m512bh)load_bf16x32(key_tile + (r + u) * 2 * kTileTokens, decoder);
+#pragma GCC unroll 4
+        for (int j = 0; j < kHeads; ++j) {
+          acc[j][u] = _mm512_dpbf16_ps(acc[j][u], keys, (__m512bh)_mm512_set1_epi32(pairs[j][r + u]));
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < kHeads; ++j) {
+#pragma GCC unroll 8
+    for (int u = 1; u < U; ++u) acc[j][0] = _mm512_add_ps(acc[j][0], acc[j][u]);
+    logits[j] = _mm512_mul_ps(acc[j][0], _mm512_set1_ps(scale));
   }
 }
 
@@ -235,6 +288,72 @@ PA_TARGET_AVX512 void tile_values_avx512(const uint32_t* p_pairs, const cache_t*
                                               main == 0 ? prefetcher : nullptr);
 }
 
+// Step 3 on a tiled cache: acc_j += sum_i p_j[i] * v_i for kHeads heads (acc_j = acc + j * head_dim, natural order;
+// p_j the pairs p_pairs + j * 16) over the tile's lanes [lane0, lane0 + num_tokens) of value_tile [8][head_dim][2],
+// dims [d_begin, d_end), C vectors of 16 dims at a time: per token pair and vector one tile row (16 dims of the
+// two tokens, interleaved) times the pair's weights broadcast, per head and term. NOTE: a pair's lane outside the
+// tile's tokens (its p is 0) is zeroed in the row, never multiplied: it may hold anything, NaN or inf.
+template <int kHeads, int C, int kTerms, typename cache_t>
+PA_TARGET_AVX512 void tile_values_tiled_avx512_range(const uint32_t* p_pairs, const cache_t* value_tile,
+                                                     int64_t lane0, int64_t num_tokens, int64_t head_dim,
+                                                     int64_t d_begin, int64_t d_end, float* acc,
+                                                     Prefetcher<cache_t>* prefetcher) {
+  const Bf16Decoder decoder = bf16_decoder<cache_t>();
+  const int64_t first_pair = lane0 / 2, end_pair = (lane0 + num_tokens + 1) / 2;
+  // The 16-bit elements kept in the first and the last pair: the second token only where lane0 is odd, the first
+  // only where the tokens end at an odd lane.
+  const __mmask32 first_keep = lane0 % 2 ? 0xAAAAAAAAu : 0xFFFFFFFFu;
+  const __mmask32 last_keep = (lane0 + num_tokens) % 2 ? 0x55555555u : 0xFFFFFFFFu;
+  for (int64_t d = d_begin; d + C * 16 <= d_end; d += C * 16) {
+    __m512 sum[kHeads][C];
+#pragma GCC unroll 4
+    for (int j = 0; j < kHeads; ++j)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) sum[j][c] = _mm512_loadu_ps(acc + j * head_dim + d + c * 16);
+    for (int64_t pair = first_pair; pair < end_pair; ++pair) {
+      if (prefetcher && d == d_begin) {
+        prefetcher->step(), prefetcher->step();
+        prefetcher->values(2 * (pair - first_pair)), prefetcher->values(2 * (pair - first_pair) + 1);
+      }
+      const __mmask32 keep = (pair == first_pair ? first_keep : 0xFFFFFFFFu) &
+                             (pair + 1 == end_pair ? last_keep : 0xFFFFFFFFu);
+      __m512bh rows[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        rows[c] = (__m512bh)_mm512_maskz_mov_epi16(
+            keep, load_bf16x32(value_tile + pair * 2 * head_dim + 2 * (d + c * 16), decoder));
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < kHeads; ++j) {
+        const uint32_t* pairs = p_pairs + j * kTileTokens + pair;
+        const __m512bh weight_hi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[0]));
+        const __m512bh weight_lo = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[kTileTokens / 2]));
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          if constexpr (kTerms == 2) sum[j][c] = _mm512_dpbf16_ps(sum[j][c], rows[c], weight_lo);
+          sum[j][c] = _mm512_dpbf16_ps(sum[j][c], rows[c], weight_hi);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < kHeads; ++j)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * head_dim + d + c * 16, sum[j][c]);
+  }
+}
+
+template <int kHeads, int kTerms, typename cache_t>
+PA_TARGET_AVX512 void tile_values_tiled_avx512(const uint32_t* p_pairs, const cache_t* value_tile, int64_t lane0,
+                                               int64_t num_tokens, int64_t head_dim, float* acc,
+                                               Prefetcher<cache_t>* prefetcher) {
+  constexpr int C = kHeads >= 3 ? 4 : 8 / kHeads;  // at least 8 accumulators, at most 16
+  const int64_t main = head_dim / (C * 16) * (C * 16);
+  tile_values_tiled_avx512_range<kHeads, C, kTerms>(p_pairs, value_tile, lane0, num_tokens, head_dim, 0, main, acc,
+                                                    prefetcher);
+  tile_values_tiled_avx512_range<kHeads, 2, kTerms>(p_pairs, value_tile, lane0, num_tokens, head_dim, main,
+                                                    head_dim, acc, main == 0 ? prefetcher : nullptr);
+}
+
 // Step 2 for query head `head` over one tile (the AVX-512 and AMX paths): its scaled logits x, with soft cap and
 // ALiBi (apply_logit_mods edits them in memory, at spill: 16 floats), masked to the tile's tokens, into the row's
 // running state (sc); p as bfloat16 pairs into p_pairs.
@@ -244,10 +363,10 @@ PA_TARGET_AVX512 inline void softmax_head_avx512(const AttentionParams<at::BFloa
                                                  __m512 x, float* spill, Scratch& sc, uint32_t* p_pairs) {
   if (params.logits_soft_cap > 0 || params.alibi_slopes) {
     _mm512_storeu_ps(spill, x);
-    apply_logit_mods(params, head, tile.first, last_token, spill);
+    apply_logit_mods(params, head, tile.first - tile.lane0, last_token, spill);  // lane 0's token
     x = _mm512_loadu_ps(spill);
   }
-  const __mmask16 valid = static_cast<__mmask16>((1u << tile.num_tokens) - 1);
+  const __mmask16 valid = static_cast<__mmask16>(((1u << tile.num_tokens) - 1) << tile.lane0);
   softmax_tile_avx512<kTerms>(_mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegInf), x), sc.max_logit + head,
                               sc.exp_sums + head * kTileTokens, sc.acc + head * params.head_dim_v, params.head_dim_v,
                               p_pairs);
@@ -261,16 +380,27 @@ PA_TARGET_AVX512 void attend_heads_avx512(const AttentionParams<at::BFloat16, ca
                                           const Tile<cache_t>& tile, int64_t last_token, Scratch& sc,
                                           Prefetcher<cache_t>* prefetcher) {
   const int64_t head_dim = params.head_dim;
+  const at::BFloat16* q = query + head0 * params.query_head_stride;
   __m512 logits[kHeads];
-  tile_logits_avx512<kHeads>(query + head0 * params.query_head_stride, params.query_head_stride, tile.keys,
-                             kv_head * params.kv.key.head_stride,
-                             head_dim, params.scale, prefetcher, logits);
+  if (params.tiled) {
+    tile_logits_tiled_avx512<kHeads>(q, params.query_head_stride, tile.key_tile + kv_head * params.kv.key.head_stride,
+                                     head_dim, params.scale, prefetcher, logits);
+  } else {
+    tile_logits_avx512<kHeads>(q, params.query_head_stride, tile.keys, kv_head * params.kv.key.head_stride, head_dim,
+                               params.scale, prefetcher, logits);
+  }
   for (int j = 0; j < kHeads; ++j) {
     softmax_head_avx512<kTerms>(params, head0 + j, tile, last_token, logits[j], sc.logits + j * kTileTokens, sc,
                                 sc.p_pairs + j * kTileTokens);
   }
-  tile_values_avx512<kHeads, kTerms>(sc.p_pairs, tile.values, tile.num_tokens, kv_head * params.kv.value.head_stride,
-                                     params.head_dim_v, sc.acc + head0 * params.head_dim_v, prefetcher);
+  float* acc = sc.acc + head0 * params.head_dim_v;
+  if (params.tiled) {
+    tile_values_tiled_avx512<kHeads, kTerms>(sc.p_pairs, tile.value_tile + kv_head * params.kv.value.head_stride,
+                                             tile.lane0, tile.num_tokens, params.head_dim_v, acc, prefetcher);
+  } else {
+    tile_values_avx512<kHeads, kTerms>(sc.p_pairs, tile.values, tile.num_tokens,
+                                       kv_head * params.kv.value.head_stride, params.head_dim_v, acc, prefetcher);
+  }
 }
 
 template <typename cache_t>
@@ -290,10 +420,15 @@ void attend_tile_avx512(const AttentionParams<at::BFloat16, cache_t>& params, co
 
 // out[d] = bfloat16(acc[acc_index(d)] * scale) for d < head_dim (a multiple of 32): step 3's accumulator order
 // undone 32 elements at a time (lo holds elements 8L + 0..3 of each 128-bit lane L, hi 8L + 4..7) and rounded as
-// the scalar conversion rounds (round_to_bf16): the same bits.
-PA_TARGET_AVX512 inline void store_head_avx512(const float* acc, float scale, at::BFloat16* out, int64_t head_dim) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+// the scalar conversion rounds (round_to_bf16): the same bits. acc_index_order = false (tiled caches): acc in the
+// natural order.
+PA_TARGET_AVX512 inline void store_head_avx512(const float* acc, float scale, at::BFloat16* out, int64_t head_dim,
+                                               bool acc_index_order = true) {
+  const __m512i first = acc_index_order ? _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23)
+                                        : _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i second =
+      acc_index_order ? _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31)
+                      : _mm512_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
   const __m512 factor = _mm512_set1_ps(scale);
   for (int64_t d = 0; d < head_dim; d += kBf16Vec) {
     const __m512 lo = _mm512_loadu_ps(acc + d), hi = _mm512_loadu_ps(acc + d + 16);

@@ -67,6 +67,46 @@ void quantize_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   });
 }
 
+// reshape_and_cache into tiled caches (paged_cache.h): each element to its place in its tile, converted to the cache
+// type (bfloat16: as it is; fp8: quantize_fp8 with its cache's scale).
+template <typename scalar_t, typename cache_t>
+void write_tiled(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                 const int64_t* slot_ptr, float k_scale, float v_scale) {
+  const auto k_cache = cpu::paged_cache_of<cache_t>(key_cache);
+  const auto v_cache = cpu::paged_cache_of<cache_t>(value_cache);
+  const int64_t num_tokens = key.size(0), num_kv_heads = k_cache.num_kv_heads, head_dim = k_cache.head_dim;
+  const auto* key_ptr = key.const_data_ptr<scalar_t>();
+  const auto* value_ptr = value.const_data_ptr<scalar_t>();
+  const float max_finite = is_fp8(key_cache.scalar_type()) ? fp8_max_finite(key_cache.scalar_type()) : 0.f;
+  const auto convert = [max_finite](scalar_t x, float scale) {
+    if constexpr (std::is_same_v<scalar_t, cache_t>) {
+      (void)scale;
+      return x;
+    } else {
+      return quantize_fp8<cache_t>(static_cast<float>(x), scale, max_finite);
+    }
+  };
+  at::parallel_for(0, num_tokens, grain_for(2 * num_kv_heads * head_dim * int64_t{sizeof(cache_t)}),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t slot = slot_ptr[token];
+      if (slot < 0) continue;  // padding token
+      const int64_t block = slot / k_cache.block_size, offset = slot % k_cache.block_size;
+      const int64_t i = offset % cpu::kTiledTokens;  // the token's place in its tile
+      for (int64_t head = 0; head < num_kv_heads; ++head) {
+        const scalar_t* k = key_ptr + token * key.stride(0) + head * key.stride(1);
+        const scalar_t* v = value_ptr + token * value.stride(0) + head * value.stride(1);
+        cache_t* k_tile = k_cache.tile(block, offset) + head * k_cache.head_stride;
+        cache_t* v_tile = v_cache.tile(block, offset) + head * v_cache.head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          k_tile[k_cache.key_index(i, d)] = convert(k[d], k_scale);
+          v_tile[v_cache.value_index(i, d)] = convert(v[d], v_scale);
+        }
+      }
+    }
+  });
+}
+
 void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_kv_heads, head_dim]
                            const at::Tensor& value,        // [num_tokens, num_kv_heads, head_dim]
                            at::Tensor& key_cache,          // [num_blocks, block_size, num_kv_heads, head_dim]
@@ -74,12 +114,35 @@ void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_k
                            const at::Tensor& slot_mapping,  // [num_tokens], int64, < 0 = padding
                            const std::optional<at::Tensor>& k_scale,    // [1], float32 (fp8 caches only)
                            const std::optional<at::Tensor>& v_scale) {  // [1], float32 (fp8 caches only)
-  check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
-  const int64_t num_tokens = key.size(0), block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
-  check_slot_range(slot_mapping, key_cache.size(0) * block_size);
+  const auto [key_checked, value_checked] = caches_for_checks(key_cache, value_cache);  // tiled: as 4 dims
+  check_reshape_and_cache_args(key, value, key_checked, value_checked, slot_mapping, k_scale, v_scale);
+  const int64_t num_tokens = key.size(0), block_size = key_checked.size(1);
+  const int64_t num_kv_heads = key_checked.size(2), head_dim = key_checked.size(3);
+  check_slot_range(slot_mapping, key_checked.size(0) * block_size);
   check_kv_scale_values(k_scale, v_scale);
   if (num_tokens == 0 || num_kv_heads * head_dim == 0) return;
+  if (is_tiled(key_cache)) {
+    const auto slots = slot_mapping.contiguous();
+    const float ks = k_scale.has_value() ? k_scale->item<float>() : 1.f;
+    const float vs = v_scale.has_value() ? v_scale->item<float>() : 1.f;
+    const auto run = [&](auto key_tag, auto cache_tag) {
+      write_tiled<decltype(key_tag), decltype(cache_tag)>(key, value, key_cache, value_cache,
+                                                          slots.const_data_ptr<int64_t>(), ks, vs);
+    };
+    const auto by_cache = [&](auto key_tag) {
+      switch (key_cache.scalar_type()) {  // check_tiled_cache_pair allows exactly these
+        case at::kFloat8_e4m3fn: return run(key_tag, c10::Float8_e4m3fn{});
+        case at::kFloat8_e5m2: return run(key_tag, c10::Float8_e5m2{});
+        default: return run(key_tag, at::BFloat16{});
+      }
+    };
+    switch (key.scalar_type()) {  // bfloat16 for a bfloat16 cache (check_dtype_for_cache)
+      case at::kFloat: return by_cache(float{});
+      case at::kHalf: return by_cache(at::Half{});
+      case at::kBFloat16: return by_cache(at::BFloat16{});
+      default: TORCH_INTERNAL_ASSERT(false, "unreachable: dtype checked above");
+    }
+  }
   if (is_fp8(key_cache.scalar_type())) {
     const auto slots = slot_mapping.contiguous();
     const float ks = k_scale.has_value() ? k_scale->item<float>() : 1.f;
@@ -193,6 +256,13 @@ void concat_and_cache_mla_cpu(const at::Tensor& kv_c,          // [num_tokens, k
 void copy_blocks_cpu(at::TensorList key_caches,     // num_layers x [num_blocks, block_size, num_kv_heads, head_dim]
                      at::TensorList value_caches,   // num_layers x the same, or none (then key_caches may be latent)
                      const at::Tensor& block_mapping) {  // [num_pairs, 2] of (src_block, dst_block), int64
+  // Tiled caches as their 4-dim views (caches_for_checks): a block is one contiguous run in both layouts, and
+  // copy_blocks moves whole blocks.
+  std::vector<at::Tensor> keys(key_caches.begin(), key_caches.end()), values(value_caches.begin(), value_caches.end());
+  for (size_t layer = 0; layer < values.size() && layer < keys.size(); ++layer) {
+    std::tie(keys[layer], values[layer]) = caches_for_checks(keys[layer], values[layer]);
+  }
+  key_caches = keys, value_caches = values;
   check_copy_blocks_args(key_caches, value_caches, block_mapping);
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   if (num_layers == 0 || block_mapping.size(0) == 0) return;

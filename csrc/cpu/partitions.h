@@ -77,13 +77,13 @@ void write_row(const AttentionParams<scalar_t, cache_t>& params, int64_t row, Ro
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       if (params.avx512_bf16) {
-        store_head_avx512(acc, inv_sum, dst, head_dim);
+        store_head_avx512(acc, inv_sum, dst, head_dim, /*acc_index_order=*/!params.tiled);
         continue;
       }
     }
 #endif
     for (int64_t d = 0; d < head_dim; ++d) {
-      dst[d] = static_cast<scalar_t>(acc[acc_index(d, params.avx512_bf16)] * inv_sum);
+      dst[d] = static_cast<scalar_t>(acc[acc_index(d, params.avx512_bf16 && !params.tiled)] * inv_sum);
     }
   }
 }

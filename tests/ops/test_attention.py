@@ -165,12 +165,15 @@ def test_cpu_bfloat16_group_sizes(num_heads, num_kv_heads):
     check(make_case([3, 64, 100], num_heads, num_kv_heads, 64, 16, torch.bfloat16, "cpu"), torch.bfloat16)
 
 
-def check_bfloat16_is_as_exact_as_float32_math(head_dim):
+def check_bfloat16_is_as_exact_as_float32_math(head_dim, tiled=False):
     """Stricter than the half-type tolerance: every path must compute in float32 (the AVX-512 bf16 path splits p
     into two bf16 terms for that), so the bf16 output is the reference's to within one bf16 unit in the last
-    place, plus 1e-5 for the order of the float32 sums. Rounding p to a single bf16 misses this by ~2e-3."""
+    place, plus 1e-5 for the order of the float32 sums. Rounding p to a single bf16 misses this by ~2e-3.
+    tiled: the op reads the caches packed (paged_attn.pack_cache), the reference the row-major ones."""
     case = make_case([1, 17, 300, 1000, 77], 32, 8, head_dim, 16, torch.bfloat16, "cpu")
-    actual = paged_attn.paged_attention(*case).float()
+    query, key_cache, value_cache, block_tables, seq_lens = case
+    caches = paged_attn.pack_cache(key_cache, value_cache) if tiled else (key_cache, value_cache)
+    actual = paged_attn.paged_attention(query, *caches, block_tables, seq_lens).float()
     expected = reference.paged_attention(*case).float()
     ulp = torch.exp2(torch.floor(torch.log2(expected.abs().clamp_min(1e-30))) - 7)  # bf16 keeps 8 bits
     excess = ((actual - expected).abs() - ulp).max().item()
