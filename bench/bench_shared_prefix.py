@@ -17,6 +17,11 @@ output does not depend on which physical blocks hold its keys), and against the 
 reads every block itself; what the caches alone give). ``bytes ratio`` is the KV bytes the distinct batch reads
 over those the shared one needs read once.
 
+``--tiled`` (bfloat16): also the shared batch on the same caches in the tiled layout (``paged_attn.pack_cache``),
+checked against the reference, timed in the same rounds; and, where ``bench/dot_peak.c`` builds and runs, each
+shared call's share of the vdpbf16ps peak (its products: 3 * head_dim / 32 per query head and key token, q . k
+and p * v in two bfloat16 terms; over threads x one core's peak, measured once before the cases).
+
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py
     GOMP_SPINCOUNT=0 .venv/bin/python bench/bench_shared_prefix.py --quick
     python bench/bench_shared_prefix.py --device cuda        # on a GPU (scripts/gpu_check.sh)
@@ -34,7 +39,7 @@ import os
 
 import torch
 
-from common import describe_host, time_interleaved
+from common import describe_host, time_interleaved, vdpbf16ps_peak
 
 import paged_attn
 from paged_attn import reference
@@ -60,6 +65,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--quick", action="store_true", help="a quarter of every length, 5 repeats")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tiled", action="store_true", help="also the tiled layout (bfloat16), and the share of the peak")
     return p.parse_args()
 
 
@@ -97,8 +103,13 @@ def main() -> None:
     repeats = 5 if args.quick else args.repeats
     print(f"{describe_host()}; {args.dtype}, {args.num_heads}/{args.num_kv_heads} heads, head dim {args.head_dim}, "
           f"block size {args.block_size}; medians of {repeats}")
+    peak = vdpbf16ps_peak() if args.tiled else None
+    if args.tiled:
+        print(f"vdpbf16ps peak: {peak / 1e9:.2f} G/s per core x {torch.get_num_threads()} threads" if peak
+              else "vdpbf16ps peak: not measured (no C compiler or no AVX512_BF16)")
+    tiled_columns = f" {'tiled ms':>9} {'rm/tiled':>9} {'peak rm':>8} {'peak tiled':>11}" if args.tiled else ""
     print(f"{'case':<20} {'shared ms':>10} {'distinct ms':>12} {'speed-up':>9} {'off ms':>8} {'vs off':>7} "
-          f"{'bytes ratio':>12}")
+          f"{'bytes ratio':>12}{tiled_columns}")
     for seed, name in enumerate(args.cases.split(",")):
         num_seqs, prefix, tail = CASES[name]
         if args.quick:  # a quarter, in whole blocks
@@ -129,17 +140,32 @@ def main() -> None:
         unshared()
         if not torch.equal(out_off, out_shared):
             raise SystemExit(f"{name}: the search for sharing on and off gave different bits")
-        times = time_interleaved({
+        methods = {
             "shared": lambda: paged_attn.paged_attention(query, key_cache, value_cache, shared, seq_lens,
                                                          out=out_shared),
             "distinct": lambda: paged_attn.paged_attention(query, key_cache, value_cache, distinct, seq_lens,
                                                            out=out_distinct),
             "off": unshared,
-        }, repeats)
+        }
+        if args.tiled:
+            key_tiled, value_tiled = paged_attn.pack_cache(key_cache, value_cache)
+            out_tiled = paged_attn.paged_attention(query, key_tiled, value_tiled, shared, seq_lens)
+            err = (out_tiled[rows].double() - expected.double()).abs().max().item()
+            if not err <= 2e-2:
+                raise SystemExit(f"{name}: tiled: max abs error {err:.3g} against the float64 reference")
+            methods["tiled"] = lambda: paged_attn.paged_attention(query, key_tiled, value_tiled, shared, seq_lens,
+                                                                  out=out_tiled)
+        times = time_interleaved(methods, repeats)
         bytes_ratio = num_seqs * (prefix + tail) / (prefix + num_seqs * tail)
+        tiled = ""
+        if args.tiled:
+            products = 3 * args.head_dim / 32 * args.num_heads * num_seqs * (prefix + tail)
+            share = lambda t: f"{products / t / (peak * torch.get_num_threads()):.0%}" if peak else "-"  # noqa: E731
+            tiled = (f" {times['tiled'] * 1e3:>9.2f} {times['shared'] / times['tiled']:>8.2f}x "
+                     f"{share(times['shared']):>8} {share(times['tiled']):>11}")
         print(f"{name:<20} {times['shared'] * 1e3:>10.2f} {times['distinct'] * 1e3:>12.2f} "
               f"{times['distinct'] / times['shared']:>8.2f}x {times['off'] * 1e3:>8.2f} "
-              f"{times['off'] / times['shared']:>6.2f}x {bytes_ratio:>11.2f}x", flush=True)
+              f"{times['off'] / times['shared']:>6.2f}x {bytes_ratio:>11.2f}x{tiled}", flush=True)
 
 
 def cuda_case(name, args, num_seqs, prefix, tail, repeats, query, key_cache, value_cache, shared, distinct,

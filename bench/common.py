@@ -27,7 +27,10 @@ import math
 import os
 import platform
 import random
+import re
 import statistics
+import subprocess
+import tempfile
 import time
 from typing import Callable, Dict, Mapping, Sequence, Union
 
@@ -137,6 +140,22 @@ def device_copy_bandwidth(timer: Timer, device: torch.device, repeats: int) -> f
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * size / timer(lambda: dst.copy_(src), repeats)
+
+
+def vdpbf16ps_peak() -> float | None:
+    """What one core issues of 512-bit vdpbf16ps per second (``bench/dot_peak.c``, compiled with the system's C
+    compiler into a temporary directory and run once, about 5 s), or None where there is no compiler or no
+    AVX512_BF16. The arithmetic ceiling of the AVX-512 bf16 decode: it runs on these alone."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dot_peak.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "dot_peak")
+        try:
+            subprocess.run(["cc", "-O2", "-o", binary, source], check=True, capture_output=True)
+            out = subprocess.run([binary], capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    match = re.search(r"vdpbf16ps zmm, 12 chains: ([0-9.]+) G/s per core", out)
+    return float(match.group(1)) * 1e9 if match else None
 
 
 # ---- the host ----
