@@ -83,10 +83,16 @@ def _gguf_read_once():
 def tiny_model():
     """A small random Llama (2 layers, GQA 4:2, head_dim 16, vocab 101, EOS 7) built in place, on the CPU: for
     engine tests that need a model but not a real one (nothing is loaded)."""
+    return tiny_llama()
+
+
+def tiny_llama(head_dim: int = 16):
+    """tiny_model's Llama with another head_dim (the tiled KV cache needs a multiple of 32)."""
     from paged_attn.engine import LlamaModel, ModelConfig
 
-    cfg = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                      vocab_size=101, max_model_len=128, rope_theta=10000.0, rms_norm_eps=1e-5, eos_token_id=7)
+    cfg = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                      head_dim=head_dim, vocab_size=101, max_model_len=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      eos_token_id=7)
     generator = torch.Generator().manual_seed(0)
 
     def weight(*shape, scale=0.3):

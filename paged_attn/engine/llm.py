@@ -82,6 +82,10 @@ class LLM:
             prompts (in order, up to 4096 tokens in all, at least the first prompt), each computed whole by a
             calibration pass whatever the token budget (see ``ModelRunner.calibrate_kv_scales``), so that small
             values keep their precision and values up to twice those seen still fit.
+        tiled_kv_cache: keep keys and values in the tiled layout (``paged_attn.pack_cache``; CPU, a bfloat16 or fp8
+            cache, block_size a multiple of 16, head_dim of 32), which the AVX-512 bf16 decode reads as it is; other
+            steps (prompts, a float32 model's queries) unpack the blocks they read. Off by default: on the AMD EPYC
+            it decodes no faster than the row-major cache (bench/RESULTS.md, "The tiled cache layout").
         torch_compile: run this engine's elementwise work of steps of 128 tokens or more (prefill) as
             ``torch.compile``'d fused kernels (see ``layers.compile_elementwise``; the first such step compiles, for
             seconds; outputs may then differ from eager ones in the last bits). Other engines on the same model
@@ -101,7 +105,8 @@ class LLM:
                  num_swap_blocks: int = 0, enable_prefix_caching: bool = False, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_model_len: Optional[int] = None, admission_headroom: int = 2,
                  kv_reservation: str = "paged", seed: int = 0, tokenizer=None, torch_compile: bool = False,
-                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False, window_kv_memory: bool = True):
+                 kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False, window_kv_memory: bool = True,
+                 tiled_kv_cache: bool = False):
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as error:
@@ -172,7 +177,8 @@ class LLM:
                              f"({max_num_seqs}): every running sequence decodes a token each step")
         # The cache tensors come first: an oversized pool fails there, at once, before the scheduler's bookkeeping.
         self.runner = ModelRunner(model, block_size, num_kv_blocks, num_swap_blocks, kv_cache_dtype,
-                                  calibrate_kv_scales, compile_elementwise() if torch_compile else None, groups)
+                                  calibrate_kv_scales, compile_elementwise() if torch_compile else None, groups,
+                                  tiled_kv_cache)
         self.scheduler = Scheduler(block_size, num_kv_blocks, num_swap_blocks, enable_prefix_caching, max_num_seqs,
                                    max_num_batched_tokens, self.max_model_len, kv_reservation, admission_headroom,
                                    groups.windows)

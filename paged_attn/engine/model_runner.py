@@ -29,6 +29,7 @@ import torch
 
 from .. import ops
 from ..metadata import paged_metadata
+from ..tiled_cache import TILED_DTYPES, tiled_cache_shapes
 from .batch import Batch
 from .layers import CompiledElementwise
 from .loader import ModelConfig
@@ -92,21 +93,25 @@ def kv_cache_groups(config: ModelConfig, window_aware: bool = True,
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_kv_blocks: int, num_swap_blocks: int,
                  kv_cache_dtype: str = "auto", calibrate_kv_scales: bool = False,
-                 elementwise: Optional[CompiledElementwise] = None, groups: Optional[KVCacheGroups] = None):
+                 elementwise: Optional[CompiledElementwise] = None, groups: Optional[KVCacheGroups] = None,
+                 tiled_kv_cache: bool = False):
         self.model, self.device, self.block_size = model, model.device, block_size
         self.elementwise = elementwise  # this engine's compiled kernels (LLM(torch_compile=True)), or None
         self.groups = groups or kv_cache_groups(model.config, window_aware=False)
         self.cache_dtype = cache_dtype(kv_cache_dtype, model.dtype)
+        if tiled_kv_cache:
+            check_tiled_kv_cache(model.config, block_size, self.cache_dtype, self.device)
         self.bytes_per_block = kv_bytes_per_block(model.config, block_size, self.cache_dtype,
                                                   self.groups.layers_per_group)
         # the distinct (key, value) pairs, and per layer the pair it uses
         self.kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_kv_blocks, block_size,
-                                         self.cache_dtype, self.device, False, self.bytes_per_block, "num_kv_blocks")
+                                         self.cache_dtype, self.device, False, self.bytes_per_block, "num_kv_blocks",
+                                         tiled_kv_cache)
         self.kv_caches = [self.kv_pairs[pair] for pair in self.groups.layer_pair]
         self.swap_kv_pairs = _allocate_caches(model.config, self.groups.layers_per_group, num_swap_blocks,
                                               block_size, self.cache_dtype, torch.device("cpu"),
                                               self.device.type == "cuda", self.bytes_per_block,
-                                              "num_swap_blocks") if num_swap_blocks else []
+                                              "num_swap_blocks", tiled_kv_cache) if num_swap_blocks else []
         # (k_scale, v_scale) per layer, float32 [1] on the device: fp8 caches only.
         fp8 = KV_CACHE_DTYPES[kv_cache_dtype] is not None
         self.kv_scales = [(torch.ones(1, device=self.device), torch.ones(1, device=self.device))
@@ -234,13 +239,25 @@ def _calibrated_scale(amax: torch.Tensor, fp8_max: float) -> float:
     return amax * KV_SCALE_MARGIN / fp8_max if math.isfinite(amax) and amax > 0 else 1.0
 
 
-def kv_cache_shapes(config: ModelConfig, block_size: int) -> tuple[tuple[int, ...], ...]:
+def kv_cache_shapes(config: ModelConfig, block_size: int, tiled: bool = False) -> tuple[tuple[int, ...], ...]:
     """The shapes of one layer's cache tensors, less the leading ``num_blocks``: keys and values ``[block_size,
-    num_kv_heads, head_dim]``, or for latent attention (MLA) one latent cache ``[block_size, kv_lora_rank +
-    qk_rope_head_dim]``."""
+    num_kv_heads, head_dim]`` (tiled: the tiled layout's, ``paged_attn/tiled_cache.py``; as many elements), or for
+    latent attention (MLA) one latent cache ``[block_size, kv_lora_rank + qk_rope_head_dim]``."""
     if config.mla is not None:
         return ((block_size, config.mla.latent_dim),)
+    if tiled:
+        key_shape, value_shape = tiled_cache_shapes(1, block_size, config.num_kv_heads, config.head_dim)
+        return key_shape[1:], value_shape[1:]
     return ((block_size, config.num_kv_heads, config.head_dim),) * 2
+
+
+def check_tiled_kv_cache(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """ValueError unless this engine's KV cache can take the tiled layout (``LLM(tiled_kv_cache=True)``)."""
+    if device.type != "cpu" or config.mla is not None or dtype not in TILED_DTYPES:
+        raise ValueError(f"tiled_kv_cache needs the CPU, keys and values (not MLA's latent cache) and a bfloat16 or "
+                         f"fp8 cache, got {device.type}, {'MLA' if config.mla is not None else 'keys and values'}, "
+                         f"{dtype}")
+    tiled_cache_shapes(1, block_size, config.num_kv_heads, config.head_dim)  # block_size % 16, head_dim % 32
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -261,7 +278,7 @@ def mha_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def _allocate_caches(config: ModelConfig, num_pairs: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                     device: torch.device, pin_memory: bool, bytes_per_block: int, name: str):
+                     device: torch.device, pin_memory: bool, bytes_per_block: int, name: str, tiled: bool):
     """``num_pairs`` tuples of one layer's cache tensors (``kv_cache_shapes``: (key_cache, value_cache), or
     (latent_cache,)); a pool that cannot be allocated raises ValueError at once."""
     total = num_blocks * bytes_per_block
@@ -273,7 +290,7 @@ def _allocate_caches(config: ModelConfig, num_pairs: int, num_blocks: int, block
                              f"CPU; lower {name} or kv_cache_memory")
     try:
         return [tuple(torch.empty((num_blocks,) + shape, dtype=dtype, device=device, pin_memory=pin_memory)
-                      for shape in kv_cache_shapes(config, block_size))
+                      for shape in kv_cache_shapes(config, block_size, tiled))
                 for _ in range(num_pairs)]
     except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
         raise ValueError(f"{too_big} cannot be allocated on {device}: {error}") from None

@@ -337,3 +337,47 @@ def test_the_runners_paged_metadata_is_the_block_managers(tiny_model):
             llm.output_processor.process(step, torch.zeros(len(batch.logits_indices), llm.config.vocab_size))
     finally:
         scheduler.abort_all()
+
+
+def test_tiled_kv_cache_gives_the_row_major_caches_tokens():
+    """LLM(tiled_kv_cache=True) keeps keys and values in the tiled layout. A float32 model over an fp8 cache takes
+    the unpacking path (float32 queries): the same log-probabilities as the row-major cache, bit for bit, with prefix
+    caching reusing a shared prompt's blocks. A bfloat16 model decodes on the tiled kernel (its sums in another
+    order): the same greedy tokens, log-probabilities within bfloat16 rounding."""
+    from conftest import tiny_llama
+
+    model = tiny_llama(head_dim=32)
+    prefix = [(3 * j) % 97 + 1 for j in range(37)]
+    prompts = [prefix + [(5 * i + 2 * j) % 100 + 1 for j in range(3 + 9 * i)] for i in range(3)] + [[11, 12, 13]]
+    params = SamplingParams(max_tokens=12)
+
+    def run(**kwargs):
+        llm = LLM(model, block_size=16, num_kv_blocks=64, **kwargs)
+        caches = llm.runner.kv_caches[0]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return outputs, caches
+
+    tiled, (key, value) = run(kv_cache_dtype="fp8_e4m3", enable_prefix_caching=True, tiled_kv_cache=True)
+    row_major, _ = run(kv_cache_dtype="fp8_e4m3", enable_prefix_caching=True)
+    assert key.shape[1:] == (2, 1, 16, 16, 2) and value.shape[1:] == (2, 8, 32, 2), "the caches are not tiled"
+    assert token_ids(tiled) == token_ids(row_major)
+    assert [o.outputs[0].cumulative_logprob for o in tiled] == [o.outputs[0].cumulative_logprob for o in row_major]
+
+    tiled, _ = run(dtype=torch.bfloat16, tiled_kv_cache=True)
+    row_major, _ = run(dtype=torch.bfloat16)
+    assert token_ids(tiled) == token_ids(row_major)
+    for t, r in zip(tiled, row_major):
+        assert t.outputs[0].cumulative_logprob == pytest.approx(r.outputs[0].cumulative_logprob, abs=0.05)
+
+
+def test_tiled_kv_cache_refuses_what_it_cannot_tile(tiny_model):
+    """A float32 cache, a block size that is not a multiple of 16 and a head_dim that is not one of 32: ValueError
+    before anything runs."""
+    from conftest import tiny_llama
+
+    with pytest.raises(ValueError, match="bfloat16 or fp8"):
+        LLM(tiny_llama(head_dim=32), block_size=16, num_kv_blocks=8, tiled_kv_cache=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        LLM(tiny_llama(head_dim=32), block_size=8, num_kv_blocks=8, kv_cache_dtype="fp8_e4m3", tiled_kv_cache=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        LLM(tiny_model, block_size=16, num_kv_blocks=8, kv_cache_dtype="fp8_e4m3", tiled_kv_cache=True)
