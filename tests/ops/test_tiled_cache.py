@@ -34,6 +34,7 @@ from test_fp8 import to_fp8
 from test_return_lse import lse_tolerance
 from test_shared_blocks import lay_out_shared, make_tree
 from test_sinks import make_sinks
+from test_torch_library import error_of
 from test_varlen_attention import make_varlen_case
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -643,14 +644,6 @@ ERRORS = {
                                                 {"kv_lora_rank": 32, "scale": 0.1}),
                                      r"kv_cache must have shape \[num_blocks, block_size, kv_lora_rank \+ rope_dim\]"),
 }
-
-
-def error_of(call):
-    try:
-        call()
-    except (RuntimeError, ValueError) as error:
-        return f"{type(error).__name__}: {error}"
-    return None
 
 
 def fake_error(name):
