@@ -143,15 +143,13 @@ struct Tile {
         keys[i] = key_tile + (lane0 + i) * kv.key.token_stride;
         values[i] = value_tile + (lane0 + i) * kv.value.token_stride;
       }
-      std::fill(keys + num_tokens, keys + kTileTokens, keys[num_tokens - 1]);
-      std::fill(values + num_tokens, values + kTileTokens, values[num_tokens - 1]);
-      return;
-    }
-    int64_t block = first / block_size, offset = first % block_size;
-    for (int64_t i = 0; i < num_tokens; ++i) {
-      keys[i] = kv.key.token(block_table[block], offset);
-      values[i] = kv.value.token(block_table[block], offset);
-      if (++offset == block_size) offset = 0, ++block;
+    } else {
+      int64_t block = first / block_size, offset = first % block_size;
+      for (int64_t i = 0; i < num_tokens; ++i) {
+        keys[i] = kv.key.token(block_table[block], offset);
+        values[i] = kv.value.token(block_table[block], offset);
+        if (++offset == block_size) offset = 0, ++block;
+      }
     }
     std::fill(keys + num_tokens, keys + kTileTokens, keys[num_tokens - 1]);
     std::fill(values + num_tokens, values + kTileTokens, values[num_tokens - 1]);

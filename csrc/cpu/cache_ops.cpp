@@ -121,39 +121,28 @@ void reshape_and_cache_cpu(const at::Tensor& key,          // [num_tokens, num_k
   check_slot_range(slot_mapping, key_checked.size(0) * block_size);
   check_kv_scale_values(k_scale, v_scale);
   if (num_tokens == 0 || num_kv_heads * head_dim == 0) return;
-  if (is_tiled(key_cache)) {
+  // Element by element: into tiled caches (write_tiled) or fp8 row-major ones (quantize_rows); else row copies.
+  if (is_tiled(key_cache) || is_fp8(key_cache.scalar_type())) {
     const auto slots = slot_mapping.contiguous();
+    const int64_t* slot_ptr = slots.const_data_ptr<int64_t>();
     const float ks = k_scale.has_value() ? k_scale->item<float>() : 1.f;
     const float vs = v_scale.has_value() ? v_scale->item<float>() : 1.f;
+    const bool tiled = is_tiled(key_cache);
     const auto run = [&](auto key_tag, auto cache_tag) {
-      write_tiled<decltype(key_tag), decltype(cache_tag)>(key, value, key_cache, value_cache,
-                                                          slots.const_data_ptr<int64_t>(), ks, vs);
+      using scalar_t = decltype(key_tag);
+      using cache_t = decltype(cache_tag);
+      if (tiled) {
+        write_tiled<scalar_t, cache_t>(key, value, key_cache, value_cache, slot_ptr, ks, vs);
+      } else if constexpr (!std::is_same_v<cache_t, at::BFloat16>) {  // a row-major cache here is fp8
+        quantize_rows<scalar_t, cache_t>(key, value, key_cache, value_cache, slot_ptr, ks, vs);
+      }
     };
     const auto by_cache = [&](auto key_tag) {
-      switch (key_cache.scalar_type()) {  // check_tiled_cache_pair allows exactly these
+      switch (key_cache.scalar_type()) {  // fp8, or bfloat16 (tiled): check_tiled_cache_pair, check_cache
         case at::kFloat8_e4m3fn: return run(key_tag, c10::Float8_e4m3fn{});
         case at::kFloat8_e5m2: return run(key_tag, c10::Float8_e5m2{});
         default: return run(key_tag, at::BFloat16{});
       }
-    };
-    switch (key.scalar_type()) {  // bfloat16 for a bfloat16 cache (check_dtype_for_cache)
-      case at::kFloat: return by_cache(float{});
-      case at::kHalf: return by_cache(at::Half{});
-      case at::kBFloat16: return by_cache(at::BFloat16{});
-      default: TORCH_INTERNAL_ASSERT(false, "unreachable: dtype checked above");
-    }
-  }
-  if (is_fp8(key_cache.scalar_type())) {
-    const auto slots = slot_mapping.contiguous();
-    const float ks = k_scale.has_value() ? k_scale->item<float>() : 1.f;
-    const float vs = v_scale.has_value() ? v_scale->item<float>() : 1.f;
-    const auto run = [&](auto key_tag, auto cache_tag) {
-      quantize_rows<decltype(key_tag), decltype(cache_tag)>(key, value, key_cache, value_cache,
-                                                            slots.const_data_ptr<int64_t>(), ks, vs);
-    };
-    const auto by_cache = [&](auto key_tag) {
-      if (key_cache.scalar_type() == at::kFloat8_e4m3fn) return run(key_tag, c10::Float8_e4m3fn{});
-      run(key_tag, c10::Float8_e5m2{});
     };
     switch (key.scalar_type()) {  // check_reshape_and_cache_args allows exactly these
       case at::kFloat: return by_cache(float{});
