@@ -81,7 +81,8 @@ def extensions():
         sources=sources,
         extra_compile_args={"cxx": cxx_flags},
         extra_link_args=["-fopenmp"],
-        py_limited_api=False,
+        # Python's limited API (csrc/python_module.cpp): _C.abi3.so, one build for every CPython >= 3.10.
+        py_limited_api=True,
     )
     if not with_cuda:
         print("paged_attn: building the CPU kernels only")
@@ -99,12 +100,19 @@ def extensions():
     return [CUDAExtension(**kwargs)]
 
 
+def remove_stale_module():
+    """An in-place build from before py_limited_api (_C.cpython-3XX-*.so) would shadow _C.abi3.so on import."""
+    for path in glob.glob(os.path.join(ROOT, "paged_attn", "_C.cpython-*.so")):
+        os.remove(path)
+
+
 def cmdclass():
     from torch.utils.cpp_extension import BuildExtension
 
     return {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+remove_stale_module()
 setup(
     packages=find_packages(include=["paged_attn", "paged_attn.*"]),
     ext_modules=extensions(),

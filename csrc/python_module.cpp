@@ -3,9 +3,13 @@
 // the tests, the overlap predicate the ops' checks use, the CPU decode's count of shared tokens and the CUDA launch
 // plans (csrc/cuda/launch_plan.h: plain C++, so they are built and tested without a GPU and without the CUDA
 // kernels).
+// Python's limited API only (setup.py builds with py_limited_api: -DPy_LIMITED_API=0x030A0000, no libtorch_python):
+// the library, _C.abi3.so, loads in any CPython >= 3.10 with the torch it was built against (the GPU check's
+// bundle is built here for the GPU machines' Python; scripts/gpu_bundle.sh). Tensors therefore cross as plain
+// numbers, never as torch's Python objects.
 // The CMake build (a plain C++ library for libtorch users) leaves this file out.
 #include <Python.h>
-#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/ATen.h>
 
 #include <string>
 #include <vector>
@@ -28,14 +32,41 @@ PyObject* validation_enabled(PyObject* /*self*/, PyObject* /*unused*/) {
   return PyBool_FromLong(paged_attn::validation_enabled() ? 1 : 0);
 }
 
+// One tensor's memory as _tensors_overlap takes it: (data_ptr, sizes, strides, element_size). The tensor rebuilt
+// over that address (never read) has the footprint of the one described.
+bool tensor_of(PyObject* memory, at::Tensor* out) {
+  unsigned long long address = 0;
+  PyObject *sizes = nullptr, *strides = nullptr;
+  int element_size = 0;
+  if (!PyArg_ParseTuple(memory, "KOOi", &address, &sizes, &strides, &element_size)) return false;
+  const auto ints = [](PyObject* sequence, std::vector<int64_t>* values) {
+    PyObject* items = PySequence_Tuple(sequence);
+    if (items == nullptr) return false;
+    for (Py_ssize_t i = 0; i < PyTuple_Size(items); ++i) {
+      values->push_back(PyLong_AsLongLong(PyTuple_GetItem(items, i)));
+    }
+    Py_DECREF(items);
+    return PyErr_Occurred() == nullptr;
+  };
+  std::vector<int64_t> size_values, stride_values;
+  if (!ints(sizes, &size_values) || !ints(strides, &stride_values)) return false;
+  const at::ScalarType dtypes[] = {at::kByte, at::kShort, at::kInt, at::kLong};
+  const int log2 = element_size == 1 ? 0 : element_size == 2 ? 1 : element_size == 4 ? 2 : element_size == 8 ? 3 : -1;
+  if (log2 < 0 || size_values.size() != stride_values.size()) {
+    PyErr_SetString(PyExc_ValueError, "_tensors_overlap: (data_ptr, sizes, strides, element_size in 1/2/4/8)");
+    return false;
+  }
+  *out = at::from_blob(reinterpret_cast<void*>(address), size_values, stride_values,
+                       at::TensorOptions().dtype(dtypes[log2]));
+  return true;
+}
+
 PyObject* tensors_overlap(PyObject* /*self*/, PyObject* args) {
   PyObject *a = nullptr, *b = nullptr;
   if (!PyArg_ParseTuple(args, "OO", &a, &b)) return nullptr;
-  if (!THPVariable_Check(a) || !THPVariable_Check(b)) {
-    PyErr_SetString(PyExc_TypeError, "_tensors_overlap(a, b) takes two tensors");
-    return nullptr;
-  }
-  return PyBool_FromLong(paged_attn::tensors_overlap(THPVariable_Unpack(a), THPVariable_Unpack(b)) ? 1 : 0);
+  at::Tensor ta, tb;
+  if (!tensor_of(a, &ta) || !tensor_of(b, &tb)) return nullptr;
+  return PyBool_FromLong(paged_attn::tensors_overlap(ta, tb) ? 1 : 0);
 }
 
 PyObject* linear_uses_avx512(PyObject* /*self*/, PyObject* /*unused*/) {
@@ -62,18 +93,20 @@ PyObject* grid_tuple(const paged_attn::Grid& grid) {
 //   "copy_blocks": num_pairs, launch_layers, block_units
 PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
   const Py_ssize_t n = PyTuple_Size(args);
-  const char* kernel = n > 0 ? PyUnicode_AsUTF8(PyTuple_GetItem(args, 0)) : nullptr;
-  if (kernel == nullptr) {
+  PyObject* utf8 = n > 0 ? PyUnicode_AsUTF8String(PyTuple_GetItem(args, 0)) : nullptr;
+  if (utf8 == nullptr) {
+    PyErr_Clear();
     PyErr_SetString(PyExc_TypeError, "_launch_plan(kernel: str, *sizes: int)");
     return nullptr;
   }
+  const std::string name = PyBytes_AsString(utf8);
+  Py_DECREF(utf8);
   std::vector<int64_t> sizes;
   for (Py_ssize_t i = 1; i < n; ++i) {
     sizes.push_back(PyLong_AsLongLong(PyTuple_GetItem(args, i)));
     if (PyErr_Occurred()) return nullptr;
   }
   const auto error = [](const std::string& e) { return e.empty() ? nullptr : e.c_str(); };
-  const std::string name = kernel;
   if (name == "paged_attention" && sizes.size() >= 8 && sizes.size() <= 10) {
     const int64_t partition_tokens = sizes.size() >= 9 ? sizes[8] : paged_attn::kPartitionSize;
     const int64_t num_shared_tasks = sizes.size() == 10 ? sizes[9] : 0;
@@ -106,7 +139,8 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
     return Py_BuildValue("{s:N,s:i,s:i,s:z}", "grid", grid_tuple(plan.grid), "threads", plan.threads, "shared_bytes",
                          plan.shared_bytes, "error", error(plan.error));
   }
-  PyErr_Format(PyExc_TypeError, "_launch_plan: unknown kernel %s or wrong number of sizes (%zd)", kernel, n - 1);
+  PyErr_Format(PyExc_TypeError, "_launch_plan: unknown kernel %s or wrong number of sizes (%zd)", name.c_str(),
+               n - 1);
   return nullptr;
 }
 

@@ -675,14 +675,20 @@ def views(draw, storage):
     return base.as_strided(sizes, strides, draw(st.integers(0, base.numel() - 1 - extent)))
 
 
+def overlap(a, b):
+    """The ops' overlap check, paged_attn._C._tensors_overlap, which takes each tensor's memory as plain numbers."""
+    memory = lambda t: (t.data_ptr(), tuple(t.shape), t.stride(), t.element_size())
+    return paged_attn._C._tensors_overlap(memory(a), memory(b))
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.data())
 def test_tensors_overlap_matches_brute_force(data):
     storage = torch.zeros(1024, dtype=torch.uint8)
     a, b = data.draw(views(storage)), data.draw(views(storage))
     expected = bool(element_bytes(a) & element_bytes(b))
-    assert paged_attn._C._tensors_overlap(a, b) == expected
-    assert paged_attn._C._tensors_overlap(b, a) == expected
+    assert overlap(a, b) == expected
+    assert overlap(b, a) == expected
 
 
 @settings(max_examples=400, deadline=None)
@@ -697,12 +703,11 @@ def test_tensors_overlap_of_one_lattice_at_two_offsets_matches_brute_force(data)
     extent = sum((n - 1) * s for n, s in zip(sizes, strides))
     a, b = (base.as_strided(sizes, strides, data.draw(st.integers(0, base.numel() - 1 - extent))) for _ in "ab")
     expected = bool(element_bytes(a) & element_bytes(b))
-    assert paged_attn._C._tensors_overlap(a, b) == expected
-    assert paged_attn._C._tensors_overlap(b, a) == expected
+    assert overlap(a, b) == expected
+    assert overlap(b, a) == expected
 
 
 def test_tensors_overlap_examples():
-    overlap = paged_attn._C._tensors_overlap
     alloc = torch.zeros(5, 2, 8, 2, 32)
     assert not overlap(alloc[:, 0], alloc[:, 1]) and overlap(alloc[:, 0], alloc[1:, 0])
     assert overlap(alloc[:, 0], alloc.flatten()[8 * 2 * 32 - 1 :])  # one element, the last of block 0's key half
