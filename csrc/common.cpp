@@ -19,17 +19,26 @@
 namespace paged_attn {
 
 namespace {
+bool env_flag(const char* name) {  // set, and neither "" nor "0"
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, "") != 0 && std::strcmp(env, "0") != 0;
+}
 std::atomic<bool>& validation_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* env = std::getenv("PAGED_ATTN_VALIDATE");
-    return env != nullptr && std::strcmp(env, "") != 0 && std::strcmp(env, "0") != 0;
-  }()};
+  static std::atomic<bool> flag{env_flag("PAGED_ATTN_VALIDATE")};
+  return flag;
+}
+std::atomic<bool>& batch_invariant_flag() {
+  static std::atomic<bool> flag{env_flag("PAGED_ATTN_BATCH_INVARIANT")};
   return flag;
 }
 }  // namespace
 
 bool validation_enabled() { return validation_flag().load(std::memory_order_relaxed); }
 void set_validation_enabled(bool enabled) { validation_flag().store(enabled, std::memory_order_relaxed); }
+bool batch_invariant_enabled() { return batch_invariant_flag().load(std::memory_order_relaxed); }
+void set_batch_invariant_enabled(bool enabled) {
+  batch_invariant_flag().store(enabled, std::memory_order_relaxed);
+}
 
 bool is_fp8(at::ScalarType dtype) { return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2; }
 

@@ -19,6 +19,12 @@ namespace paged_attn {
 bool validation_enabled();
 void set_validation_enabled(bool enabled);
 
+// Batch-invariant CUDA decode (PAGED_ATTN_BATCH_INVARIANT=1, or paged_attn.set_batch_invariant(True)): the plan
+// cuts every row's keys at the same fixed positions and always merges them through split-KV's reduce, so a row's
+// bits do not depend on its batch (plan_attention in cuda/launch_plan.h). The CPU decode always is.
+bool batch_invariant_enabled();
+void set_batch_invariant_enabled(bool enabled);
+
 // CPU kernels split work over threads only in tasks of at least this many bytes (moved, or read from the cache):
 // with passive waiting (GOMP_SPINCOUNT=0) waking an OpenMP worker costs about as long as one thread takes to move
 // or read 1 MiB. Figures: bench/RESULTS.md, "Waking OpenMP's threads: a quarter of a large decode step".

@@ -69,6 +69,17 @@ PyObject* tensors_overlap(PyObject* /*self*/, PyObject* args) {
   return PyBool_FromLong(paged_attn::tensors_overlap(ta, tb) ? 1 : 0);
 }
 
+PyObject* set_batch_invariant(PyObject* /*self*/, PyObject* arg) {
+  const int enabled = PyObject_IsTrue(arg);
+  if (enabled < 0) return nullptr;
+  paged_attn::set_batch_invariant_enabled(enabled != 0);
+  Py_RETURN_NONE;
+}
+
+PyObject* batch_invariant_enabled(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyBool_FromLong(paged_attn::batch_invariant_enabled() ? 1 : 0);
+}
+
 PyObject* linear_uses_avx512(PyObject* /*self*/, PyObject* /*unused*/) {
   return PyBool_FromLong(paged_attn::cpu_avx512_bf16() ? 1 : 0);
 }
@@ -85,7 +96,7 @@ PyObject* grid_tuple(const paged_attn::Grid& grid) {
 // _launch_plan(kernel, *sizes) -> dict: the plan_* function of launch_plan.h for that kernel, its fields by name
 // ("error" is None when the launch is possible):
 //   "paged_attention": num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms,
-//                      blocks_per_sm [, partition_tokens]
+//                      blocks_per_sm [, partition_tokens [, num_shared_tasks [, batch_invariant]]]
 //   "paged_attention_varlen": num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, element_bytes,
 //                             max_blocks_per_seq, block_size, sliding_window
 //   "decode_mma": head_dim   (the tensor-core decode kernel's dynamic shared memory: {"shared_bytes": ...})
@@ -107,11 +118,12 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
     if (PyErr_Occurred()) return nullptr;
   }
   const auto error = [](const std::string& e) { return e.empty() ? nullptr : e.c_str(); };
-  if (name == "paged_attention" && sizes.size() >= 8 && sizes.size() <= 10) {
+  if (name == "paged_attention" && sizes.size() >= 8 && sizes.size() <= 11) {
     const int64_t partition_tokens = sizes.size() >= 9 ? sizes[8] : paged_attn::kPartitionSize;
-    const int64_t num_shared_tasks = sizes.size() == 10 ? sizes[9] : 0;
+    const int64_t num_shared_tasks = sizes.size() >= 10 ? sizes[9] : 0;
+    const bool batch_invariant = sizes.size() == 11 && sizes[10] != 0;
     const auto plan = paged_attn::plan_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6],
-                                                 sizes[7], partition_tokens, num_shared_tasks);
+                                                 sizes[7], partition_tokens, num_shared_tasks, batch_invariant);
     return Py_BuildValue("{s:i,s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:i,s:z}", "group_size", plan.group_size,
                          "blocks_per_group", plan.blocks_per_group, "heads_per_block", plan.heads_per_block,
                          "group_variant", plan.group_variant, "max_context", static_cast<long long>(plan.max_context),
@@ -147,6 +159,8 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
 PyMethodDef methods[] = {
     {"set_validation", set_validation, METH_O, "Turn the CUDA index validation mode on or off."},
     {"validation_enabled", validation_enabled, METH_NOARGS, "Whether the CUDA index validation mode is on."},
+    {"set_batch_invariant", set_batch_invariant, METH_O, "Turn the batch-invariant CUDA decode on or off."},
+    {"batch_invariant_enabled", batch_invariant_enabled, METH_NOARGS, "Whether the CUDA decode is batch-invariant."},
     {"_tensors_overlap", tensors_overlap, METH_VARARGS, "Whether two tensors share memory (the ops' check; tests)."},
     {"_shared_tokens_saved", shared_tokens_saved, METH_NOARGS,
      "Key tokens the CPU decode read once for several rows, since loading (shared_blocks.h; tests)."},

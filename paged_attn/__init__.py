@@ -10,6 +10,7 @@ import torch  # noqa: F401  (load libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.paged_attn.*)
 from .block_manager import BlockManager, OutOfBlocksError
 from .ops import (
+    batch_invariant,
     concat_and_cache_mla,
     copy_blocks,
     has_cuda_kernels,
@@ -20,6 +21,7 @@ from .ops import (
     paged_attention,
     plan_shared_blocks,
     reshape_and_cache,
+    set_batch_invariant,
     set_validation,
     swap_blocks,
     tiled_cache_shapes,
@@ -30,6 +32,7 @@ from .ops import (
 __all__ = [
     "BlockManager",
     "OutOfBlocksError",
+    "batch_invariant",
     "concat_and_cache_mla",
     "copy_blocks",
     "has_cuda_kernels",
@@ -40,6 +43,7 @@ __all__ = [
     "paged_attention",
     "plan_shared_blocks",
     "reshape_and_cache",
+    "set_batch_invariant",
     "set_validation",
     "swap_blocks",
     "tiled_cache_shapes",

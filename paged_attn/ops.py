@@ -384,6 +384,28 @@ def set_validation(enabled: bool) -> None:
     _C.set_validation(bool(enabled))
 
 
+def set_batch_invariant(enabled: bool) -> None:
+    """Make (or stop making) every CUDA decode row's output bits independent of its batch.
+
+    The CPU kernels always are (``tests/ops/test_batch_invariance.py``). On CUDA the decode plan otherwise picks the
+    single pass or split-KV, and the partitions' size, from the batch, its block table's width and the GPU's SM count
+    (``csrc/cuda/launch_plan.h``), and a row's bits follow. When on, every decode row's keys are cut into partitions
+    of 512 tokens at fixed positions, each attended from a fresh state, always merged by split-KV's reduce in a fixed
+    order: a row gets the same bits alone or in any batch, in any order, beside any table width (up to 33.5M
+    tokens), on any number of SMs, with or without a shared-blocks plan, and as a decode row of a ``query_start_loc``
+    call. Prefill rows (two or more query rows) are so in either mode: their tiles are their sequence's own. Not
+    invariant: across dtypes, head dims or block sizes, between a GPU with tensor cores (compute capability 8.0+)
+    and one without, or between the CPU and CUDA. The cost: split-KV for every call (two launches, the partition
+    records), where short batches would run a single pass. ``PAGED_ATTN_BATCH_INVARIANT=1`` turns it on at import.
+    """
+    _C.set_batch_invariant(bool(enabled))
+
+
+def batch_invariant() -> bool:
+    """Whether the CUDA decode is batch-invariant (see :func:`set_batch_invariant`)."""
+    return _C.batch_invariant_enabled()
+
+
 def validation_enabled() -> bool:
     """Whether CUDA index and scale validation is on (see :func:`set_validation`)."""
     return _C.validation_enabled()

@@ -109,7 +109,7 @@ void launch_decode(AttentionParams<T, C> params, QueryRows rows, int64_t num_ite
   const bool sharing = shared_plan.has_value() && tensor_cores && rows == QueryRows::kLastOfEachSeq;
   AttentionPlan plan = plan_attention(num_items, num_heads, num_kv_heads, params.max_blocks_per_seq, block_size,
                                       sliding_window, multiprocessor_count(device), blocks_per_sm, kPartitionSize,
-                                      sharing ? shared_plan->size(0) : 0);
+                                      sharing ? shared_plan->size(0) : 0, batch_invariant_enabled());
   TORCH_CHECK(plan.error.empty(), "paged_attention: this call cannot be launched on CUDA: ", plan.error);
   if (tensor_cores) use_tensor_cores(plan, head_dim);
   at::Tensor partial_out, partial_max, partial_sum;

@@ -138,7 +138,11 @@ constexpr bool fills_waves(int64_t blocks, int64_t slots) {
 // 1.5 waves of sequences), and where one has them but takes longer by the model, the faster plan is taken.
 // Partitions keep their boundaries whatever Z is, so Z changes no result. The partition size does (the online
 // softmax restarts at each partition), so on CUDA a sequence's bits may depend on its batch, as the choice between
-// the single pass and split-KV already made them.
+// the single pass and split-KV already made them; unless batch_invariant: then the partitions are partition_tokens
+// long (the size above for a table of at most kMaxGridYZ of them: 33.5M tokens at 512), at least two (a row of one
+// partition leaves the second empty), so every row goes through the same partitions, records and reduce whatever
+// the batch, the table's width and the GPU; Z fills one wave at most (it changes no result), and a shared-blocks
+// plan's tasks are kept (their records are the rows' own bits, shared_blocks.cuh).
 // The plan depends on the block table's width, never on seq_lens, so it needs no device-to-host copy and the
 // launch can be captured in a CUDA graph.
 //
@@ -150,7 +154,8 @@ constexpr bool fills_waves(int64_t blocks, int64_t slots) {
 inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                     int64_t max_blocks_per_seq, int64_t block_size, int64_t sliding_window,
                                     int64_t num_sms, int64_t blocks_per_sm,
-                                    int64_t partition_tokens = kPartitionSize, int64_t num_shared_tasks = 0) {
+                                    int64_t partition_tokens = kPartitionSize, int64_t num_shared_tasks = 0,
+                                    bool batch_invariant = false) {
   AttentionPlan plan;
   constexpr int64_t kMaxSlotsFactor = int64_t{1} << 20;  // num_sms and blocks_per_sm: far below it on any GPU
   if (num_seqs < 1 || num_heads < 1 || num_kv_heads < 1 || block_size < 1 || max_blocks_per_seq < 0 ||
@@ -194,6 +199,22 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   if ((plan.max_context + longest - 1) / longest > kMaxGridYZ) {  // longer partitions, in whole multiples
     const int64_t needed = (plan.max_context + kMaxGridYZ - 1) / kMaxGridYZ;
     longest = (needed + partition_tokens - 1) / partition_tokens * partition_tokens;
+  }
+  // grid.x gains a thread block per task of a shared-blocks plan (split-KV only), where the grid allows
+  const auto add_shared_tasks = [&] {
+    const Grid grid = {num_seqs + num_shared_tasks, plan.grid.y, plan.grid.z};
+    const std::string error = grid_error(grid, "num_seqs + num_shared_tasks", "num_kv_heads * blocks_per_group",
+                                         "partition slots");
+    if (error.empty()) plan.grid = grid, plan.num_shared_tasks = static_cast<int>(num_shared_tasks);
+  };
+  if (batch_invariant) {
+    const int64_t partitions = std::max<int64_t>((plan.max_context + longest - 1) / longest, 2);
+    plan.partition_size = static_cast<int>(longest);
+    plan.num_partitions = static_cast<int>(partitions);
+    plan.grid.z = std::min(partitions, std::max<int64_t>(1, slots / base));
+    plan.reduce_grid = {num_seqs, num_heads, 1};
+    if (num_shared_tasks > 0) add_shared_tasks();
+    return plan;
   }
   const int64_t steps = partition_tokens % 512 == 0 ? 8 : 1;  // the sizes: longest * k / steps, k = 1..steps
   if (plan.max_context <= longest / steps || single_pass_waves >= kMaxSinglePassWaves) return plan;
@@ -271,12 +292,7 @@ inline AttentionPlan plan_attention(int64_t num_seqs, int64_t num_heads, int64_t
   plan.num_partitions = static_cast<int>(best.partitions);
   plan.grid.z = best.z;
   plan.reduce_grid = {num_seqs, num_heads, 1};
-  if (split_only) {
-    const Grid grid = {num_seqs + num_shared_tasks, plan.grid.y, plan.grid.z};
-    const std::string error = grid_error(grid, "num_seqs + num_shared_tasks", "num_kv_heads * blocks_per_group",
-                                         "partition slots");
-    if (error.empty()) plan.grid = grid, plan.num_shared_tasks = static_cast<int>(num_shared_tasks);
-  }
+  if (split_only) add_shared_tasks();
   return plan;
 }
 

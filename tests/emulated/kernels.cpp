@@ -246,7 +246,8 @@ void run_decode_kernels(const Case& c, const simt::Options& options, paged_attn:
       num_items, num_heads, p.key_cache.num_kv_heads, block_tables.size(1), p.key_cache.block_size,
       static_cast<int64_t>(c.scalar("sliding_window")), static_cast<int64_t>(c.scalar("num_sms")),
       c.scalars.count("blocks_per_sm") ? static_cast<int64_t>(c.scalar("blocks_per_sm")) : 1,
-      static_cast<int64_t>(c.scalar("partition_tokens")), sharing ? c.tensor("shared_plan").size(0) : 0);
+      static_cast<int64_t>(c.scalar("partition_tokens")), sharing ? c.tensor("shared_plan").size(0) : 0,
+      c.scalars.count("batch_invariant") && c.scalar("batch_invariant") != 0);
   if (!plan.error.empty()) throw CaseError("plan_attention: " + plan.error);
   if (plan.num_shared_tasks > 0) {
     p.shared_plan = c.tensor("shared_plan").as<const int32_t>();

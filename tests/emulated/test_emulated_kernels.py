@@ -400,6 +400,51 @@ def test_attention_partition_sizes_of_the_default_plan(driver, tmp_path, num_sms
         check_attention(driver, case, directory)
 
 
+def rows_of(case: Case, rows, width=None, **scalars) -> Case:
+    """The attention case of some of `case`'s sequences (same caches), their tables cut to `width` blocks."""
+    t = dict(case.tensors)
+    t["query"], t["seq_lens"] = t["query"][rows].contiguous(), t["seq_lens"][rows].contiguous()
+    t["block_tables"] = t["block_tables"][rows][:, :width].contiguous()
+    t["out"] = torch.full_like(t["query"], NAN)
+    return Case("attention", t, {**case.scalars, **scalars}, ("out",), case.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float", "bf16"])
+def test_batch_invariant_rows_have_the_same_bits_in_any_batch(driver, tmp_path, dtype):
+    """set_batch_invariant's plan (the scalar batch_invariant = 1; CUDA-core kernel for float32, tensor cores for
+    bf16): a 700-token row gets the same bits alone (its table 44 blocks wide) on 1 SM and on 1000, in a batch
+    with longer and shorter rows (a table of 125 blocks), and in that batch reordered on 1 SM; checked against the
+    reference once. Without it the plans of the first two differ (single pass, split-KV) and so do the row's bits."""
+    full = attention_case([40, 700, 2000, 5], 4, 2, 64, 16, dtype, split=True, partition_tokens=512, num_sms=1000)
+    runs = {  # name: (rows, table width, num_sms)
+        "alone, 1 SM": ([1], 44, 1), "alone, 1000 SMs": ([1], 44, 1000), "in the batch": ([0, 1, 2, 3], None, 1000),
+        "reordered, 1 SM": ([2, 3, 1], None, 1)}
+    outputs = {}
+    for invariant in (1, 0):
+        for name, (rows, width, num_sms) in runs.items():
+            if not invariant and name not in ("alone, 1 SM", "alone, 1000 SMs"):
+                continue
+            case = rows_of(full, rows, width, num_sms=num_sms, blocks_per_sm=1, batch_invariant=invariant)
+            plan = paged_attn._C._launch_plan(
+                "paged_attention", len(rows), 4, 2, case.tensors["block_tables"].shape[1], 16, 0, num_sms, 1, 512, 0,
+                invariant)
+            assert (plan["partition_size"] == 512 and plan["num_partitions"] >= 2) or not invariant, plan
+            directory = tmp_path / f"{name.replace(' ', '_').replace(',', '')}-{invariant}"
+            directory.mkdir()
+            out = run_everywhere(driver, case, directory, ["out"])["out"]
+            if name == "in the batch":
+                t = case.tensors
+                expected = reference.paged_attention(t["query"], t["key_cache"], t["value_cache"], t["block_tables"],
+                                                     t["seq_lens"], scale=case.scalars["scale"],
+                                                     compute_dtype=torch.float64)
+                torch.testing.assert_close(out.double(), expected.double(), **tolerance(dtype))
+            outputs[name, invariant] = out[rows.index(1)]
+    for name in runs:
+        assert_same_bits(outputs[name, 1], outputs["alone, 1 SM", 1], f"the 700-token row {name} vs alone, 1 SM")
+    assert not torch.equal(outputs["alone, 1 SM", 0], outputs["alone, 1000 SMs", 0]), (
+        "without batch invariance the single pass and split-KV gave the same bits: the test shows nothing")
+
+
 def test_attention_block_table_much_wider_than_the_sequences(driver, tmp_path):
     """A table of 1600 tokens (50 partitions) for sequences of at most 70: the plan sizes the scratch for 50
     partitions but launches 2 slots (2 SMs x 2 blocks for 6 blocks per slot), and the blocks find the few partitions

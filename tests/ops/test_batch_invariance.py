@@ -20,7 +20,7 @@ are also checked against paged_attn.reference.paged_attention in float64, within
 
 import pytest
 import torch
-from conftest import HAS_AMX, run_on_portable_path
+from conftest import CUDA_SKIP_REASON, HAS_AMX, HAS_CUDA_OPS, run_on_portable_path
 from test_attention import tolerance
 
 import paged_attn
@@ -113,9 +113,10 @@ def op_kwargs(features, num_heads, cache_dtype):
     return kwargs
 
 
-def decode(seqs, block_size, seed, kwargs, *, threads=None, strided=False, check_reference=True):
+def decode(seqs, block_size, seed, kwargs, *, threads=None, strided=False, check_reference=True, device="cpu"):
     """The decode outputs of the sequences laid out with `seed`, with `threads` threads (None: as set)."""
-    case = lay_out(seqs, block_size, seed, strided=strided)
+    case = tuple(t.to(device) for t in lay_out(seqs, block_size, seed, strided=strided))
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -136,12 +137,12 @@ def assert_same_bits(actual, expected, what):
     )
 
 
-def check_alone_and_in_batches(cache, heads, features, block_size=16):
+def check_alone_and_in_batches(cache, heads, features, block_size=16, device="cpu"):
     query_dtype, cache_dtype = CACHES[cache]
     num_heads, num_kv_heads = HEADS[heads]
     kwargs = op_kwargs(FEATURES[features], num_heads, cache_dtype)
     target, *others = make_seqs([TARGET] + OTHERS, num_heads, num_kv_heads, HEAD_DIM, query_dtype, cache_dtype, 0)
-    alone = decode([target], block_size, 1, kwargs, check_reference=False)[0]
+    alone = decode([target], block_size, 1, kwargs, check_reference=False, device=device)[0]
     # (a) in a batch of 4; (b) reordered, and in a batch of 3; (d) at other physical blocks (other seeds).
     batches = {
         "in a batch of 4": ([others[0], target, others[1], others[2]], 1),
@@ -152,7 +153,7 @@ def check_alone_and_in_batches(cache, heads, features, block_size=16):
     }
     for what, (seqs, seed) in batches.items():
         # The reference once, on the batch that holds every sequence (the others must give the same bits).
-        out = decode(seqs, block_size, seed, kwargs, check_reference=what == "in a batch of 4")
+        out = decode(seqs, block_size, seed, kwargs, check_reference=what == "in a batch of 4", device=device)
         for i, seq in enumerate(seqs):
             if seq is target:
                 assert_same_bits(out[i], alone, f"sequence of {TARGET} tokens alone vs {what} (row {i})")
@@ -163,6 +164,21 @@ def check_alone_and_in_batches(cache, heads, features, block_size=16):
 @pytest.mark.parametrize("cache", sorted(CACHES))
 def test_same_bits_alone_and_in_any_batch(cache, heads, features):
     check_alone_and_in_batches(cache, heads, features)
+
+
+@pytest.mark.skipif(not HAS_CUDA_OPS, reason=CUDA_SKIP_REASON)
+@pytest.mark.parametrize("features", ["plain", "all"])
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_cuda_same_bits_alone_and_in_any_batch_when_batch_invariant(cache, heads, features):
+    """On CUDA with paged_attn.set_batch_invariant(True): (a), (b) and (d), on tensor cores (float16, bfloat16) and
+    CUDA cores (float32, fp8); the tables' widths and the plans' slots differ between the batches (the emulated
+    suite also varies the SM count)."""
+    paged_attn.set_batch_invariant(True)
+    try:
+        check_alone_and_in_batches(cache, heads, features, device="cuda")
+    finally:
+        paged_attn.set_batch_invariant(False)
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32, 64])

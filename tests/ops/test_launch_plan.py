@@ -16,13 +16,16 @@ PARTITION_SIZE = 512  # kPartitionSize
 
 
 def attention_plan(num_seqs=1, num_heads=32, num_kv_heads=32, max_blocks_per_seq=64, block_size=16,
-                   sliding_window=0, num_sms=132, blocks_per_sm=4, partition_tokens=None, num_shared_tasks=None):
+                   sliding_window=0, num_sms=132, blocks_per_sm=4, partition_tokens=None, num_shared_tasks=None,
+                   batch_invariant=False):
     sizes = [num_seqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, sliding_window, num_sms,
              blocks_per_sm]
-    if partition_tokens is not None or num_shared_tasks is not None:
+    if partition_tokens is not None or num_shared_tasks is not None or batch_invariant:
         sizes.append(PARTITION_SIZE if partition_tokens is None else partition_tokens)
-    if num_shared_tasks is not None:
-        sizes.append(num_shared_tasks)
+    if num_shared_tasks is not None or batch_invariant:
+        sizes.append(num_shared_tasks or 0)
+    if batch_invariant:
+        sizes.append(1)
     return _C._launch_plan("paged_attention", *sizes)
 
 
@@ -464,3 +467,51 @@ def test_shared_tasks_dropped_without_a_split():
     plan = attention_plan(8, 32, 8, 4, num_shared_tasks=3)
     assert plan["num_partitions"] == 1 and plan["num_shared_tasks"] == 0 and plan["grid"][0] == 8
     assert attention_plan(8, 32, 8, 64, num_shared_tasks=-1)["error"] is not None
+
+
+def test_batch_invariant_plans_cut_every_row_at_the_same_positions():
+    """set_batch_invariant: whatever the batch, the table's width and the GPU, partitions of 512 tokens (so a row's
+    partitions start at the same tokens), always split-KV (two partitions at least: a row's records always go
+    through the reduce), at most one wave of slots (which changes no result). Without it the same calls take the
+    single pass or other partition sizes."""
+    default_plans = set()
+    for num_seqs in (1, 3, 64, 1000):
+        for max_blocks_per_seq in (1, 20, 64, 300):
+            for num_sms, blocks_per_sm in ((132, 4), (8, 1), (1, 1)):
+                for num_heads, num_kv_heads in ((32, 32), (32, 8), (64, 8)):
+                    sizes = dict(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                 max_blocks_per_seq=max_blocks_per_seq, num_sms=num_sms, blocks_per_sm=blocks_per_sm)
+                    plan = attention_plan(**sizes, batch_invariant=True)
+                    context = max_blocks_per_seq * 16
+                    assert plan["error"] is None, plan
+                    assert plan["partition_size"] == PARTITION_SIZE, plan
+                    assert plan["num_partitions"] == max(2, ceil_div(context, PARTITION_SIZE)), plan
+                    base = plan["grid"][0] * plan["grid"][1]
+                    assert 1 <= plan["grid"][2] <= min(plan["num_partitions"],
+                                                       max(1, num_sms * blocks_per_sm // base)), plan
+                    assert plan["reduce_grid"] == (num_seqs, num_heads, 1)
+                    default = attention_plan(**sizes)
+                    default_plans.add((default["num_partitions"] > 1, default["partition_size"]))
+    assert (False, 16) in default_plans and len({size for split, size in default_plans if split}) > 1
+
+
+def test_batch_invariant_plans_keep_shared_tasks_and_grow_only_past_the_grid():
+    plan = attention_plan(num_seqs=8, max_blocks_per_seq=20, num_shared_tasks=5, batch_invariant=True)
+    assert plan["num_shared_tasks"] == 5 and plan["grid"][0] == 8 + 5 and plan["num_partitions"] == 2
+    # past MAX_GRID_YZ partitions of 512 tokens (33.5M) they grow in whole multiples, as every plan's do
+    plan = attention_plan(max_blocks_per_seq=(MAX_GRID_YZ * PARTITION_SIZE) // 16, batch_invariant=True)
+    assert (plan["partition_size"], plan["num_partitions"]) == (PARTITION_SIZE, MAX_GRID_YZ)
+    plan = attention_plan(max_blocks_per_seq=(MAX_GRID_YZ * PARTITION_SIZE) // 16 + 1, batch_invariant=True)
+    assert plan["partition_size"] == 2 * PARTITION_SIZE and plan["num_partitions"] <= MAX_GRID_YZ
+
+
+def test_batch_invariant_switch():
+    import paged_attn
+
+    assert paged_attn.batch_invariant() is False
+    paged_attn.set_batch_invariant(True)
+    try:
+        assert paged_attn.batch_invariant() is True
+    finally:
+        paged_attn.set_batch_invariant(False)
+    assert paged_attn.batch_invariant() is False
