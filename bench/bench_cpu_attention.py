@@ -48,7 +48,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from common import COPY, FP8_DTYPES, READ, describe_host, memory_yardsticks, quantize_fp8_caches, time_interleaved
+from common import (COPY, FP8_DTYPES, READ, dense_layout, describe_host, memory_yardsticks, quantize_fp8_caches,
+                    time_interleaved)
 
 import paged_attn
 from paged_attn import reference
@@ -175,14 +176,6 @@ def bench_layouts(args: argparse.Namespace, names: Sequence[str], query, key_cac
         rate = kv_bytes / seconds[name]
         print(f"| {name}: {LAYOUTS[name][0]} | {stride} | {seconds[name] * 1e3:.2f} "
               f"| {rate / 1e9:.1f} | {rate / read_rate:.0%} | {seconds[name] / base:.2f} |")
-
-
-def dense_layout(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[num_blocks, block_size, num_kv_heads, head_dim] paged -> [num_seqs, num_kv_heads, seq_len, head_dim]."""
-    num_seqs = block_tables.shape[0]
-    gathered = cache[block_tables.long()]  # [num_seqs, blocks_per_seq, block_size, num_kv_heads, head_dim]
-    gathered = gathered.flatten(1, 2)[:, :seq_len]  # [num_seqs, seq_len, num_kv_heads, head_dim]
-    return gathered.transpose(1, 2).contiguous().view(num_seqs, cache.shape[2], seq_len, cache.shape[3])
 
 
 def check_close(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> float:

@@ -21,12 +21,12 @@ times faster it is than the --dtype cache.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 
-from common import FP8_DTYPES, Timer, describe_host, device_copy_bandwidth, quantize_fp8_caches
+from common import (FP8_DTYPES, Timer, decode_case, dense_layout, describe_host, device_copy_bandwidth,
+                    quantize_fp8_caches)
 
 import paged_attn
 from paged_attn import reference
@@ -53,19 +53,6 @@ def parse_args():
     return args
 
 
-def make_case(batch, context, args, device, dtype):
-    blocks_per_seq = math.ceil(context / args.block_size)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    key_cache = torch.randn(shape, dtype=dtype, device=device)
-    value_cache = torch.randn(shape, dtype=dtype, device=device)
-    block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int64).to(torch.int32)
-    block_tables = block_tables.view(batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, args.num_heads, args.head_dim, dtype=dtype, device=device)
-    return query, key_cache, value_cache, block_tables, seq_lens
-
-
 def main():
     args = parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -90,7 +77,8 @@ def main():
             if kv_bytes > args.max_kv_gib * 2**30:
                 print(f"| {batch} | {context} | {kv_bytes / 2**20:.0f} | skipped (> --max-kv-gib) | | | | |")
                 continue
-            case = make_case(batch, context, args, device, dtype)
+            case = decode_case(batch, context, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
+                               device, dtype)
             few = tuple(t[:2] if i in (0, 3, 4) else t for i, t in enumerate(case))
             torch.testing.assert_close(paged_attn.paged_attention(*few), reference.paged_attention(*few),
                                        rtol=2e-2, atol=2e-2)
@@ -113,8 +101,7 @@ def main():
 
             # The peer: SDPA over the same keys/values gathered into contiguous [batch, heads, context, dim].
             query, key_cache, value_cache, block_tables, _ = case
-            gather = lambda cache: cache[block_tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
-            keys, values = gather(key_cache), gather(value_cache)
+            keys, values = (dense_layout(cache, block_tables, context) for cache in (key_cache, value_cache))
             del case, key_cache, value_cache
             q = query[:, :, None, :]
             sdpa_seconds = timer(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),

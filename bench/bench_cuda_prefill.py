@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from common import FP8_DTYPES, Timer, describe_host, quantize_fp8_caches
+from common import FP8_DTYPES, Timer, describe_host, matmul_tflops, quantize_fp8_caches
 
 import paged_attn
 from paged_attn import reference
@@ -47,17 +47,6 @@ def parse_args():
     if args.quick:
         args.repeats = 5
     return args
-
-
-def matmul_tflops(timer: Timer, dtype, repeats: int) -> float:
-    """The best of a few square matmul sizes: the GPU's practical dense throughput for this dtype."""
-    best = 0.0
-    for n in (4096, 8192):
-        a = torch.randn(n, n, dtype=dtype, device="cuda")
-        b = torch.randn(n, n, dtype=dtype, device="cuda")
-        seconds = timer(lambda: torch.matmul(a, b), repeats)
-        best = max(best, 2 * n**3 / seconds / 1e12)
-    return best
 
 
 def make_case(specs, args, dtype):
@@ -115,7 +104,7 @@ def main():
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     timer = Timer(torch.device("cuda"), warmup=2)
-    peak = matmul_tflops(timer, dtype, args.repeats)
+    peak = matmul_tflops(timer, dtype, args.repeats, torch.device("cuda"))
     print(f"# paged_attention prefill on {torch.cuda.get_device_name()}: {args.num_heads} heads, {args.num_kv_heads} "
           f"kv heads, head dim {args.head_dim}, block {args.block_size}, {args.dtype}")
     print(f"# {describe_host()}")

@@ -34,7 +34,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from common import FP8_DTYPES, Timer, describe_host, device_copy_bandwidth, quantize_fp8_caches
+from common import (FP8_DTYPES, Timer, decode_case, dense_layout, describe_host, device_copy_bandwidth,
+                    matmul_tflops, quantize_fp8_caches)
 
 import paged_attn
 from paged_attn import reference
@@ -99,37 +100,31 @@ class Run:
 def limits(run: Run) -> None:
     lim = run.results["limits"]
     lim["copy_GBps"] = device_copy_bandwidth(run.timer, run.device, run.args.repeats) / 1e9
-    n = 512 if run.args.tiny else 8192
-    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=run.device) for _ in "ab")
-    lim["matmul_bf16_TFLOPs"] = 2 * n**3 / run.timer(lambda: torch.matmul(a, b), run.args.repeats) / 1e12
+    lim["matmul_bf16_TFLOPs"] = matmul_tflops(run.timer, torch.bfloat16, run.args.repeats, run.device,
+                                               sizes=(512,) if run.args.tiny else (8192,))
 
 
-def decode_case(batch, context, num_heads, num_kv_heads, device, dtype=torch.bfloat16):
-    """Random query and caches, each sequence's blocks scattered over the cache: (query, key_cache, value_cache,
-    block_tables, seq_lens)."""
-    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
-    key_cache, value_cache = (torch.randn(shape, dtype=dtype, device=device) for _ in "kv")
-    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, num_heads, HEAD_DIM, dtype=dtype, device=device)
-    return query, key_cache, value_cache, block_tables, seq_lens
+def paged_case(batch, context, heads, device):
+    """A bf16 decode case of HEADS[heads], head dim 128, block 16 (common.decode_case)."""
+    return decode_case(batch, context, *HEADS[heads], HEAD_DIM, BLOCK_SIZE, device, torch.bfloat16)
 
 
-def check_rows(call, case, rows, **kwargs):
-    """``call()`` (the whole batch's output) against the float64 reference on ``rows``."""
+def reference_rows(case, rows, **kwargs):
+    """The float64 reference's output (as float32) for the case's ``rows``."""
     query, key_cache, value_cache, block_tables, seq_lens = case
-    expected = reference.paged_attention(query[rows], key_cache, value_cache, block_tables[rows], seq_lens[rows],
-                                         **kwargs)
-    torch.testing.assert_close(call()[rows].float(), expected.float(), rtol=2e-2, atol=2e-2)
+    return reference.paged_attention(query[rows], key_cache, value_cache, block_tables[rows], seq_lens[rows],
+                                     **kwargs).float()
+
+
+def check_rows(output, rows, expected):
+    """``output()`` (the whole batch's, [num_seqs, num_heads, head_dim]) on ``rows`` against ``expected``."""
+    torch.testing.assert_close(output()[rows].float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def contiguous_kv(case, context):
-    """The case's keys and values gathered into [batch, kv_heads, context, head_dim] (not timed)."""
+    """The case's keys and values as [batch, kv_heads, context, head_dim] contiguous tensors (not timed)."""
     _, key_cache, value_cache, block_tables, _ = case
-    gather = lambda c: c[block_tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()  # noqa: E731
-    return gather(key_cache), gather(value_cache)
+    return dense_layout(key_cache, block_tables, context), dense_layout(value_cache, block_tables, context)
 
 
 def sdpa_peers(run: Run, name: str, query, keys, values, rows, expected) -> dict:
@@ -143,8 +138,7 @@ def sdpa_peers(run: Run, name: str, query, keys, values, rows, expected) -> dict
         def call(b=getattr(SDPBackend, backend)):
             with sdpa_kernel([b]):
                 return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-        check = lambda: torch.testing.assert_close(call()[rows, :, 0].float(), expected, rtol=2e-2,  # noqa: E731
-                                                   atol=2e-2)
+        check = lambda: check_rows(lambda: call()[:, :, 0], rows, expected)  # noqa: E731
         times[backend.split("_")[0].lower()] = run.time(f"{name} SDPA {backend}", call,
                                                         check if run.device.type == "cuda" else None)
     return times
@@ -204,10 +198,9 @@ def decode(run: Run) -> None:
 
 def decode_row(run: Run, name: str, kv_dtype: str, heads: str, batch: int, context: int) -> dict:
     """One decode case: paged_attention's time and bandwidth, and for a bf16 cache the SDPA peers' times."""
-    num_heads, num_kv_heads = HEADS[heads]
     fp8 = FP8_DTYPES.get(kv_dtype)
-    case = decode_case(batch, context, num_heads, num_kv_heads, run.device)
-    kv_bytes = 2 * batch * context * num_kv_heads * HEAD_DIM * (1 if fp8 else 2)
+    case = paged_case(batch, context, heads, run.device)
+    kv_bytes = 2 * batch * context * HEADS[heads][1] * HEAD_DIM * (1 if fp8 else 2)
     row = {"kv_dtype": kv_dtype, "heads": heads, "batch": batch, "context": context, "kv_MiB": kv_bytes / 2**20}
     kwargs = {}
     if fp8:
@@ -217,14 +210,13 @@ def decode_row(run: Run, name: str, kv_dtype: str, heads: str, batch: int, conte
     out = torch.empty_like(case[0])
     call = lambda: paged_attn.paged_attention(*case, out=out, **kwargs)  # noqa: E731
     rows = sorted({0, batch - 1})
-    seconds = run.time(name, call, lambda: check_rows(call, case, rows, **kwargs))
+    seconds = run.time(name, call, lambda: check_rows(call, rows, reference_rows(case, rows, **kwargs)))
     row["paged_us"] = seconds and seconds * 1e6
     row["paged_GBps"] = seconds and kv_bytes / seconds / 1e9
     if not fp8:  # the peers read the bf16 keys/values: the same bytes as the bf16 cache
         keys, values = contiguous_kv(case, context)
-        expected = reference.paged_attention(*(t[rows] if i in (0, 3, 4) else t for i, t in enumerate(case)))
         row["sdpa_us"] = {b: s and s * 1e6 for b, s in
-                          sdpa_peers(run, name, case[0], keys, values, rows, expected.float()).items()}
+                          sdpa_peers(run, name, case[0], keys, values, rows, reference_rows(case, rows)).items()}
     return row
 
 
@@ -236,16 +228,14 @@ def flex(run: Run) -> None:
         name = f"decode bfloat16 {heads} {batch}x{context} FlexAttention"
         if run.over_budget(name):
             continue
-        case = decode_case(batch, context, *HEADS[heads], run.device)
+        case = paged_case(batch, context, heads, run.device)
         rows = sorted({0, batch - 1})
-        expected = reference.paged_attention(*(t[rows] if i in (0, 3, 4) else t for i, t in enumerate(case)))
+        expected = reference_rows(case, rows)
         row = {"heads": heads, "batch": batch, "context": context}
         try:
             began = time.monotonic()
             call = flex_paged(run, case, context)
-            check = lambda: torch.testing.assert_close(call()[rows].float(), expected.float(),  # noqa: E731
-                                                       rtol=2e-2, atol=2e-2)
-            seconds = run.time(name, call, check)
+            seconds = run.time(name, call, lambda: check_rows(call, rows, expected))
             row["compile_and_check_s"] = round(time.monotonic() - began, 1)
         except Exception as e:
             run.results["errors"].append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
@@ -287,7 +277,8 @@ def shared(run: Run) -> None:
         case = (query, key_cache, value_cache, tables, seq_lens)
         out = torch.empty_like(query)
         call = lambda: paged_attn.paged_attention(*case, out=out, **kwargs)  # noqa: E731
-        seconds = run.time(f"{name} {method}", call, lambda: check_rows(call, case, [0, num_seqs - 1]))
+        seconds = run.time(f"{name} {method}", call,
+                           lambda: check_rows(call, [0, num_seqs - 1], reference_rows(case, [0, num_seqs - 1])))
         row[method] = seconds and seconds * 1e6
     run.results["shared"].append(row)
 
@@ -300,7 +291,7 @@ def prefill(run: Run) -> None:
         name = f"prefill {label} {query_len} of {seq_len}"
         if run.over_budget(name):
             continue
-        case = decode_case(1, seq_len, num_heads, num_kv_heads, run.device)
+        case = paged_case(1, seq_len, "GQA-4", run.device)
         query = torch.randn(query_len, num_heads, HEAD_DIM, dtype=torch.bfloat16, device=run.device)
         starts = torch.tensor([0, query_len], dtype=torch.int32, device=run.device)
         paged = (query, *case[1:])

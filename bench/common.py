@@ -15,7 +15,11 @@ Yardsticks, timed in the same run as what they measure:
 
 - ``memory_yardsticks(gib)``: ``x.sum()`` over a float32 tensor (bytes read / time) and ``y.copy_(x)`` (bytes read /
   time; the bytes written not counted), as ``time_interleaved`` methods named ``READ`` and ``COPY``;
-- ``device_copy_bandwidth(timer, device)``: a device-to-device copy, bytes read + written / time.
+- ``device_copy_bandwidth(timer, device)``: a device-to-device copy, bytes read + written / time;
+- ``matmul_tflops(timer, dtype, repeats, device)``: the best square matmul's throughput (the tensor-core limit).
+
+Paged decode cases: ``decode_case(...)`` (random query and caches, blocks scattered) and ``dense_layout(cache,
+block_tables, seq_len)`` (a cache's keys or values as the contiguous tensors an unpaged peer takes).
 
 ``describe_host()``: one line naming the CPU, its AVX-512 / AVX512_BF16 / AMX flags, CPUs and torch threads, torch,
 ``GOMP_SPINCOUNT`` and the load average: every script prints it above its figures, so a figure says where it ran.
@@ -156,6 +160,45 @@ def vdpbf16ps_peak() -> float | None:
             return None
     match = re.search(r"vdpbf16ps zmm, 12 chains: ([0-9.]+) G/s per core", out)
     return float(match.group(1)) * 1e9 if match else None
+
+
+def matmul_tflops(timer: Timer, dtype: torch.dtype, repeats: int, device: torch.device,
+                  sizes: Sequence[int] = (4096, 8192)) -> float:
+    """The best of a few square matmul sizes: the device's practical dense throughput for this dtype, TFLOP/s."""
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        seconds = timer(lambda: torch.matmul(a, b), repeats)
+        best = max(best, 2 * n**3 / seconds / 1e12)
+    return best
+
+
+# ---- paged decode cases ----
+
+
+def decode_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                device: torch.device, dtype: torch.dtype):
+    """Random query and caches, each sequence's ``context`` tokens in blocks scattered over the cache:
+    ``(query, key_cache, value_cache, block_tables, seq_lens)``."""
+    blocks_per_seq = math.ceil(context / block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int64).to(torch.int32)
+    block_tables = block_tables.view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
+    return query, key_cache, value_cache, block_tables, seq_lens
+
+
+def dense_layout(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[num_blocks, block_size, num_kv_heads, head_dim] paged -> [num_seqs, num_kv_heads, seq_len, head_dim]."""
+    num_seqs = block_tables.shape[0]
+    gathered = cache[block_tables.long()]  # [num_seqs, blocks_per_seq, block_size, num_kv_heads, head_dim]
+    gathered = gathered.flatten(1, 2)[:, :seq_len]  # [num_seqs, seq_len, num_kv_heads, head_dim]
+    return gathered.transpose(1, 2).contiguous().view(num_seqs, cache.shape[2], seq_len, cache.shape[3])
 
 
 # ---- the host ----

@@ -5,7 +5,7 @@
 // kernels).
 // Python's limited API only (setup.py builds with py_limited_api: -DPy_LIMITED_API=0x030A0000, no libtorch_python):
 // the library, _C.abi3.so, loads in any CPython >= 3.10 with the torch it was built against (the GPU check's
-// bundle is built here for the GPU machines' Python; scripts/gpu_bundle.sh). Tensors therefore cross as plain
+// bundle is built here for the GPU machines' Python: scripts/check_torch_version.sh --bundle). Tensors therefore cross as plain
 // numbers, never as torch's Python objects.
 // The CMake build (a plain C++ library for libtorch users) leaves this file out.
 #include <Python.h>
@@ -21,15 +21,18 @@
 
 namespace {
 
-PyObject* set_validation(PyObject* /*self*/, PyObject* arg) {
+// A switch of common.h (validation, batch invariance) as a pair of module functions: set_*(bool), *_enabled().
+template <void (*Set)(bool)>
+PyObject* set_switch(PyObject* /*self*/, PyObject* arg) {
   const int enabled = PyObject_IsTrue(arg);
   if (enabled < 0) return nullptr;
-  paged_attn::set_validation_enabled(enabled != 0);
+  Set(enabled != 0);
   Py_RETURN_NONE;
 }
 
-PyObject* validation_enabled(PyObject* /*self*/, PyObject* /*unused*/) {
-  return PyBool_FromLong(paged_attn::validation_enabled() ? 1 : 0);
+template <bool (*Get)()>
+PyObject* switch_enabled(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyBool_FromLong(Get() ? 1 : 0);
 }
 
 // One tensor's memory as _tensors_overlap takes it: (data_ptr, sizes, strides, element_size). The tensor rebuilt
@@ -67,17 +70,6 @@ PyObject* tensors_overlap(PyObject* /*self*/, PyObject* args) {
   at::Tensor ta, tb;
   if (!tensor_of(a, &ta) || !tensor_of(b, &tb)) return nullptr;
   return PyBool_FromLong(paged_attn::tensors_overlap(ta, tb) ? 1 : 0);
-}
-
-PyObject* set_batch_invariant(PyObject* /*self*/, PyObject* arg) {
-  const int enabled = PyObject_IsTrue(arg);
-  if (enabled < 0) return nullptr;
-  paged_attn::set_batch_invariant_enabled(enabled != 0);
-  Py_RETURN_NONE;
-}
-
-PyObject* batch_invariant_enabled(PyObject* /*self*/, PyObject* /*unused*/) {
-  return PyBool_FromLong(paged_attn::batch_invariant_enabled() ? 1 : 0);
 }
 
 PyObject* linear_uses_avx512(PyObject* /*self*/, PyObject* /*unused*/) {
@@ -157,10 +149,14 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
 }
 
 PyMethodDef methods[] = {
-    {"set_validation", set_validation, METH_O, "Turn the CUDA index validation mode on or off."},
-    {"validation_enabled", validation_enabled, METH_NOARGS, "Whether the CUDA index validation mode is on."},
-    {"set_batch_invariant", set_batch_invariant, METH_O, "Turn the batch-invariant CUDA decode on or off."},
-    {"batch_invariant_enabled", batch_invariant_enabled, METH_NOARGS, "Whether the CUDA decode is batch-invariant."},
+    {"set_validation", set_switch<paged_attn::set_validation_enabled>, METH_O,
+     "Turn the CUDA index validation mode on or off."},
+    {"validation_enabled", switch_enabled<paged_attn::validation_enabled>, METH_NOARGS,
+     "Whether the CUDA index validation mode is on."},
+    {"set_batch_invariant", set_switch<paged_attn::set_batch_invariant_enabled>, METH_O,
+     "Turn the batch-invariant CUDA decode on or off."},
+    {"batch_invariant_enabled", switch_enabled<paged_attn::batch_invariant_enabled>, METH_NOARGS,
+     "Whether the CUDA decode is batch-invariant."},
     {"_tensors_overlap", tensors_overlap, METH_VARARGS, "Whether two tensors share memory (the ops' check; tests)."},
     {"_shared_tokens_saved", shared_tokens_saved, METH_NOARGS,
      "Key tokens the CPU decode read once for several rows, since loading (shared_blocks.h; tests)."},

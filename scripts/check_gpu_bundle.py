@@ -59,7 +59,8 @@ assert paged_attn._C.__file__.endswith("_C.abi3.so"), paged_attn._C.__file__
 ops = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("paged_attn::"))
 has = torch._C._dispatch_has_kernel_for_dispatch_key
 cpu = [op for op in ops if has(f"paged_attn::{op}", "CPU")]
-missing = [op for op in cpu if not has(f"paged_attn::{op}", "CUDA") and op not in HOST_OPS]
+device_ops = [op for op in cpu if op not in HOST_OPS]
+missing = [op for op in device_ops if not has(f"paged_attn::{op}", "CUDA")]
 if not cpu or missing:
     sys.exit(f"no CUDA kernel for {missing} (ops with a CPU kernel: {cpu})")
 torch.manual_seed(0)
@@ -70,7 +71,7 @@ lens = torch.tensor([5, 32, 17], dtype=torch.int32)
 torch.testing.assert_close(paged_attn.paged_attention(q, k, v, tables, lens),
                            reference.paged_attention(q, k, v, tables, lens).float(), rtol=1e-4, atol=1e-4)
 print(f"loads into torch {torch.__version__} (CUDA {torch.version.cuda}): "
-      f"{len([op for op in cpu if op not in HOST_OPS])} ops with CPU and CUDA kernels; "
+      f"{len(device_ops)} ops with CPU and CUDA kernels; "
       "CPU paged_attention matches the reference")
 """
 
@@ -96,14 +97,15 @@ def main() -> int:
     check(mib <= MAX_MIB, f"{path}: {mib:.1f} MiB (at most {MAX_MIB}: it travels with the tree, 64 MiB in all)")
 
     cuda_major = (torch.version.cuda or "").split(".")[0]
-    allowed = TORCH_LIBRARIES | {f"libcudart.so.{cuda_major}"}
-    needed = needed_libraries(path)
-    foreign = [n for n in needed if n not in allowed and not SYSTEM_LIBRARIES.match(n)]
     cudart = f"libcudart.so.{cuda_major}"
-    check(not foreign and cudart in needed,
-          f"needs {', '.join(needed)}" + (f"; not torch's, CUDA {cuda_major}'s or the C/C++ runtime's: {foreign}"
-                                          if foreign else "") + ("" if cudart in needed else
-                                                                 f"; no {cudart}: no CUDA kernels"))
+    needed = needed_libraries(path)
+    foreign = [n for n in needed if n not in TORCH_LIBRARIES | {cudart} and not SYSTEM_LIBRARIES.match(n)]
+    line = f"needs {', '.join(needed)}"
+    if foreign:
+        line += f"; not torch's, CUDA {cuda_major}'s or the C/C++ runtime's: {foreign}"
+    if cudart not in needed:
+        line += f"; no {cudart}: no CUDA kernels"
+    check(not foreign and cudart in needed, line)
     python = undefined_python_symbols(path)
     unstable = [n for n in python if not n.startswith("Py") and n not in STABLE_PRIVATE]
     check(not unstable, f"{len(python)} Python symbols, all in CPython's stable ABI"

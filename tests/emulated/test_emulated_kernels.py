@@ -222,6 +222,8 @@ def attention_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtyp
 
 
 def check_attention(driver, case: Case, tmp_path):
+    """The emulated output (every build and order the same bytes) against the reference (and a GPU's, where there is
+    one); returns it."""
     t = case.tensors
     out = run_everywhere(driver, case, tmp_path, ["out"])["out"]
     expected = reference.paged_attention(
@@ -236,6 +238,7 @@ def check_attention(driver, case: Case, tmp_path):
             scale=case.scalars["scale"], alibi_slopes=cuda.get("alibi_slopes"),
             sliding_window=case.scalars["sliding_window"] or None, logits_soft_cap=case.scalars["soft_cap"] or None)
         torch.testing.assert_close(on_gpu.cpu().double(), out.double(), **tolerance(case.dtype))
+    return out
 
 
 HEAD_DIMS = [32, 64, 80, 96, 112, 120, 128, 192, 256]
@@ -336,7 +339,7 @@ def decode_plan(case: Case, num_items=None):
     return paged_attn._C._launch_plan(
         "paged_attention", num_items or t["block_tables"].shape[0], t["query"].shape[1], t["key_cache"].shape[2],
         t["block_tables"].shape[1], t["key_cache"].shape[1], scalars["sliding_window"], scalars["num_sms"],
-        scalars["blocks_per_sm"], scalars["partition_tokens"])
+        scalars["blocks_per_sm"], scalars["partition_tokens"], 0, scalars.get("batch_invariant", 0))
 
 
 def widen_block_table(case: Case, width):
@@ -425,19 +428,14 @@ def test_batch_invariant_rows_have_the_same_bits_in_any_batch(driver, tmp_path, 
             if not invariant and name not in ("alone, 1 SM", "alone, 1000 SMs"):
                 continue
             case = rows_of(full, rows, width, num_sms=num_sms, blocks_per_sm=1, batch_invariant=invariant)
-            plan = paged_attn._C._launch_plan(
-                "paged_attention", len(rows), 4, 2, case.tensors["block_tables"].shape[1], 16, 0, num_sms, 1, 512, 0,
-                invariant)
+            plan = decode_plan(case)
             assert (plan["partition_size"] == 512 and plan["num_partitions"] >= 2) or not invariant, plan
             directory = tmp_path / f"{name.replace(' ', '_').replace(',', '')}-{invariant}"
             directory.mkdir()
-            out = run_everywhere(driver, case, directory, ["out"])["out"]
-            if name == "in the batch":
-                t = case.tensors
-                expected = reference.paged_attention(t["query"], t["key_cache"], t["value_cache"], t["block_tables"],
-                                                     t["seq_lens"], scale=case.scalars["scale"],
-                                                     compute_dtype=torch.float64)
-                torch.testing.assert_close(out.double(), expected.double(), **tolerance(dtype))
+            if name == "in the batch":  # the reference once
+                out = check_attention(driver, case, directory)
+            else:
+                out = run_everywhere(driver, case, directory, ["out"])["out"]
             outputs[name, invariant] = out[rows.index(1)]
     for name in runs:
         assert_same_bits(outputs[name, 1], outputs["alone, 1 SM", 1], f"the 700-token row {name} vs alone, 1 SM")
