@@ -40,7 +40,9 @@ SUMMARY="$OUT/summary.md"
 status=0
 
 # The package as the steps import it: with a bundle, a copy of paged_attn/'s Python files beside the bundle's
-# library (the tree is left as it is); without one, the tree after an in-place build.
+# library (the tree is left as it is); without one, the tree after an in-place build. `python -m` and `-c` would put
+# the working directory (the tree, whose paged_attn holds no library on a GPU machine) first on sys.path: they run
+# with -P (Python >= 3.11), so PYTHONPATH decides. (Scripts put their own folder first: bench/, scripts/.)
 if [ -n "$BUNDLE" ]; then
   mkdir -p "$LOGS/pkg"
   cp -r paged_attn "$LOGS/pkg/"
@@ -108,7 +110,7 @@ if [ $DRY = 1 ]; then
   # Everything but the GPU: the bundle, the selections, the scripts, the benchmark's every step on tiny CPU cases.
   if [ -n "$BUNDLE" ]; then step bundle "$LIMIT_SETUP" "$PY" scripts/check_gpu_bundle.py "$BUNDLE" || status=1
   else step bundle "$LIMIT_SETUP" true; fi
-  step tests "$LIMIT_TESTS" "$PY" -m pytest --collect-only "${TESTS[@]}" || status=1
+  step tests "$LIMIT_TESTS" "$PY" -P -m pytest --collect-only "${TESTS[@]}" || status=1
   step scripts 30 "$PY" -m py_compile scripts/sanitizer_cases.py scripts/ncu_cases.py bench/bench_gpu.py || status=1
   step bench_gpu "$LIMIT_BENCH" "$PY" bench/bench_gpu.py --device cpu --tiny --json "$OUT/bench_gpu.json" \
     --summary "$OUT/bench_gpu.md" || status=1
@@ -123,7 +125,7 @@ fi
 
 # Setup: with a bundle, the GPU and the ops' CUDA kernels are there; without one, the in-place build.
 if [ -n "$BUNDLE" ]; then
-  step setup "$LIMIT_SETUP" "$PY" -c "import torch, paged_attn; assert torch.cuda.is_available(), 'no GPU visible'; \
+  step setup "$LIMIT_SETUP" "$PY" -P -c "import torch, paged_attn; assert torch.cuda.is_available(), 'no GPU visible'; \
 assert paged_attn.ops.has_cuda_kernels(); print(torch.cuda.get_device_name(), paged_attn._C.__file__)" || status=1
 else
   step setup 900 "$PY" setup.py build_ext --inplace || status=1
@@ -136,7 +138,7 @@ if [ $status -ne 0 ]; then cat "$SUMMARY"; exit 1; fi
 WORKERS=()
 if "$PY" -c "import xdist" 2>/dev/null; then WORKERS=(-n 6 --dist loadfile); fi
 PIDS=()
-step tests "$LIMIT_TESTS" "$PY" -m pytest "${TESTS[@]}" "${WORKERS[@]}" & PIDS+=($!)
+step tests "$LIMIT_TESTS" "$PY" -P -m pytest "${TESTS[@]}" "${WORKERS[@]}" & PIDS+=($!)
 step memcheck "$LIMIT_MEMCHECK" compute-sanitizer --tool memcheck --error-exitcode 3 "${SANITIZED[@]}" & PIDS+=($!)
 step racecheck "$LIMIT_RACECHECK" compute-sanitizer --tool racecheck --error-exitcode 3 "${SANITIZED[@]}" & PIDS+=($!)
 at_once tests memcheck racecheck || status=1
