@@ -17,6 +17,7 @@
 #include "common.h"
 #include "cuda/copy_plan.h"
 #include "cuda/launch_plan.h"
+#include "cuda/mla_plan.h"
 #include "shared_blocks.h"
 
 namespace {
@@ -91,6 +92,8 @@ PyObject* grid_tuple(const paged_attn::Grid& grid) {
 //                      blocks_per_sm [, partition_tokens [, num_shared_tasks [, batch_invariant]]]
 //   "paged_attention_varlen": num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, element_bytes,
 //                             max_blocks_per_seq, block_size, sliding_window
+//   "mla_attention": num_items, num_heads, kv_lora_rank, rope_dim, max_blocks_per_seq, block_size, num_sms,
+//                    blocks_per_sm [, partition_tokens [, batch_invariant]]
 //   "decode_mma": head_dim   (the tensor-core decode kernel's dynamic shared memory: {"shared_bytes": ...})
 //   "reshape_and_cache": num_tokens, num_kv_heads, head_units
 //   "copy_blocks": num_pairs, launch_layers, block_units
@@ -123,6 +126,16 @@ PyObject* launch_plan(PyObject* /*self*/, PyObject* args) {
                          "partition_size", plan.partition_size, "grid", grid_tuple(plan.grid), "reduce_grid",
                          grid_tuple(plan.reduce_grid), "threads", plan.threads, "shared_bytes", plan.shared_bytes,
                          "num_shared_tasks", plan.num_shared_tasks, "error", error(plan.error));
+  }
+  if (name == "mla_attention" && sizes.size() >= 8 && sizes.size() <= 10) {
+    const int64_t partition_tokens = sizes.size() >= 9 ? sizes[8] : paged_attn::kPartitionSize;
+    const bool batch_invariant = sizes.size() == 10 && sizes[9] != 0;
+    const auto plan = paged_attn::plan_mla_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5],
+                                                     sizes[6], sizes[7], partition_tokens, batch_invariant);
+    return Py_BuildValue("{s:i,s:i,s:i,s:N,s:N,s:i,s:i,s:z}", "heads_per_block", plan.heads_per_block,
+                         "num_partitions", plan.num_partitions, "partition_size", plan.partition_size, "grid",
+                         grid_tuple(plan.grid), "reduce_grid", grid_tuple(plan.reduce_grid), "threads", plan.threads,
+                         "shared_bytes", plan.shared_bytes, "error", error(plan.error));
   }
   if (name == "paged_attention_varlen" && sizes.size() == 9) {
     const auto plan = paged_attn::plan_varlen_attention(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5],

@@ -88,7 +88,10 @@ def mla_attention(
         ``[num_tokens, num_heads, kv_lora_rank]`` in the query dtype (``out`` when given); with ``return_lse``,
         ``(out, lse)``. Any head count (no padding), any block size. On the CPU each latent row is read once for
         all heads, and a row's output bits do not depend on the batch or the thread count (as
-        :func:`paged_attention`'s). CPU only so far: CUDA tensors raise an error.
+        :func:`paged_attention`'s). On CUDA (compute capability 8.0+): float16 and bfloat16 latent caches of
+        512 + 64 (DeepSeek-V2/V3, Kimi K2) or 128 + 32, block sizes that are powers of two from 8, on tensor cores
+        (16 heads a thread block); with batch invariance (:func:`paged_attn.set_batch_invariant`) a row's bits do not
+        depend on the batch there either. fp8 latent caches and other shapes on CUDA raise an error that says so.
 
     Example::
 

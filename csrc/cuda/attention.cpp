@@ -33,6 +33,7 @@
 #include "../common.h"
 #include "attention_launch.h"
 #include "copy_plan.h"  // access_width
+#include "mla_launch.h"
 #include "paged_cache_host.h"
 
 namespace paged_attn {
@@ -88,6 +89,27 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
   return params;
 }
 
+// The split-KV scratch of a plan (nothing in single pass): float32 [num_items, num_heads, num_partitions] records
+// and their [.., width] outputs, pointed to by params; they live as long as the returned holder (the caching
+// allocator frees them in stream order, after the launches enqueued before it goes).
+struct SplitScratch {
+  at::Tensor out, max, sum;
+};
+template <typename T, typename C>
+SplitScratch split_scratch(AttentionParams<T, C>& params, const AttentionPlan& plan, int64_t num_items,
+                           int64_t num_heads, int64_t width, const at::Tensor& like) {
+  SplitScratch scratch;
+  if (!plan.split()) return scratch;
+  const auto options = like.options().dtype(at::kFloat);
+  scratch.out = at::empty({num_items, num_heads, plan.num_partitions, width}, options);
+  scratch.max = at::empty({num_items, num_heads, plan.num_partitions}, options);
+  scratch.sum = at::empty({num_items, num_heads, plan.num_partitions}, options);
+  params.partial_out = scratch.out.data_ptr<float>();
+  params.partial_max = scratch.max.data_ptr<float>();
+  params.partial_sum = scratch.sum.data_ptr<float>();
+  return scratch;
+}
+
 // The decode kernels over num_items items (see QueryRows in attention_params.cuh): decode_mma_kernel where
 // decode_on_tensor_cores says so, else paged_attention_kernel.
 // shared_plan: a shared-blocks plan, taken by decode (kLastOfEachSeq) on tensor cores; not read otherwise.
@@ -112,16 +134,7 @@ void launch_decode(AttentionParams<T, C> params, QueryRows rows, int64_t num_ite
                                       sharing ? shared_plan->size(0) : 0, batch_invariant_enabled());
   TORCH_CHECK(plan.error.empty(), "paged_attention: this call cannot be launched on CUDA: ", plan.error);
   if (tensor_cores) use_tensor_cores(plan, head_dim);
-  at::Tensor partial_out, partial_max, partial_sum;
-  if (plan.split()) {
-    const auto options = query.options().dtype(at::kFloat);
-    partial_out = at::empty({num_items, num_heads, plan.num_partitions, head_dim}, options);
-    partial_max = at::empty({num_items, num_heads, plan.num_partitions}, options);
-    partial_sum = at::empty({num_items, num_heads, plan.num_partitions}, options);
-    params.partial_out = partial_out.data_ptr<float>();
-    params.partial_max = partial_max.data_ptr<float>();
-    params.partial_sum = partial_sum.data_ptr<float>();
-  }
+  const SplitScratch scratch = split_scratch(params, plan, num_items, num_heads, head_dim, query);
   if (plan.num_shared_tasks > 0) {
     params.shared_plan = shared_plan->data_ptr<int32_t>();  // contiguous (checked)
     params.num_shared_tasks = plan.num_shared_tasks;
@@ -232,14 +245,83 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
   }
 }
 
-// MLA on CUDA is the next step (a tensor-core latent-attention kernel); until then the call is checked and refused.
-void mla_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t kv_lora_rank,
-                        double /*scale*/, const std::optional<at::Tensor>& query_start_loc,
-                        std::optional<int64_t> /*max_query_len*/, const std::optional<at::Tensor>& k_scale,
-                        const std::optional<at::Tensor>& lse) {
+// mla_attention on CUDA: mla_attention_kernel (mla_kernels.cuh) over one item per sequence (decode) or per query
+// row (query_start_loc: QueryRows::kEveryRow), split-KV as plan_mla_attention says, the reduce at HEAD_DIM =
+// kv_lora_rank. float16 and bfloat16 latent caches at the (kv_lora_rank, rope_dim) pairs of MlaShapes, block sizes
+// that are powers of two from 8, compute capability 8.0+. No host-device synchronization (unless validation is on).
+void mla_attention_cuda(at::Tensor& out,                 // [num_tokens, num_heads, kv_lora_rank], contiguous
+                        const at::Tensor& query,         // [num_tokens, num_heads, kv_lora_rank + rope_dim]
+                        const at::Tensor& kv_cache,      // [num_blocks, block_size, kv_lora_rank + rope_dim]
+                        const at::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq], int32
+                        const at::Tensor& seq_lens,      // [num_seqs], int32
+                        int64_t kv_lora_rank, double scale,
+                        const std::optional<at::Tensor>& query_start_loc,  // [num_seqs + 1], int32, or none
+                        std::optional<int64_t> max_query_len,
+                        const std::optional<at::Tensor>& k_scale,  // [1], float32 (fp8 caches only)
+                        const std::optional<at::Tensor>& lse) {    // [num_tokens, num_heads], float32, or none
   check_mla_attention_args(out, query, kv_cache, block_tables, seq_lens, kv_lora_rank, query_start_loc, k_scale, lse);
-  TORCH_CHECK(false, "mla_attention is not on CUDA yet: it runs on the CPU (tensors on the CPU) for now");
+  TORCH_CHECK(query.is_cuda(), "mla_attention: expected CUDA tensors, got ", query.device());
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(!is_fp8(kv_cache.scalar_type()), "mla_attention: fp8 latent caches are not on CUDA yet (CPU only); ",
+              "float16 and bfloat16 caches are");
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "mla_attention on CUDA takes float16 and bfloat16, got ",
+              dtype, " (float32 runs on the CPU)");
+  const int device = query.get_device();
+  TORCH_CHECK(has_tensor_cores(device), "mla_attention on CUDA needs compute capability 8.0 or newer");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), row = kv_cache.size(2);
+  const int64_t num_seqs = block_tables.size(0), block_size = kv_cache.size(1);
+  TORCH_CHECK(num_tokens <= INT32_MAX, "mla_attention: at most 2^31 - 1 query rows on CUDA, got ", num_tokens);
+  // The kernel copies rows as 16-byte vectors and keeps a step's row offsets (32 token strides) in int32.
+  const uint64_t elem = kv_cache.element_size();
+  TORCH_CHECK(access_width({address_of(kv_cache), kv_cache.stride(0) * elem, kv_cache.stride(1) * elem,
+                            address_of(query), query.stride(0) * elem, query.stride(1) * elem}) == 16 &&
+                  kv_cache.stride(1) <= (INT32_MAX - row) / kMlaTile,
+              "mla_attention: on CUDA the rows of kv_cache and query must be 16-byte aligned (data pointers and ",
+              "strides in bytes multiples of 16, token strides below 2^31 / 32), got kv_cache strides ",
+              kv_cache.strides(), ", query strides ", query.strides());
+  const c10::cuda::CUDAGuard guard(query.device());
+  if (validation_enabled()) {
+    const at::Tensor seq_lens_cpu = seq_lens.cpu();
+    const std::optional<at::Tensor> query_start_loc_cpu =
+        query_start_loc.has_value() ? std::optional<at::Tensor>(query_start_loc->cpu()) : std::nullopt;
+    if (query_start_loc_cpu.has_value()) {
+      check_query_start_loc_range(*query_start_loc_cpu, seq_lens_cpu, num_tokens, max_query_len);
+    }
+    check_block_table_range(block_tables.cpu(), seq_lens_cpu, kv_cache.size(0), block_size, query_start_loc_cpu, 0);
+  }
+  if (num_tokens == 0 || num_seqs == 0) return;
+
+  const at::Tensor block_tables_c = block_tables.contiguous(), seq_lens_c = seq_lens.contiguous();
+  const std::optional<at::Tensor> starts_c =
+      query_start_loc.has_value() ? std::optional<at::Tensor>(query_start_loc->contiguous()) : std::nullopt;
+  const int64_t num_items = query_start_loc.has_value() ? num_tokens : num_seqs;
+  const at::Tensor cache = kv_cache.unsqueeze(2);  // [num_blocks, block_size, 1, row]: one kv head
+  const auto run = [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    AttentionParams<T> params = attention_params<T, T>(out, query, cache, cache, block_tables_c, seq_lens_c, starts_c,
+                                                       scale, std::nullopt, 0.0, std::nullopt, std::nullopt,
+                                                       at::Tensor(), lse);
+    params.rows = query_start_loc.has_value() ? QueryRows::kEveryRow : QueryRows::kLastOfEachSeq;
+    // (the sizes checked first: the occupancy query needs an instantiated kernel)
+    const std::string error = plan_mla_attention(num_items, num_heads, kv_lora_rank, row - kv_lora_rank,
+                                                 block_tables.size(1), block_size, 1, 1).error;
+    TORCH_CHECK(error.empty(), "mla_attention: this call cannot be launched on CUDA: ", error);
+    int blocks_per_sm = 0;
+    C10_CUDA_CHECK(mla_attention_blocks_per_sm(T{}, static_cast<int>(kv_lora_rank),
+                                               static_cast<int>(row - kv_lora_rank), device, &blocks_per_sm));
+    TORCH_CHECK(blocks_per_sm >= 1, "mla_attention: the kernel for kv_lora_rank ", kv_lora_rank,
+                " does not fit on an SM of this GPU");
+    const AttentionPlan plan = plan_mla_attention(num_items, num_heads, kv_lora_rank, row - kv_lora_rank,
+                                                  block_tables.size(1), block_size, multiprocessor_count(device),
+                                                  blocks_per_sm, kPartitionSize, batch_invariant_enabled());
+    TORCH_CHECK(plan.error.empty(), "mla_attention: this call cannot be launched on CUDA: ", plan.error);
+    const SplitScratch scratch = split_scratch(params, plan, num_items, num_heads, kv_lora_rank, query);
+    params.set_plan(plan);
+    C10_CUDA_CHECK(launch_mla_attention(params, plan, static_cast<int>(kv_lora_rank),
+                                        c10::cuda::getCurrentCUDAStream()));
+  };
+  if (dtype == at::kHalf) return run(__half{});
+  run(__nv_bfloat16{});
 }
 
 }  // namespace

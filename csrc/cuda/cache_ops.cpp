@@ -1,7 +1,7 @@
 // The cache ops on CUDA: the torch-facing launchers (plain C++: the kernels, cache_ops_kernels.cuh, are launched by
 // csrc/cuda/instantiations/cache_ops.cu through cache_ops_launch.h); their launch plans are in copy_plan.h.
 //
-//   reshape_and_cache, copy_blocks: one kernel launch each (copy_blocks: one per kMaxLayersPerLaunch layers).
+//   reshape_and_cache, concat_and_cache_mla, copy_blocks: one kernel launch each (copy_blocks: one per kMaxLayersPerLaunch layers).
 //   swap_blocks: no kernel: runs of consecutive (src, dst) block ids become one cudaMemcpy2DAsync each
 //                (pitch = block stride), on the current stream; asynchronous when the CPU side is pinned.
 //
@@ -245,11 +245,63 @@ void swap_blocks_cuda(const at::Tensor& src,             // [num_src_blocks, ...
   if (peer) wait_for(stream, dst_stream);
 }
 
-// MLA on CUDA is the next step; until then the call is checked and refused.
-void concat_and_cache_mla_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
-                               const at::Tensor& slot_mapping, const std::optional<at::Tensor>& scale) {
+// concat_and_cache_mla: one launch; the rows copied in the widest Unit that divides every address, stride and
+// width, or quantized into an fp8 cache (one thread per element), as the CPU writes them (the same bytes).
+void concat_and_cache_mla_cuda(const at::Tensor& kv_c,          // [num_tokens, kv_lora_rank], last dim contiguous
+                               const at::Tensor& k_pe,          // [num_tokens, rope_dim], last dim contiguous
+                               at::Tensor& kv_cache,            // [num_blocks, block_size, kv_lora_rank + rope_dim]
+                               const at::Tensor& slot_mapping,  // [num_tokens], int64, < 0 = padding
+                               const std::optional<at::Tensor>& scale) {  // [1], float32 (fp8 caches only)
   check_concat_and_cache_mla_args(kv_c, k_pe, kv_cache, slot_mapping, scale);
-  TORCH_CHECK(false, "concat_and_cache_mla is not on CUDA yet: it runs on the CPU (tensors on the CPU) for now");
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  const int64_t num_tokens = kv_c.size(0), rank = kv_c.size(1), rope_dim = k_pe.size(1);
+  if (validation_enabled()) {
+    check_slot_range(slot_mapping.cpu(), kv_cache.size(0) * kv_cache.size(1));
+    check_scale_value(scale, "scale");
+  }
+  if (num_tokens == 0) return;
+  const auto slots = slot_mapping.contiguous();
+  const at::Tensor cache = kv_cache.unsqueeze(2);  // [num_blocks, block_size, 1, kv_lora_rank + rope_dim]
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (is_fp8(kv_cache.scalar_type())) {
+    const CopyPlan plan = plan_reshape_and_cache(num_tokens, 1, rank + rope_dim);
+    TORCH_CHECK(plan.error.empty(), "concat_and_cache_mla: this call cannot be launched on CUDA: ", plan.error);
+    const auto run = [&](auto dtype_tag) {
+      using T = decltype(dtype_tag);
+      const ConcatAndCacheMlaFp8Params<T> params{
+          static_cast<const T*>(kv_c.data_ptr()), static_cast<const T*>(k_pe.data_ptr()), kv_c.stride(0),
+          k_pe.stride(0), static_cast<int>(rank), static_cast<int>(rope_dim),
+          paged_cache_of<__nv_fp8_storage_t>(cache), slots.data_ptr<int64_t>(),
+          scale.has_value() ? scale->data_ptr<float>() : nullptr,
+          kv_cache.scalar_type() == at::kFloat8_e5m2 ? __NV_E5M2 : __NV_E4M3};
+      C10_CUDA_CHECK(launch_concat_and_cache_mla_fp8(params, plan, stream));
+    };
+    switch (kv_c.scalar_type()) {  // check_concat_and_cache_mla_args allows exactly these
+      case at::kFloat: return run(float{});
+      case at::kHalf: return run(__half{});
+      case at::kBFloat16: return run(__nv_bfloat16{});
+      default: TORCH_CHECK(false, "concat_and_cache_mla: unsupported dtype ", kv_c.scalar_type());
+    }
+  }
+  const uint64_t elem = kv_c.element_size();
+  const int64_t width = access_width({rank * elem, rope_dim * elem, kv_c.stride(0) * elem, k_pe.stride(0) * elem,
+                                      kv_cache.stride(0) * elem, kv_cache.stride(1) * elem, address_of(kv_c),
+                                      address_of(k_pe), address_of(kv_cache)});
+  const int64_t per_unit = width / static_cast<int64_t>(elem);  // every value above is a multiple of elem
+  const CopyPlan plan = plan_reshape_and_cache(num_tokens, 1, (rank + rope_dim) / per_unit);
+  TORCH_CHECK(plan.error.empty(), "concat_and_cache_mla: this call cannot be launched on CUDA: ", plan.error);
+  dispatch_width(width, [&](auto unit) {
+    using Unit = decltype(unit);
+    const ConcatAndCacheMlaParams<Unit> params{static_cast<const Unit*>(kv_c.data_ptr()),
+                                               static_cast<const Unit*>(k_pe.data_ptr()),
+                                               kv_c.stride(0) / per_unit,
+                                               k_pe.stride(0) / per_unit,
+                                               static_cast<int>(rank / per_unit),
+                                               static_cast<int>(rope_dim / per_unit),
+                                               paged_cache_of<Unit>(cache),
+                                               slots.data_ptr<int64_t>()};
+    C10_CUDA_CHECK(launch_concat_and_cache_mla(params, plan, stream));
+  });
 }
 
 }  // namespace

@@ -10,6 +10,8 @@
 //   reshape_and_cache  grid (num_tokens): one thread block writes one token's [num_kv_heads, head_dim] rows. Into
 //                      an fp8 cache (reshape_and_cache_fp8_kernel) each element is quantized, so it is not
 //                      dtype-agnostic: one thread per element.
+//   concat_and_cache_mla  grid (num_tokens): one thread block writes one token's latent row, kv_c then k_pe (fp8:
+//                      concat_and_cache_mla_fp8_kernel, quantizing each element as reshape_and_cache_fp8_kernel).
 //   copy_blocks        grid (num_pairs, num_layers, 2): one thread block copies one block of one layer's key
 //                      (z = 0) or value (z = 1) cache. All layers (up to kMaxLayersPerLaunch) and pairs in one
 //                      launch: the layers' base pointers travel as a kernel parameter (no pointer table to upload,
@@ -68,6 +70,35 @@ __global__ void reshape_and_cache_fp8_kernel(const ReshapeAndCacheFp8Params<T> p
         quantize_fp8(as_float(key_src[head * p.key_head_stride + d]), k_scale, p.format);
     p.value_cache.slot_row(slot, head)[d] =
         quantize_fp8(as_float(value_src[head * p.value_head_stride + d]), v_scale, p.format);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// concat_and_cache_mla (ConcatAndCacheMlaParams: counts in Units; the fp8 kernel: in elements).
+template <typename Unit>
+__global__ void concat_and_cache_mla_kernel(const ConcatAndCacheMlaParams<Unit> p) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return;  // NOTE: padding token, nothing to write
+  const Unit* kv_c = p.kv_c + token * p.kv_c_stride;
+  const Unit* k_pe = p.k_pe + token * p.k_pe_stride;
+  Unit* row = p.cache.slot_row(slot, 0);
+  for (int u = threadIdx.x; u < p.rank_units + p.rope_units; u += blockDim.x) {
+    row[u] = u < p.rank_units ? kv_c[u] : k_pe[u - p.rank_units];
+  }
+}
+
+template <typename T>
+__global__ void concat_and_cache_mla_fp8_kernel(const ConcatAndCacheMlaFp8Params<T> p) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return;  // NOTE: padding token, nothing to write
+  const float scale = p.scale != nullptr ? *p.scale : 1.0f;
+  const T* kv_c = p.kv_c + token * p.kv_c_stride;
+  const T* k_pe = p.k_pe + token * p.k_pe_stride;
+  __nv_fp8_storage_t* row = p.cache.slot_row(slot, 0);
+  for (int d = threadIdx.x; d < p.rank + p.rope_dim; d += blockDim.x) {
+    row[d] = quantize_fp8(as_float(d < p.rank ? kv_c[d] : k_pe[d - p.rank]), scale, p.format);
   }
 }
 

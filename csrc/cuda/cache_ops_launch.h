@@ -18,6 +18,12 @@ template <typename T>
 cudaError_t launch_reshape_and_cache_fp8(const ReshapeAndCacheFp8Params<T>& params, const CopyPlan& plan,
                                          cudaStream_t stream);
 template <typename Unit>
+cudaError_t launch_concat_and_cache_mla(const ConcatAndCacheMlaParams<Unit>& params, const CopyPlan& plan,
+                                        cudaStream_t stream);
+template <typename T>
+cudaError_t launch_concat_and_cache_mla_fp8(const ConcatAndCacheMlaFp8Params<T>& params, const CopyPlan& plan,
+                                            cudaStream_t stream);
+template <typename Unit>
 cudaError_t launch_copy_blocks(const CopyBlocksParams& params, const CopyPlan& plan, cudaStream_t stream);
 
 }  // namespace paged_attn

@@ -52,6 +52,32 @@ struct ReshapeAndCacheFp8Params {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
+// concat_and_cache_mla: row slot_mapping[t] of the latent cache is kv_c[t] then k_pe[t]. Every count in Units.
+template <typename Unit>
+struct ConcatAndCacheMlaParams {
+  const Unit* kv_c;              // [num_tokens, kv_lora_rank], last dim contiguous: token t at t * kv_c_stride
+  const Unit* k_pe;              // [num_tokens, rope_dim], last dim contiguous: token t at t * k_pe_stride
+  int64_t kv_c_stride, k_pe_stride;
+  int rank_units, rope_units;    // kv_lora_rank and rope_dim
+  PagedCache<Unit> cache;        // [num_blocks, block_size, 1, kv_lora_rank + rope_dim]
+  const int64_t* slot_mapping;   // [num_tokens]; slot < 0: a padding token, not written
+};
+
+// concat_and_cache_mla into an fp8 cache: each element quantized as reshape_and_cache_fp8 does, with `scale`.
+// Counts and strides in elements.
+template <typename T>  // float, __half or __nv_bfloat16
+struct ConcatAndCacheMlaFp8Params {
+  const T* kv_c;  // [num_tokens, kv_lora_rank], last dim contiguous
+  const T* k_pe;  // [num_tokens, rope_dim], last dim contiguous
+  int64_t kv_c_stride, k_pe_stride;
+  int rank, rope_dim;
+  PagedCache<__nv_fp8_storage_t> cache;  // [num_blocks, block_size, 1, kv_lora_rank + rope_dim]
+  const int64_t* slot_mapping;           // [num_tokens]; slot < 0: a padding token, not written
+  const float* scale;                    // [1], or nullptr: 1.0
+  __nv_fp8_interpretation_t format;      // __NV_E4M3 or __NV_E5M2
+};
+
+// ---------------------------------------------------------------------------------------------------------------
 // copy_blocks: the caches of up to kMaxLayersPerLaunch layers, passed by value as the kernel parameter (about 12 KiB:
 // CUDA 12.1+ takes up to 32 KiB of parameters). Every layer has the same block shape (check_copy_blocks_args);
 // each cache its own strides. Counts are in bytes (PagedCache<char>: head_dim is the row's bytes).

@@ -5,8 +5,8 @@
 //   kernels CASE_FILE ORDER SEED     ORDER: forward | reverse | random
 //
 // A case file is a list of lines:
-//   op attention | reshape_and_cache | copy_blocks | merge_attention_states
-//   dtype float | half | bfloat16                      (attention, merge_attention_states)
+//   op attention | mla_attention | reshape_and_cache | concat_and_cache_mla | copy_blocks | merge_attention_states
+//   dtype float | half | bfloat16                      (attention, mla_attention, merge_attention_states)
 //   buffer ID BYTES PATH                              read into an exact-size heap allocation (64-byte aligned)
 //   tensor NAME ID BYTE_OFFSET NDIM SIZES... STRIDES...  a view of a buffer (strides in elements)
 //   scalar NAME VALUE
@@ -15,6 +15,9 @@
 // the dtype), and optional one-element float32 tensors k_scale, v_scale. attention: optional tensors alibi_slopes,
 // sinks (float32 [num_heads]) and lse (float32 [num_tokens, num_heads], an output), shared_plan (int32
 // [num_tasks, kSharedPlanColumns]: a shared-blocks plan, csrc/cuda/shared_blocks.cuh).
+// mla_attention: tensors out, query, kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim], block_tables,
+// seq_lens, optional query_start_loc and lse; scalars kv_lora_rank, scale, num_sms, partition_tokens and optional
+// blocks_per_sm, batch_invariant.
 // Exit status: 0 done; 2 bad case file or a plan that refuses the launch (message on stderr); 3 an emulator error
 // (divergent barrier, collective mismatch, ...). Sanitizer reports abort the program on their own.
 #include "simt.h"  // first: the kernel headers then take its PA_SHARED / PA_EXTERN_SHARED
@@ -23,6 +26,7 @@
 #include "../../csrc/cuda/cache_ops_kernels.cuh"
 #include "../../csrc/cuda/decode_mma_kernels.cuh"
 #include "../../csrc/cuda/merge_attention_states_kernels.cuh"
+#include "../../csrc/cuda/mla_kernels.cuh"
 #include "../../csrc/cuda/varlen_attention_kernels.cuh"
 
 #include <cstdio>
@@ -373,6 +377,65 @@ void run_attention(const Case& c, const simt::Options& options) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// mla_attention: the launches of csrc/cuda/attention.cpp (mla_attention_cuda): mla_attention_kernel over the items
+// (decode: sequences; query_start_loc: every query row), then in split-KV the reduce at HEAD_DIM = kv_lora_rank.
+template <typename T>
+void run_mla_attention(const Case& c, const simt::Options& options) {
+  const View &out = c.tensor("out"), &query = c.tensor("query"), &kv_cache = c.tensor("kv_cache"),
+             &block_tables = c.tensor("block_tables"), &seq_lens = c.tensor("seq_lens");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), row = query.size(2);
+  const int64_t kv_lora_rank = static_cast<int64_t>(c.scalar("kv_lora_rank"));
+  const bool varlen = c.has("query_start_loc");
+  const int64_t num_seqs = varlen ? c.tensor("query_start_loc").size(0) - 1 : num_tokens;
+  const int64_t num_items = varlen ? num_tokens : num_seqs;
+  if (num_items == 0) return;
+  paged_attn::AttentionParams<T> p{};
+  p.out = out.as<T>();
+  p.query = query.as<const T>();
+  p.query_row_stride = query.stride(0), p.query_head_stride = query.stride(1);
+  p.key_cache = {kv_cache.as<const T>(), kv_cache.stride(0), kv_cache.stride(1), 0,
+                 static_cast<int>(kv_cache.size(1)), 1, static_cast<int>(row)};
+  p.value_cache = p.key_cache;
+  p.block_tables = block_tables.as<const int32_t>();
+  p.seq_lens = seq_lens.as<const int32_t>();
+  p.query_start_loc = varlen ? c.tensor("query_start_loc").as<const int32_t>() : nullptr;
+  p.lse = c.has("lse") ? c.tensor("lse").as<float>() : nullptr;
+  p.rows = varlen ? paged_attn::QueryRows::kEveryRow : paged_attn::QueryRows::kLastOfEachSeq;
+  p.num_seqs = static_cast<int>(num_seqs), p.num_tokens = static_cast<int>(num_tokens);
+  p.num_heads = static_cast<int>(num_heads), p.max_blocks_per_seq = block_tables.size(1);
+  p.scale = static_cast<float>(c.scalar("scale"));
+  const paged_attn::AttentionPlan plan = paged_attn::plan_mla_attention(
+      num_items, num_heads, kv_lora_rank, row - kv_lora_rank, block_tables.size(1), kv_cache.size(1),
+      static_cast<int64_t>(c.scalar("num_sms")),
+      c.scalars.count("blocks_per_sm") ? static_cast<int64_t>(c.scalar("blocks_per_sm")) : 1,
+      static_cast<int64_t>(c.scalar("partition_tokens")),
+      c.scalars.count("batch_invariant") && c.scalar("batch_invariant") != 0);
+  if (!plan.error.empty()) throw CaseError("plan_mla_attention: " + plan.error);
+  if (plan.split()) {
+    const int64_t records = num_items * num_heads * plan.num_partitions;
+    p.partial_out = nan_floats(records * kv_lora_rank);
+    p.partial_max = nan_floats(records);
+    p.partial_sum = nan_floats(records);
+  }
+  p.set_plan(plan);
+  const bool found = paged_attn::dispatch_mla(kv_lora_rank, row - kv_lora_rank, paged_attn::MlaShapes{},
+                                              [&](auto lora, auto rope) {
+    constexpr int LORA = decltype(lora)::value, ROPE = decltype(rope)::value;
+    simt::launch(options, paged_attn::mla_attention_kernel<T, LORA, ROPE>, to_dim3(plan.grid), dim3(plan.threads),
+                 plan.shared_bytes, p);
+    if (plan.split()) {
+      simt::launch(options, paged_attn::paged_attention_reduce_kernel<T, T, LORA>, to_dim3(plan.reduce_grid),
+                   dim3(plan.threads), 0, p);
+    }
+  });
+  if (!found) throw CaseError("mla_attention is not instantiated for this kv_lora_rank + rope_dim");
+  std::printf("mla plan: %lld items, grid (%lld, %lld, %lld), partitions %d of %d tokens, %d bytes\n",
+              static_cast<long long>(num_items), static_cast<long long>(plan.grid.x),
+              static_cast<long long>(plan.grid.y), static_cast<long long>(plan.grid.z), plan.num_partitions,
+              plan.partition_size, plan.shared_bytes);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 uint64_t address(const View& v) { return reinterpret_cast<uint64_t>(v.data); }
 
 // reshape_and_cache into fp8 caches (reshape_and_cache_fp8_kernel), keys and values of dtype T.
@@ -436,6 +499,64 @@ void run_reshape_and_cache(const Case& c, const simt::Options& options) {
     p.slot_mapping = slot_mapping.as<const int64_t>();
     if (num_tokens > 0) {
       simt::launch(options, paged_attn::reshape_and_cache_kernel<Unit>, to_dim3(plan.grid), dim3(plan.threads),
+                   plan.shared_bytes, p);
+    }
+  });
+  std::printf("plan: access width %lld bytes, %d threads\n", static_cast<long long>(width), plan.threads);
+}
+
+// concat_and_cache_mla (concat_and_cache_mla_kernel, or into an fp8 cache the _fp8 kernel), as
+// csrc/cuda/cache_ops.cpp launches it: tensors kv_c, k_pe, kv_cache [num_blocks, block_size, row], slot_mapping
+// (and scale for fp8); scalars element_size, fp8_format.
+template <typename T>
+void run_concat_and_cache_mla_fp8(const Case& c, const simt::Options& options) {
+  const View &kv_c = c.tensor("kv_c"), &k_pe = c.tensor("k_pe"), &kv_cache = c.tensor("kv_cache"),
+             &slot_mapping = c.tensor("slot_mapping");
+  const int64_t num_tokens = kv_c.size(0), rank = kv_c.size(1), rope_dim = k_pe.size(1);
+  const auto plan = paged_attn::plan_reshape_and_cache(num_tokens, 1, rank + rope_dim);
+  if (!plan.error.empty()) throw CaseError("plan_reshape_and_cache: " + plan.error);
+  const paged_attn::ConcatAndCacheMlaFp8Params<T> p{
+      kv_c.as<const T>(), k_pe.as<const T>(), kv_c.stride(0), k_pe.stride(0), static_cast<int>(rank),
+      static_cast<int>(rope_dim),
+      {kv_cache.as<__nv_fp8_storage_t>(), kv_cache.stride(0), kv_cache.stride(1), 0,
+       static_cast<int>(kv_cache.size(1)), 1, static_cast<int>(rank + rope_dim)},
+      slot_mapping.as<const int64_t>(), scale_of(c, "scale"), fp8_interpretation(c)};
+  if (num_tokens > 0) {
+    simt::launch(options, paged_attn::concat_and_cache_mla_fp8_kernel<T>, to_dim3(plan.grid), dim3(plan.threads),
+                 plan.shared_bytes, p);
+  }
+  std::printf("plan: fp8, %d threads\n", plan.threads);
+}
+
+void run_concat_and_cache_mla(const Case& c, const simt::Options& options) {
+  if (fp8_format(c) != 0) {
+    if (c.dtype == "float") return run_concat_and_cache_mla_fp8<float>(c, options);
+    if (c.dtype == "half") return run_concat_and_cache_mla_fp8<__half>(c, options);
+    if (c.dtype == "bfloat16") return run_concat_and_cache_mla_fp8<__nv_bfloat16>(c, options);
+    throw CaseError("unknown dtype " + c.dtype);
+  }
+  const View &kv_c = c.tensor("kv_c"), &k_pe = c.tensor("k_pe"), &kv_cache = c.tensor("kv_cache"),
+             &slot_mapping = c.tensor("slot_mapping");
+  const int64_t elem = static_cast<int64_t>(c.scalar("element_size"));
+  const int64_t num_tokens = kv_c.size(0), rank = kv_c.size(1), rope_dim = k_pe.size(1);
+  const int64_t width = access_width(
+      {static_cast<uint64_t>(rank * elem), static_cast<uint64_t>(rope_dim * elem),
+       static_cast<uint64_t>(kv_c.stride(0) * elem), static_cast<uint64_t>(k_pe.stride(0) * elem),
+       static_cast<uint64_t>(kv_cache.stride(0) * elem), static_cast<uint64_t>(kv_cache.stride(1) * elem),
+       address(kv_c), address(k_pe), address(kv_cache)});
+  const int64_t per_unit = width / elem;
+  const auto plan = paged_attn::plan_reshape_and_cache(num_tokens, 1, (rank + rope_dim) / per_unit);
+  if (!plan.error.empty()) throw CaseError("plan_reshape_and_cache: " + plan.error);
+  paged_attn::dispatch_unit(width, [&](auto unit) {
+    using Unit = decltype(unit);
+    const paged_attn::ConcatAndCacheMlaParams<Unit> p{
+        kv_c.as<const Unit>(), k_pe.as<const Unit>(), kv_c.stride(0) / per_unit, k_pe.stride(0) / per_unit,
+        static_cast<int>(rank / per_unit), static_cast<int>(rope_dim / per_unit),
+        {kv_cache.as<Unit>(), kv_cache.stride(0) / per_unit, kv_cache.stride(1) / per_unit, 0,
+         static_cast<int>(kv_cache.size(1)), 1, static_cast<int>((rank + rope_dim) / per_unit)},
+        slot_mapping.as<const int64_t>()};
+    if (num_tokens > 0) {
+      simt::launch(options, paged_attn::concat_and_cache_mla_kernel<Unit>, to_dim3(plan.grid), dim3(plan.threads),
                    plan.shared_bytes, p);
     }
   });
@@ -532,8 +653,14 @@ int main(int argc, char** argv) {
       else if (c.dtype == "half") run_attention<__half>(c, options);
       else if (c.dtype == "bfloat16") run_attention<__nv_bfloat16>(c, options);
       else throw CaseError("unknown dtype " + c.dtype);
+    } else if (c.op == "mla_attention") {
+      if (c.dtype == "half") run_mla_attention<__half>(c, options);
+      else if (c.dtype == "bfloat16") run_mla_attention<__nv_bfloat16>(c, options);
+      else throw CaseError("mla_attention takes half and bfloat16, got " + c.dtype);
     } else if (c.op == "reshape_and_cache") {
       run_reshape_and_cache(c, options);
+    } else if (c.op == "concat_and_cache_mla") {
+      run_concat_and_cache_mla(c, options);
     } else if (c.op == "copy_blocks") {
       run_copy_blocks(c, options);
     } else if (c.op == "merge_attention_states") {

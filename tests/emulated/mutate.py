@@ -1,5 +1,5 @@
 """Proves that the emulated kernel tests bite: plants realistic bugs in copies of the CUDA kernels, runs the emulated
-suite (tests/emulated/test_emulated_kernels.py) on each, and reports which check caught it.
+suite (tests/emulated/test_emulated_kernels.py, test_emulated_mla.py) on each, and reports which check caught it.
 
     .venv/bin/python tests/emulated/mutate.py [--only NAME ...] [--check]
 
@@ -35,6 +35,8 @@ SEVERAL_TILES_TESTS = "several_tiles"  # the CUDA-core decode over several tiles
 SINK_TESTS = "sinks or lse"  # the attention sinks' and the lse's mutants, their tests
 SHARED = "csrc/cuda/shared_blocks.cuh"
 SHARED_TESTS = "shared_blocks"  # the shared-blocks plan's mutants, its tests
+MLA = "csrc/cuda/mla_kernels.cuh"
+MLA_TESTS = "mla"  # the latent-attention kernel's mutants, its tests (test_emulated_mla.py)
 
 # name -> (file, text, replacement[, pytest -k expression])
 MUTANTS = {
@@ -237,6 +239,23 @@ MUTANTS = {
         SHARED, "      window_start(seq_len, p.sliding_window) > range.begin * ps ||\n", "", SHARED_TESTS),
     "shared blocks: ALiBi rows of another length than the reference's served": (
         SHARED, " ||\n      (p.alibi_slopes != nullptr && seq_len != clamped_seq_len(p, ref))", "", SHARED_TESTS),
+    "MLA: the rope part of the row dropped from the logits": (
+        MLA, "  for (int k = 0; k < L::KSTEPS; k += 2) {", "  for (int k = 0; k < LORA / 16; k += 2) {", MLA_TESTS),
+    "MLA: values read past kv_lora_rank (columns shifted by 8)": (
+        MLA, "L::PAD_ROW + L::COLS * warp + 8 * (lane / 16);", "L::PAD_ROW + L::COLS * warp + 8 * (lane / 16) + 8;",
+        MLA_TESTS),
+    "MLA: a wrong head-to-row mapping (heads g and g + 8 swapped on output)": (
+        MLA, "    const int head = task.first_head + slot;",
+        "    const int head = task.first_head + (slot ^ 8) % task.num_heads;", MLA_TESTS),
+    "MLA: a missing merge (a warp's sum alone, not the four warps')": (
+        MLA, "    for (int w = 0; w < kMlaWarps; ++w) total += sum_s[w][slot];", "    total = sum_s[warp][slot];",
+        MLA_TESTS),
+    "MLA: O not rescaled when the reference max moves": (
+        MLA, "    state.acc[j][0] *= factor[0], state.acc[j][1] *= factor[0];\n"
+        "    state.acc[j][2] *= factor[1], state.acc[j][3] *= factor[1];\n", "", MLA_TESTS),
+    "MLA: a stage read before its wait": (
+        MLA, "      cp_async_wait<0>();\n      __syncthreads();  // the step's rows",
+        "      cp_async_wait<1>();\n      __syncthreads();  // the step's rows", MLA_TESTS),
 }
 
 # What caught it, from the first failure's report.
@@ -264,7 +283,8 @@ def run_mutant(name, file, text, replacement, python, select=None):
         path.write_text(source.replace(text, replacement))
         start = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "GOMP_SPINCOUNT": "0"}
-        command = [python, "-m", "pytest", "tests/emulated/test_emulated_kernels.py", "-x", "-q", "-p", "no:cacheprovider"]
+        command = [python, "-m", "pytest", "tests/emulated/test_emulated_kernels.py", "tests/emulated/test_emulated_mla.py",
+                   "-x", "-q", "-p", "no:cacheprovider"]
         result = subprocess.run(command + (["-k", select] if select else []), cwd=scratch, env=env,
                                 capture_output=True, text=True)
         elapsed = time.perf_counter() - start

@@ -4,6 +4,8 @@ The plans are plain C++, built into every extension (no GPU, no CUDA kernels nee
 emulated kernel tests launch with the same functions, so what is checked here is what runs there.
 """
 
+import re
+
 import numpy
 import pytest
 import torch
@@ -515,3 +517,48 @@ def test_batch_invariant_switch():
     finally:
         paged_attn.set_batch_invariant(False)
     assert paged_attn.batch_invariant() is False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mla_attention (csrc/cuda/mla_plan.h): plan_attention's partitions over thread blocks of 16 heads.
+
+def mla_plan(num_items=4, num_heads=128, rank=512, rope=64, max_blocks_per_seq=64, block_size=64, num_sms=132,
+             blocks_per_sm=2, partition_tokens=512, batch_invariant=0):
+    return _C._launch_plan("mla_attention", num_items, num_heads, rank, rope, max_blocks_per_seq, block_size, num_sms,
+                           blocks_per_sm, partition_tokens, batch_invariant)
+
+
+@pytest.mark.parametrize("num_heads, blocks, per_block", [(1, 1, 1), (16, 1, 16), (20, 2, 10), (40, 3, 14),
+                                                          (128, 8, 16)])
+def test_mla_heads_in_blocks_of_16(num_heads, blocks, per_block):
+    """ceil(heads / 16) thread blocks per item, the heads split evenly; the reduce over every head; DeepSeek-V3's
+    row takes 94,720 bytes of shared memory (Q, two stages of 32 rows, P: under sm_86/89's 99 KiB)."""
+    plan = mla_plan(num_heads=num_heads)
+    assert plan["error"] is None
+    assert (plan["grid"][1], plan["heads_per_block"], plan["threads"]) == (blocks, per_block, 128)
+    assert plan["shared_bytes"] == 2 * (16 * 584 + 2 * 32 * 584 + 16 * 40) == 94720
+    if plan["num_partitions"] > 1:
+        assert plan["reduce_grid"] == (4, num_heads, 1)
+
+
+def test_mla_partitions_as_paged_attention_for_the_same_blocks():
+    """The partitions and slots are plan_attention's for as many thread blocks per item (head tiles as kv heads)."""
+    for items, heads, width in [(1, 128, 512), (64, 16, 128), (256, 128, 16)]:
+        plan = mla_plan(num_items=items, num_heads=heads, max_blocks_per_seq=width)
+        tiles = -(-heads // 16)
+        same = attention_plan(num_seqs=items, num_heads=tiles, num_kv_heads=tiles, max_blocks_per_seq=width,
+                              block_size=64, num_sms=132, blocks_per_sm=2)
+        assert (plan["num_partitions"], plan["partition_size"], plan["grid"]) == \
+            (same["num_partitions"], same["partition_size"], same["grid"])
+    invariant = mla_plan(num_items=1, max_blocks_per_seq=8, batch_invariant=1)
+    assert (invariant["num_partitions"], invariant["partition_size"]) == (2, 512)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(rank=64, rope=16), r"kv_lora_rank \+ rope_dim = 64 \+ 16 has no kernel \(instantiated: 512 \+ 64, 128 \+ 32\)"),
+    (dict(block_size=24), "block_size 24 is not supported"),
+    (dict(block_size=4), "block_size 4 is not supported"),
+    (dict(num_items=0), "invalid sizes"),
+])
+def test_mla_errors(sizes, message):
+    assert re.search(message, mla_plan(**sizes)["error"])

@@ -290,9 +290,60 @@ def test_opcheck_and_torch_compile():
     assert torch.equal(got, want) and torch.equal(compiled_cache.nan_to_num(7), eager_cache.nan_to_num(7))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA (a GPU and the CUDA kernels; the same kernels run in the emulator everywhere: tests/emulated/test_emulated_mla.py)
+
+def to_cuda(case):
+    return tuple(None if t is None else t.cuda() for t in case)
+
+
 @pytest.mark.skipif(not HAS_CUDA_OPS, reason="needs a GPU and the CUDA kernels")
-def test_cuda_says_not_yet():
-    query, kv_cache, block_tables, seq_lens, _ = error_parts()
-    with pytest.raises(RuntimeError, match="not on CUDA yet"):
-        paged_attn.mla_attention(query.cuda(), kv_cache.cuda(), block_tables.cuda(), seq_lens.cuda(),
-                                 kv_lora_rank=64, scale=0.1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank, rope, num_heads, block_size", [(512, 64, 16, 64), (512, 64, 128, 16),
+                                                               (128, 32, 22, 16), (128, 32, 3, 8)])
+def test_cuda_mla_attention_matches_the_reference(dtype, rank, rope, num_heads, block_size):
+    """Decode on CUDA (single pass and split-KV: a 2,000-token row beside short ones and an empty one) with lse,
+    then several query rows per sequence, against the float64 reference."""
+    case = mla_case([1, 37, 2000, 0, 700], num_heads, rank, rope, block_size, dtype, seed=rank + num_heads)
+    out = check(to_cuda(case), rank, dtype, scale=0.1147, return_lse=True)
+    assert torch.equal(out[3].cpu(), torch.zeros_like(out[3].cpu())), "a sequence of length 0 gives a zero row"
+    case = mla_case([700, 40, 90, 5], num_heads, rank, rope, block_size, dtype, query_tokens=[3, 40, 1, 0], seed=2)
+    check(to_cuda(case), rank, dtype, return_lse=True, max_query_len=40)
+
+
+@pytest.mark.skipif(not HAS_CUDA_OPS, reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, E4M3, E5M2])
+def test_cuda_concat_and_cache_mla_writes_the_cpus_bytes(cache_dtype):
+    """concat_and_cache_mla on CUDA writes the CPU op's bytes (fp8: quantized with a scale), padding skipped."""
+    generator = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16 if cache_dtype in (E4M3, E5M2) else cache_dtype
+    projection = (torch.randn(9, 128 + 8 + 32, generator=generator) * 3).to(dtype)
+    kv_c, k_pe = projection[:, :128], projection[:, 136:]
+    slots = torch.randperm(20, generator=generator)[:9]
+    slots[4] = -1
+    scale = torch.tensor([0.37]) if cache_dtype in (E4M3, E5M2) else None
+    cpu = poisoned((5, 4, 160), cache_dtype)
+    gpu = cpu.cuda()
+    paged_attn.concat_and_cache_mla(kv_c, k_pe, cpu, slots, scale=scale)
+    paged_attn.concat_and_cache_mla(kv_c.cuda(), k_pe.cuda(), gpu, slots.cuda(),
+                                    scale=None if scale is None else scale.cuda())
+    assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8))
+
+
+@pytest.mark.skipif(not HAS_CUDA_OPS, reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("what, message", [
+    ("float32", "mla_attention on CUDA takes float16 and bfloat16"),
+    ("fp8", "fp8 latent caches are not on CUDA yet"),
+    ("rank", r"kv_lora_rank \+ rope_dim = 64 \+ 16 has no kernel \(instantiated: 512 \+ 64, 128 \+ 32\)"),
+    ("block size", "block_size 24 is not supported"),
+])
+def test_cuda_mla_attention_says_what_it_does_not_serve(what, message):
+    dtype = torch.float32 if what == "float32" else torch.bfloat16
+    rank, rope = (64, 16) if what == "rank" else (128, 32)
+    case = mla_case([20, 9], 4, rank, rope, 24 if what == "block size" else 8, dtype,
+                    cache_dtype=E4M3 if what == "fp8" else None, seed=15)
+    query, kv_cache, block_tables, seq_lens, _ = to_cuda(case)
+    k_scale = torch.ones(1, device="cuda") if what == "fp8" else None
+    with pytest.raises(RuntimeError, match=message):
+        paged_attn.mla_attention(query, kv_cache, block_tables, seq_lens, kv_lora_rank=rank, scale=0.1,
+                                 k_scale=k_scale)
