@@ -11,6 +11,8 @@ device and the same torch offer, so that every figure comes with its yardstick f
            plan_shared_blocks' plan, without it, and on distinct copies of the prefix;
   prefill  a 4,096-token prompt and a 1,024-token chunk after a 3,072-token prefix (GQA-4, bf16): the tensor-core
            kernel (query_start_loc) in TFLOP/s against SDPA flash/cuDNN on contiguous keys/values and matmul;
+  mla      mla_attention (DeepSeek-V3's latent row: 512 + 64, bf16, block 64) decode at 16 and 128 heads on a
+           batch x context grid, in TFLOP/s against matmul and GB/s of latent rows against the copy;
   flex     FlexAttention over a paged cache (pages of 128 tokens, the size its block mask needs; compiled) on the
            bf16 decode cases of --flex-cases, last: each case compiles first.
 
@@ -51,6 +53,9 @@ def parse_args():
     parser.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
     parser.add_argument("--flex-cases", default="GQA-4:64:1024,GQA-4:16:8192",
                         help="heads:batch:context of the bf16 decode cases FlexAttention runs (each compiles)")
+    parser.add_argument("--mla-batch-sizes", default="1,32,128")
+    parser.add_argument("--mla-contexts", default="1024,8192,32768")
+    parser.add_argument("--mla-heads", default="16,128")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-kv-gib", type=float, default=12.0,
                         help="skip decode cases whose bf16 keys/values are larger (the peers hold a second copy)")
@@ -64,6 +69,7 @@ def parse_args():
     if args.tiny:
         args.batch_sizes, args.contexts, args.repeats = "2", "64,130", 2
         args.flex_cases = "GQA-4:2:130"
+        args.mla_batch_sizes, args.mla_contexts, args.mla_heads = "2", "130", "16"
     return args
 
 
@@ -76,7 +82,7 @@ class Run:
         self.started = time.monotonic()
         self.results = {"host": describe_host(), "torch": torch.__version__, "cuda": torch.version.cuda,
                         "device": torch.cuda.get_device_name() if self.device.type == "cuda" else "CPU",
-                        "limits": {}, "decode": [], "shared": [], "prefill": [], "flex": [], "skipped": [],
+                        "limits": {}, "decode": [], "shared": [], "prefill": [], "mla": [], "flex": [], "skipped": [],
                         "errors": []}
 
     def over_budget(self, what: str) -> bool:
@@ -324,6 +330,50 @@ def prefill(run: Run) -> None:
         run.results["prefill"].append(row)
 
 
+MLA_RANK, MLA_ROPE, MLA_BLOCK = 512, 64, 64
+
+
+def mla(run: Run) -> None:
+    """mla_attention decode over a bf16 latent cache: per case its time, TFLOP/s (2 heads x (576 + 512) flops per
+    latent row and head) and GB/s of latent rows read."""
+    args, row_width = run.args, MLA_RANK + MLA_ROPE
+    for heads in map(int, args.mla_heads.split(",")):
+        for batch in map(int, args.mla_batch_sizes.split(",")):
+            for context in map(int, args.mla_contexts.split(",")):
+                name = f"mla {heads} heads {batch}x{context}"
+                if run.over_budget(name):
+                    continue
+                cache_bytes = batch * context * row_width * 2
+                if cache_bytes > args.max_kv_gib * 2**30:
+                    run.results["skipped"].append(f"{name} (over --max-kv-gib)")
+                    continue
+                try:
+                    blocks_per_seq = -(-context // MLA_BLOCK)
+                    kv_cache = torch.randn(batch * blocks_per_seq, MLA_BLOCK, row_width, dtype=torch.bfloat16,
+                                           device=run.device)
+                    block_tables = torch.randperm(batch * blocks_per_seq, device=run.device).to(torch.int32)
+                    block_tables = block_tables.view(batch, blocks_per_seq)
+                    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=run.device)
+                    query = torch.randn(batch, heads, row_width, dtype=torch.bfloat16, device=run.device)
+                    kwargs = dict(kv_lora_rank=MLA_RANK, scale=0.1147)
+                    out = torch.empty(batch, heads, MLA_RANK, dtype=torch.bfloat16, device=run.device)
+                    call = lambda: paged_attn.mla_attention(query, kv_cache, block_tables, seq_lens, out=out,  # noqa
+                                                            **kwargs)
+                    rows = sorted({0, batch - 1})
+                    expected = reference.mla_attention(query[rows], kv_cache, block_tables[rows], seq_lens[rows],
+                                                       **kwargs).float()
+                    seconds = run.time(name, call, lambda: check_rows(call, rows, expected))
+                    flops = 2.0 * batch * heads * context * (row_width + MLA_RANK)
+                    run.results["mla"].append({"heads": heads, "batch": batch, "context": context,
+                                               "cache_MiB": cache_bytes / 2**20, "us": seconds and seconds * 1e6,
+                                               "TFLOPs": seconds and flops / seconds / 1e12,
+                                               "GBps": seconds and cache_bytes / seconds / 1e9})
+                except Exception as e:  # (out of memory, say): recorded, the grid goes on
+                    run.results["errors"].append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+                if run.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+
 def fmt(x, digits=0):
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -354,6 +404,13 @@ def summary(results) -> str:
         lines.append(f"| {r['case']} | {fmt(r['paged_TFLOPs'], 1)} | "
                      f"{fmt(r['paged_TFLOPs'] and 100 * r['paged_TFLOPs'] / peak)}% | "
                      f"{fmt(r['sdpa_flash_TFLOPs'], 1)} | {fmt(r['sdpa_cudnn_TFLOPs'], 1)} |")
+    lines += ["", "## MLA decode (512 + 64, bf16, block 64)", "",
+              "| heads | batch | context | cache MiB | us | TFLOP/s | % of matmul | GB/s | % of copy |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["mla"]:
+        lines.append(f"| {r['heads']} | {r['batch']} | {r['context']} | {r['cache_MiB']:.0f} | {fmt(r['us'], 1)} | "
+                     f"{fmt(r['TFLOPs'], 1)} | {fmt(r['TFLOPs'] and 100 * r['TFLOPs'] / peak)}% | "
+                     f"{fmt(r['GBps'])} | {fmt(r['GBps'] and 100 * r['GBps'] / copy)}% |")
     lines += ["", "## FlexAttention over a paged cache (bf16, pages of 128; us)", "",
               "| heads | batch | context | paged_attention | FlexAttention | its compile and check, s |",
               "|---|---:|---:|---:|---:|---:|"]
@@ -370,7 +427,7 @@ def main():
     args = parse_args()
     torch.manual_seed(0)
     run = Run(args)
-    for step in (limits, decode, shared, prefill, flex):
+    for step in (limits, decode, shared, prefill, mla, flex):
         began = time.monotonic()
         try:
             step(run)

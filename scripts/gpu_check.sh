@@ -94,7 +94,7 @@ at_once() {
 }
 
 # The steps: (name, limit in seconds, command). Phase 1's steps run at once (its limit: the largest of theirs).
-TESTS=(tests/ops tests/engine/test_engine_tiny.py -k cuda -q -ra -p no:cacheprovider)
+TESTS=(tests/ops tests/engine/test_engine_tiny.py tests/engine/test_engine_deepseek.py -k cuda -q -ra -p no:cacheprovider)
 SANITIZED=("$PY" scripts/sanitizer_cases.py)
 NCU_METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 NCU_METRICS+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size

@@ -4,7 +4,8 @@ Each case is checked against paged_attn.reference, so the run also fails on a wr
 paged_attention decode paths (single pass: many sequences; split-KV: one long sequence), GQA groups above and below
 the 8 query heads a thread block serves, every dtype, a strided cache view, padding slots and copy/swap of blocks;
 with query_start_loc, the tensor-core kernel next to the decode kernel (float16/bfloat16) and the decode kernel for
-every row (float32), on vLLM's packed K|V cache; the tensor-core decode with a shared-blocks plan (and a garbage one).
+every row (float32), on vLLM's packed K|V cache; the tensor-core decode with a shared-blocks plan (and a garbage one);
+MLA: concat_and_cache_mla and mla_attention (decode single pass and split-KV, several query rows per sequence).
 """
 
 import torch
@@ -76,6 +77,29 @@ def main():
             torch.testing.assert_close(paged_attn.paged_attention(*case, query_start_loc=starts, **kwargs),
                                        reference.paged_attention(*case, query_start_loc=starts, **kwargs),
                                        **tolerance)
+
+        # MLA (float16/bfloat16): every latent row written by concat_and_cache_mla (projection slices, a padding
+        # token skipped), decode over a short and a 3,000-token row (split-KV), then one query row per sequence
+        # through query_start_loc
+        if dtype != torch.float32:
+            projection = torch.randn(3201, 128 + 8 + 32, dtype=dtype, device="cuda")
+            slots = torch.cat([torch.randperm(200 * 16), torch.tensor([-1])]).cuda()
+            kv_cache = torch.full((200, 16, 160), float("nan"), dtype=dtype, device="cuda")
+            paged_attn.concat_and_cache_mla(projection[:, :128], projection[:, 136:], kv_cache, slots)
+            expected = torch.full_like(kv_cache, float("nan"))
+            reference.concat_and_cache_mla(projection[:, :128], projection[:, 136:], expected, slots)
+            assert torch.equal(kv_cache, expected)
+            block_tables = torch.zeros(2, 190, dtype=torch.int32, device="cuda")
+            block_tables[0, :5] = torch.tensor([3, 9, 27, 55, 100], dtype=torch.int32)
+            block_tables[1, :188] = torch.randperm(200)[:188].to(torch.int32)
+            seq_lens = torch.tensor([70, 3000], dtype=torch.int32, device="cuda")
+            query = torch.randn(2, 20, 160, dtype=dtype, device="cuda")
+            for starts in (None, torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")):
+                got = paged_attn.mla_attention(query, kv_cache, block_tables, seq_lens, kv_lora_rank=128, scale=0.1,
+                                               query_start_loc=starts)
+                want = reference.mla_attention(query, kv_cache, block_tables, seq_lens, kv_lora_rank=128,
+                                               scale=0.1, query_start_loc=starts)
+                torch.testing.assert_close(got, want, **tolerance)
 
         key = torch.randn(7, 2, 64, dtype=dtype, device="cuda")
         key_cache = torch.randn(6, 16, 2, 64, dtype=dtype, device="cuda")

@@ -4,6 +4,7 @@
     python scripts/sass_report.py --json FILE                  # the same, as JSON
     python scripts/sass_report.py --check-decode FILE          # exit 1 unless the decode targets below are met
     python scripts/sass_report.py --check-prefill FILE         # the same for the prefill targets
+    python scripts/sass_report.py --check-mla FILE             # the same for the MLA targets
     python scripts/sass_report.py --kernels 'decode_mma_kernel<bf16' FILE   # only these kernels (faster)
     python scripts/sass_report.py --baseline scripts/sass_baseline.json FILE      # before -> after; exit 1 if worse
     (FILE may also be a report saved with --json or --json-out: nothing is disassembled then)
@@ -75,6 +76,12 @@ DECODE_KERNEL = re.compile(r"^decode_mma_kernel<(bf16|half), 128>$")
 # of the loop body counted once.
 PREFILL_TARGETS = dict(hmma_share=0.15, blocks_per_sm=2, local_bytes=0, generic=0)
 PREFILL_KERNEL = re.compile(r"^varlen_attention_kernel<(bf16|half), (bf16|half), (64|128|256)>$")
+
+# The MLA targets (issue 51): the latent-attention kernel at DeepSeek-V3's 512 + 64, bfloat16 and float16. Its
+# main loop is the streaming loop with the largest HMMA share (its only one: the step loop); bytes in flight per SM
+# at its resident blocks.
+MLA_TARGETS = dict(hmma_share=0.30, blocks_per_sm=1, in_flight_bytes=64 * 1024, local_bytes=0, generic=0)
+MLA_KERNEL = re.compile(r"^mla_attention_kernel<(bf16|half), 512, 64>$")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -352,12 +359,16 @@ def dynamic_shared(name):
     """The dynamic shared memory a kernel is launched with: the tensor-core kernels' from their launch plans."""
     varlen = re.match(r"varlen_attention_kernel<(bf16|half), [^,]+, (\d+)", name)
     decode = re.match(r"decode_mma_kernel<(bf16|half), (\d+)>", name)
-    if not varlen and not decode:
+    mla = re.match(r"mla_attention_kernel<(bf16|half), (\d+), (\d+)>", name)
+    if not varlen and not decode and not mla:
         return 0
     try:
         from paged_attn import _C
     except ImportError:
         return None
+    if mla:
+        plan = _C._launch_plan("mla_attention", 1, 16, int(mla.group(2)), int(mla.group(3)), 1, 64, 1, 1)
+        return None if plan["error"] else plan["shared_bytes"]
     if decode:
         return _C._launch_plan("decode_mma", int(decode.group(2)))["shared_bytes"]
     plan = _C._launch_plan("paged_attention_varlen", 1, 2, 1, 1, int(varlen.group(2)), 2, 1, 16, 0)
@@ -431,6 +442,27 @@ def prefill_targets(kernels):
     return rows
 
 
+def mla_targets(kernels):
+    """[(kernel, main loop, [failed target, ...])] for the MLA kernels the targets apply to."""
+    rows = []
+    for k in kernels:
+        if MLA_KERNEL.match(k.name):
+            loop = main_loop(k)
+            failed = []
+            if loop is None or loop.hmma_share < MLA_TARGETS["hmma_share"]:
+                failed.append("HMMA share")
+            if loop is None or loop.generic > MLA_TARGETS["generic"]:
+                failed.append("generic loads/stores")
+            if k.blocks_per_sm is None or k.blocks_per_sm < MLA_TARGETS["blocks_per_sm"]:
+                failed.append("blocks per SM")
+            if k.in_flight_per_sm is None or k.in_flight_per_sm < MLA_TARGETS["in_flight_bytes"]:
+                failed.append("bytes in flight")
+            if k.local_bytes > MLA_TARGETS["local_bytes"]:
+                failed.append("local memory")
+            rows.append((k, loop, failed))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Printing.
 
@@ -484,6 +516,19 @@ def print_report(kernels, out=sys.stdout):
             share = f"{loop.hmma} HMMA of {loop.instructions} = {loop.hmma_share:.1%}" if loop else "no HMMA loop"
             print(f"  {k.name}: {share}, {fmt(k.blocks_per_sm)} blocks/SM, local {k.local_bytes} B: {verdict}",
                   file=out)
+    rows = mla_targets(kernels)
+    if rows:
+        print(file=out)
+        print(f"MLA targets (latent-attention kernel, bf16/fp16, 512 + 64; its main loop = the streaming loop with the "
+              f"largest HMMA share): HMMA >= {MLA_TARGETS['hmma_share']:.0%} of its instructions, no generic "
+              f"loads/stores in it, >= {MLA_TARGETS['blocks_per_sm']} block per SM with >= "
+              f"{MLA_TARGETS['in_flight_bytes'] // 1024} KB in flight, no local memory", file=out)
+        for k, loop, failed in rows:
+            verdict = "met" if not failed else "NOT met: " + ", ".join(failed)
+            share = f"{loop.hmma} HMMA of {loop.instructions} = {loop.hmma_share:.1%}" if loop else "no HMMA loop"
+            print(f"  {k.name}: {share}, {fmt(k.blocks_per_sm)} blocks/SM, "
+                  f"{fmt(k.in_flight_per_sm and k.in_flight_per_sm / 1024, '.1f')} KB in flight, "
+                  f"local {k.local_bytes} B: {verdict}", file=out)
 
 
 def to_json(kernels):
@@ -536,6 +581,7 @@ def main():
     parser.add_argument("--json-out", metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument("--check-decode", action="store_true", help="exit 1 unless the decode targets are met")
     parser.add_argument("--check-prefill", action="store_true", help="exit 1 unless the prefill targets are met")
+    parser.add_argument("--check-mla", action="store_true", help="exit 1 unless the MLA targets are met")
     parser.add_argument("--kernels", metavar="REGEX", help="only the kernels whose short names match")
     parser.add_argument("--baseline", metavar="JSON", help="compare with an earlier --json report; exit 1 if a "
                         "kernel got worse")
@@ -573,6 +619,10 @@ def main():
         rows = prefill_targets(kernels)
         if not rows or any(failed for _, _, failed in rows):
             sys.exit("sass_report: prefill targets not met" if rows else "sass_report: no prefill kernels found")
+    if args.check_mla:
+        rows = mla_targets(kernels)
+        if not rows or any(failed for _, _, failed in rows):
+            sys.exit("sass_report: MLA targets not met" if rows else "sass_report: no MLA kernels found")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Every step first writes its tokens' latent rows (``concat_and_cache_mla``). Then
 The choice is by arithmetic, per sequence of q new tokens over L in all (``L - q`` cached): the absorbed form costs
 ``q R (d_nope + d_v)`` for the absorption and ``q L (2R + d_rope)`` for attention, the up-projected one
 ``L R (d_nope + d_v)`` to up-project and ``q L (d_nope + d_rope + d_v)`` for attention (per head; R =
-kv_lora_rank); so a prompt (L = q) is up-projected and a decode over a long context is absorbed. The step's keys and
+kv_lora_rank); so a prompt (L = q) is up-projected and a decode over a long context is absorbed. On CUDA every step is absorbed
+for now (paged_attention with ``head_dim_v != head_dim`` runs on the CPU only). The step's keys and
 values in the up-projected form are laid out as a paged cache of block size 1 (block ``t`` = token ``t``), so
 no copy is made into blocks.
 """
@@ -75,6 +76,8 @@ def _upproject(model, query_len: int, seq_len: int) -> bool:
     """Whether a sequence of ``query_len`` new tokens over ``seq_len`` in all takes the up-projected form."""
     if model.upproject_min_query_len is not None:
         return query_len >= model.upproject_min_query_len
+    if model.device.type == "cuda":  # paged_attention with head_dim_v != head_dim is CPU-only so far
+        return False
     mla = model.config.mla
     up = (seq_len - query_len) * mla.kv_lora_rank * (mla.qk_nope_head_dim + mla.v_head_dim)
     absorbed = query_len * seq_len * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim -

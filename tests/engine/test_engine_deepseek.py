@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="needs transformers (pip install -r requirements-dev.txt)")
@@ -300,3 +301,34 @@ def test_command_line_serves_a_checkpoint_folder_with_its_tokenizer(tmp_path, ca
     assert code in (0, None), out
     assert "latent attention (MLA): one row of 32 + 16 per token and layer, 576 bytes a token against 3456" in out
     assert "greedy" in out
+
+
+@requires_cuda
+def test_cuda_engine_serves_latent_attention(tmp_path):
+    """On CUDA in bfloat16 (the latent kernel's 128 + 32; every step absorbed: mla_attention with query_start_loc for
+    the prompts): each step's logits, teacher-forced, within bfloat16's error of transformers' (float32, CPU)."""
+    import transformers
+    from paged_attn.engine import LLM, SamplingParams
+
+    config = transformers.DeepseekV3Config(**{**COMMON, **CONFIGS["q_lora"], "kv_lora_rank": 128,
+                                              "qk_rope_head_dim": 32})
+    torch.manual_seed(11)
+    hf = transformers.DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, block_size=16, num_kv_blocks=64)
+    logits = []
+    forward = llm.model.forward
+
+    def spy(batch, *args, **kwargs):
+        out = forward(batch, *args, **kwargs)
+        logits.append(out.float().cpu())
+        return out
+
+    llm.model.forward = spy
+    prompt = list(range(5, 45))
+    tokens = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    ours = torch.cat([step for step in logits if step.shape[0]])
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max(), (ours - theirs).abs().max()
