@@ -28,7 +28,7 @@ import torch
 from conftest import HAS_CUDA_OPS
 from test_attention import NAN, make_case, tolerance
 from test_plan_shared_blocks import MAX_ROW_LISTINGS, caterpillar, fewest_possible_reads, listings, modelled_reads
-from test_emulator import CUDA_INCLUDE, CXX, SANITIZER_REPORT
+from test_emulator import CUDA_INCLUDE, CXX, SANITIZER_REPORT, build_programs
 from test_varlen_attention import MIXED, make_varlen_case
 
 import paged_attn
@@ -52,11 +52,16 @@ RUNS = [("asan", "forward", 0), ("asan", "reverse", 0), ("asan", "random", 11), 
 SWEEP_RUNS = ([RUNS[0]], [RUNS[3]])
 DTYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat16"}
 
-# (the fixtures `programs` and `driver`, shared with test_emulated_mla.py: conftest.py)
 pytestmark = [
     pytest.mark.skipif(CUDA_INCLUDE is None, reason="CUDA toolkit headers not found (set CUDA_HOME)"),
     pytest.mark.skipif(shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX})"),
 ]
+
+
+@pytest.fixture(scope="session")
+def programs():
+    """build name -> the driver program (rebuilt when a kernel header, the emulator or the driver changes)."""
+    return build_programs("kernels", EMULATED / "kernels.cpp", BUILDS, FLAGS, SOURCES)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,16 @@ class Driver:
     # A parametrized test's case after its first: where a test says so, it runs a smaller batch of the same kinds of
     # sequences (the first case took the full one through every build and order).
     sweep: bool = False
+
+
+@pytest.fixture
+def driver(programs, request):
+    """The driver programs, with the runs this test's cases take: RUNS for a test without parameters or the first
+    case of a parametrized one, one of SWEEP_RUNS for its other cases."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or not any(callspec.indices.values()):
+        return Driver(programs, RUNS)
+    return Driver(programs, SWEEP_RUNS[sum(callspec.indices.values()) % 2], sweep=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

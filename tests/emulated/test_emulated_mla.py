@@ -15,12 +15,16 @@ without one); the same bits for a row in any batch with batch invariance.
 import pytest
 import torch
 from test_attention import NAN, tolerance
+import test_emulated_kernels as emulated
 from test_batch_invariance import poisoned
 from test_emulated_kernels import FP8_FORMATS, Case, assert_same_bits, run_everywhere
 from test_mla import mla_case
 
 import paged_attn
 from paged_attn import reference
+
+# test_emulated_kernels.py's fixtures: the driver programs (built once per session) and each test's runs
+programs, driver = emulated.programs, emulated.driver
 
 SCALE = 0.07
 
