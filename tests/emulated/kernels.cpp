@@ -86,6 +86,7 @@ struct Emulated<__half, __half> {
                             Decode<128, 8>>;
   using mma = paged_attn::DecodeMmaHeadDims;
   using varlen = paged_attn::IntList<64, 128, 256>;
+  using mla = paged_attn::MlaShapeList<paged_attn::MlaShape<128, 32>>;  // (512 + 64: bfloat16's)
 };
 template <>
 struct Emulated<__half, paged_attn::Fp8> {
@@ -97,6 +98,7 @@ struct Emulated<__nv_bfloat16, __nv_bfloat16> {
   using decode = DecodeList<Decode<64, 4>, Decode<120, 1>, Decode<128, 1>, Decode<128, 4>, Decode<128, 8>>;
   using mma = paged_attn::DecodeMmaHeadDims;
   using varlen = paged_attn::VarlenHeadDims;
+  using mla = paged_attn::MlaShapes;
 };
 template <>
 struct Emulated<__nv_bfloat16, paged_attn::Fp8> {
@@ -418,7 +420,7 @@ void run_mla_attention(const Case& c, const simt::Options& options) {
     p.partial_sum = nan_floats(records);
   }
   p.set_plan(plan);
-  const bool found = paged_attn::dispatch_mla(kv_lora_rank, row - kv_lora_rank, paged_attn::MlaShapes{},
+  const bool found = paged_attn::dispatch_mla(kv_lora_rank, row - kv_lora_rank, typename Emulated<T, T>::mla{},
                                               [&](auto lora, auto rope) {
     constexpr int LORA = decltype(lora)::value, ROPE = decltype(rope)::value;
     simt::launch(options, paged_attn::mla_attention_kernel<T, LORA, ROPE>, to_dim3(plan.grid), dim3(plan.threads),
@@ -428,7 +430,7 @@ void run_mla_attention(const Case& c, const simt::Options& options) {
                    dim3(plan.threads), 0, p);
     }
   });
-  if (!found) throw CaseError("mla_attention is not instantiated for this kv_lora_rank + rope_dim");
+  if (!found) throw CaseError("mla_attention at this kv_lora_rank + rope_dim is not emulated");
   std::printf("mla plan: %lld items, grid (%lld, %lld, %lld), partitions %d of %d tokens, %d bytes\n",
               static_cast<long long>(num_items), static_cast<long long>(plan.grid.x),
               static_cast<long long>(plan.grid.y), static_cast<long long>(plan.grid.z), plan.num_partitions,
