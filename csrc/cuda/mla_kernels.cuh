@@ -12,16 +12,17 @@
 // QueryRows::kEveryRow), y = groups of up to kMlaHeads heads (block_heads), z = partition slots (split-KV as the
 // decode kernels: thread block z runs partitions z, z + gridDim.z, ...; paged_attention_reduce_kernel at HEAD_DIM =
 // LORA merges their records). A thread block (4 warps) loads its heads' query rows into shared memory once (Q, zero
-// rows past its heads) and from there into registers (Q's A fragments, all k steps), then walks its partition's tokens in steps of kMlaTile = 32 rows at absolute positions
+// rows past its heads) and from there into registers (Q's A fragments, most of its k steps), then walks its partition's tokens in steps of kMlaTile = 32 rows at absolute positions
 // (tokens outside [begin, end) are not read, zero-filled and count as -inf logits), two stages in flight:
 //   0. (one step ahead) the step's 32 cache rows are copied into the free stage with cp.async: warp w copies rows
 //      8w .. 8w + 7 (one block-table entry, loaded a step ahead), 4 lanes a row, 16 bytes a copy;
 //   1. S = Q C^T (tile_logits): warp w computes its 8 rows' logits for the 16 heads (M = heads, N = 8 rows, K =
 //      ROW): Q's fragments from registers, C^T as B fragments by ldmatrix from the stage;
-//   2. the online softmax in base 2 (tile_softmax): the step's max per head over the 4 warps through shared memory
-//      (one barrier); the reference max moves, and O and the sums are rescaled, only where the step's max exceeds it
-//      by more than 2^8 (rescale_state: the same decision in every warp); p = exp2(logit - ref) rounded to T into P
-//      in shared memory (a second barrier); every lane keeps its part of the running sum;
+//   2. the online softmax in base 2 (step_max, step_weights): the step's max per head over the 4 warps through
+//      shared memory (one barrier); the reference max moves, and O and the sums are rescaled, only where the step's
+//      max exceeds it by more than 2^8 (rescale_state: the same decision in every warp; such a step leaves the hot
+//      loop, whose steps do not rescale, and rejoins it); p = exp2(logit - ref) rounded to T into P in shared memory
+//      (a second barrier); every lane keeps its part of the running sum;
 //   3. O += P C[:, :LORA] (tile_values): warp w owns the output columns [LORA / 4 w, LORA / 4 (w + 1)) of the 16
 //      heads (M = heads, N = 8 columns, K = the 32 rows): P by ldmatrix, the values by ldmatrix.trans from the same
 //      stage as step 1 (one read of a row serves both products).
@@ -52,8 +53,14 @@ struct MlaLayout {
   static constexpr int COLS = LORA / kMlaWarps;  // a warp's output columns
   static constexpr int NTILES = COLS / 8;        // their n tiles in O += P C
   static constexpr int COPIES = ROW / 32;        // step 0: 16-byte copies per lane (4 lanes per row)
-  static constexpr int QREG = KSTEPS;            // Q's k steps held in registers (tile_logits)
+  // Q's k steps held in registers (tile_logits; the others by ldmatrix from Q's shared rows on every step): 24 of
+  // 512 + 64's 36 (ptxas spills at 28 and more since the rescaling step left the hot loop), 6 of 128 + 32's 10
+  // (with MIN_BLOCKS = 5: 94 registers, no spills)
+  static constexpr int QREG = ROW <= 160 ? 6 : 24;
   static constexpr MlaSmem SMEM = mla_smem(ROW);
+  // Resident thread blocks per SM that the registers must allow (__launch_bounds__): 5 at 128 + 32 (28 KB of
+  // shared memory each); 512 + 64 holds 2 by its shared memory whatever the registers
+  static constexpr int MIN_BLOCKS = ROW <= 160 ? 5 : 1;
   static_assert(SMEM.row == PAD_ROW && SMEM.stages == kMlaHeads * PAD_ROW, "the plan's layout");
   static_assert(KSTEPS % 2 == 0 && NTILES % 2 == 0, "ldmatrix.x4: two k steps of S, two n tiles of O");
 };
@@ -160,20 +167,20 @@ __device__ __forceinline__ void rescale_state(MlaState<NTILES>& state, const flo
   }
 }
 
-// Step 2: the online softmax over the step: s becomes p = exp2(logit - ref) (0 outside [begin, end)), written to P
-// as T; the reference max moves on where the step needs it (rescale_state), in every warp alike (the decision comes
-// from the step's maxima in shared memory); this lane's sums take its p. token0: the token of s[0] (32 tile + 8 warp
-// + 2t). Two barriers: the warps' maxima, then P.
-template <typename T, int NTILES>
-__device__ __forceinline__ void tile_softmax(float (&s)[4], MlaState<NTILES>& state, float (*tile_max_s)[kMlaHeads],
-                                             T* p_shared, float scale_log2, const AttentionTask& task, int token0,
-                                             int warp, int g, int t) {
+// Step 2a: the step's logits in base 2 (0 ... -inf outside [begin, end)) and their max per head over the 4 warps
+// (through shared memory: one barrier), into tile_max; whether the reference max must move for them (more than 2^8
+// below a step's max, for a head of the warp: the same answer in every warp, whose lanes hold all 16 heads, from the
+// same maxima). token0: the token of s[0] (32 tile + 8 warp + 2t).
+template <int NTILES>
+__device__ __forceinline__ bool step_max(float (&s)[4], float (&tile_max)[2], const MlaState<NTILES>& state,
+                                         float (*tile_max_s)[kMlaHeads], float scale_log2, const AttentionTask& task,
+                                         int token0, int warp, int g, int t) {
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int token = token0 + k % 2;
     s[k] = token >= task.begin && token < task.end ? s[k] * scale_log2 : -INFINITY;
   }
-  float tile_max[2] = {fmaxf(s[0], s[1]), fmaxf(s[2], s[3])};
+  tile_max[0] = fmaxf(s[0], s[1]), tile_max[1] = fmaxf(s[2], s[3]);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
@@ -186,9 +193,15 @@ __device__ __forceinline__ void tile_softmax(float (&s)[4], MlaState<NTILES>& st
 #pragma unroll
     for (int w = 0; w < kMlaWarps; ++w) tile_max[h] = fmaxf(tile_max[h], tile_max_s[w][g + 8 * h]);
   }
-  // (every warp holds all 16 heads: the vote is the same in every warp)
   const bool grow = tile_max[0] > state.ref[0] + kMlaRescaleLog2 || tile_max[1] > state.ref[1] + kMlaRescaleLog2;
-  if (__any_sync(0xffffffffu, grow)) rescale_state(state, tile_max);
+  return __any_sync(0xffffffffu, grow);
+}
+
+// Step 2b: s becomes p = exp2(logit - ref), written to P as T; this lane's sums take its p (a barrier: P is
+// visible to every warp after it).
+template <typename T, int NTILES>
+__device__ __forceinline__ void step_weights(float (&s)[4], MlaState<NTILES>& state, T* p_shared, int warp, int g,
+                                             int t) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float base = state.ref[h] == -INFINITY ? 0.0f : state.ref[h];  // p = 0, never exp2(-inf - -inf) = NaN
@@ -274,7 +287,8 @@ __device__ __forceinline__ void write_mla_partition(MlaState<MlaLayout<LORA, ROP
 // ROW] (value_cache unused), query [num_tokens, num_heads, ROW], out [num_tokens, num_heads, LORA] (contiguous), the
 // plan of plan_mla_attention. Dynamic shared memory: mla_smem(ROW).bytes.
 template <typename T, int LORA, int ROPE>
-__global__ void __launch_bounds__(kMlaThreads) mla_attention_kernel(const AttentionParams<T> p) {
+__global__ void __launch_bounds__(kMlaThreads, MlaLayout<LORA, ROPE>::MIN_BLOCKS)
+    mla_attention_kernel(const AttentionParams<T> p) {
   using L = MlaLayout<LORA, ROPE>;
   PA_EXTERN_SHARED(uint4, shared_u4);
   PA_SHARED(float, tile_max_s, [kMlaWarps][kMlaHeads]);  // step 2: each warp's max per head
@@ -334,22 +348,36 @@ __global__ void __launch_bounds__(kMlaThreads) mla_attention_kernel(const Attent
                                  task.begin, task.end);
     cp_async_commit();
     int32_t next_entry = mla_group_entry(block_table, tile + 1, warp, task.end, block_shift);
-    for (int stage = 0; tile < tile_end; ++tile, stage ^= 1) {
-      cp_async_wait<0>();
-      __syncthreads();  // the step's rows (and Q) are visible; every warp is done with the other stage
-      // 0. The next step's rows into the other stage, and its successor's block-table entry.
-      if (tile + 1 < tile_end) {
-        copy_mla_rows<T, LORA, ROPE>(stages + (stage ^ 1) * L::STAGE, p.key_cache, next_entry, tile + 1, warp, lane,
-                                     task.begin, task.end);
-        next_entry = mla_group_entry(block_table, tile + 2, warp, task.end, block_shift);
+    int stage = 0;
+    float s[4], tile_max[2];
+    while (tile < tile_end) {
+      // The steps whose max stays within 2^8 of the reference: the hot loop, with no rescaling in it.
+      bool moves = false;
+      for (; tile < tile_end; ++tile, stage ^= 1) {
+        cp_async_wait<0>();
+        __syncthreads();  // the step's rows are visible; every warp is done with the other stage
+        // 0. The next step's rows into the other stage, and its successor's block-table entry.
+        if (tile + 1 < tile_end) {
+          copy_mla_rows<T, LORA, ROPE>(stages + (stage ^ 1) * L::STAGE, p.key_cache, next_entry, tile + 1, warp,
+                                       lane, task.begin, task.end);
+          next_entry = mla_group_entry(block_table, tile + 2, warp, task.end, block_shift);
+        }
+        cp_async_commit();
+        const T* stage_rows = stages + stage * L::STAGE;
+        tile_logits<T, LORA, ROPE, L::QREG>(s, q_regs, q_shared, q_lds, stage_rows, c_lds);  // 1. S = Q C^T
+        moves = step_max(s, tile_max, state, tile_max_s, scale_log2, task,                    // 2. softmax
+                         tile * kMlaTile + 8 * warp + 2 * t, warp, g, t);
+        if (moves) break;  // (uniform across the thread block)
+        step_weights<T, L::NTILES>(s, state, p_shared, warp, g, t);
+        tile_values<T, LORA, ROPE>(state, p_shared, p_lds, stage_rows, v_lds);  // 3. O += P C
       }
-      cp_async_commit();
-      const T* stage_rows = stages + stage * L::STAGE;
-      float s[4];
-      tile_logits<T, LORA, ROPE, L::QREG>(s, q_regs, q_shared, q_lds, stage_rows, c_lds);  // 1. S = Q C^T
-      tile_softmax<T, L::NTILES>(s, state, tile_max_s, p_shared, scale_log2, task,          // 2. softmax
-                                 tile * kMlaTile + 8 * warp + 2 * t, warp, g, t);
-      tile_values<T, LORA, ROPE>(state, p_shared, p_lds, stage_rows, v_lds);               // 3. O += P C
+      if (!moves) break;
+      // A step that moves the reference (a partition's first with a token, rarely another): O and the sums
+      // rescaled, then the rest of the step.
+      rescale_state(state, tile_max);
+      step_weights<T, L::NTILES>(s, state, p_shared, warp, g, t);
+      tile_values<T, LORA, ROPE>(state, p_shared, p_lds, stages + stage * L::STAGE, v_lds);
+      ++tile, stage ^= 1;
     }
     write_mla_partition<T, LORA, ROPE>(state, sum_s, p, task, warp, g, t);
   }

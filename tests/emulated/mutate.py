@@ -254,8 +254,8 @@ MUTANTS = {
         MLA, "    state.acc[j][0] *= factor[0], state.acc[j][1] *= factor[0];\n"
         "    state.acc[j][2] *= factor[1], state.acc[j][3] *= factor[1];\n", "", MLA_TESTS),
     "MLA: a stage read before its wait": (
-        MLA, "      cp_async_wait<0>();\n      __syncthreads();  // the step's rows",
-        "      cp_async_wait<1>();\n      __syncthreads();  // the step's rows", MLA_TESTS),
+        MLA, "        cp_async_wait<0>();\n        __syncthreads();  // the step's rows",
+        "        cp_async_wait<1>();\n        __syncthreads();  // the step's rows", MLA_TESTS),
 }
 
 # What caught it, from the first failure's report.
