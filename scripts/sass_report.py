@@ -423,44 +423,37 @@ def main_loop(kernel):
     return max(loops, key=lambda loop: loop.hmma_share) if loops else None
 
 
-def prefill_targets(kernels):
-    """[(kernel, main loop, [failed target, ...])] for the prefill kernels the targets apply to."""
+def loop_targets(kernels, pattern, targets):
+    """[(kernel, main loop, [failed target, ...])] for the kernels whose names match ``pattern``, against the
+    ``targets`` of its keys (hmma_share, generic, blocks_per_sm, in_flight_bytes, local_bytes)."""
     rows = []
     for k in kernels:
-        if PREFILL_KERNEL.match(k.name):
+        if pattern.match(k.name):
             loop = main_loop(k)
             failed = []
-            if loop is None or loop.hmma_share < PREFILL_TARGETS["hmma_share"]:
+            if loop is None or loop.hmma_share < targets["hmma_share"]:
                 failed.append("HMMA share")
-            if loop is None or loop.generic > PREFILL_TARGETS["generic"]:
+            if loop is None or loop.generic > targets["generic"]:
                 failed.append("generic loads/stores")
-            if k.blocks_per_sm is None or k.blocks_per_sm < PREFILL_TARGETS["blocks_per_sm"]:
+            if k.blocks_per_sm is None or k.blocks_per_sm < targets["blocks_per_sm"]:
                 failed.append("blocks per SM")
-            if k.local_bytes > PREFILL_TARGETS["local_bytes"]:
+            if "in_flight_bytes" in targets and (k.in_flight_per_sm is None or
+                                                 k.in_flight_per_sm < targets["in_flight_bytes"]):
+                failed.append("bytes in flight")
+            if k.local_bytes > targets["local_bytes"]:
                 failed.append("local memory")
             rows.append((k, loop, failed))
     return rows
+
+
+def prefill_targets(kernels):
+    """[(kernel, main loop, [failed target, ...])] for the prefill kernels the targets apply to."""
+    return loop_targets(kernels, PREFILL_KERNEL, PREFILL_TARGETS)
 
 
 def mla_targets(kernels):
     """[(kernel, main loop, [failed target, ...])] for the MLA kernels the targets apply to."""
-    rows = []
-    for k in kernels:
-        if MLA_KERNEL.match(k.name):
-            loop = main_loop(k)
-            failed = []
-            if loop is None or loop.hmma_share < MLA_TARGETS["hmma_share"]:
-                failed.append("HMMA share")
-            if loop is None or loop.generic > MLA_TARGETS["generic"]:
-                failed.append("generic loads/stores")
-            if k.blocks_per_sm is None or k.blocks_per_sm < MLA_TARGETS["blocks_per_sm"]:
-                failed.append("blocks per SM")
-            if k.in_flight_per_sm is None or k.in_flight_per_sm < MLA_TARGETS["in_flight_bytes"]:
-                failed.append("bytes in flight")
-            if k.local_bytes > MLA_TARGETS["local_bytes"]:
-                failed.append("local memory")
-            rows.append((k, loop, failed))
-    return rows
+    return loop_targets(kernels, MLA_KERNEL, MLA_TARGETS)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -89,6 +89,21 @@ AttentionParams<T, C> attention_params(at::Tensor& out, const at::Tensor& query,
   return params;
 }
 
+// With index validation on (PAGED_ATTN_VALIDATE=1; it synchronizes): query_start_loc and the block tables checked
+// against seq_lens on the host, as the CPU kernels check them.
+void validate_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                      const std::optional<at::Tensor>& query_start_loc, std::optional<int64_t> max_query_len,
+                      int64_t num_tokens, int64_t num_blocks, int64_t block_size, int64_t sliding_window) {
+  const at::Tensor seq_lens_cpu = seq_lens.cpu();
+  const std::optional<at::Tensor> query_start_loc_cpu =
+      query_start_loc.has_value() ? std::optional<at::Tensor>(query_start_loc->cpu()) : std::nullopt;
+  if (query_start_loc_cpu.has_value()) {
+    check_query_start_loc_range(*query_start_loc_cpu, seq_lens_cpu, num_tokens, max_query_len);
+  }
+  check_block_table_range(block_tables.cpu(), seq_lens_cpu, num_blocks, block_size, query_start_loc_cpu,
+                          sliding_window);
+}
+
 // The split-KV scratch of a plan (nothing in single pass): float32 [num_items, num_heads, num_partitions] records
 // and their [.., width] outputs, pointed to by params; they live as long as the returned holder (the caching
 // allocator frees them in stream order, after the launches enqueued before it goes).
@@ -190,14 +205,8 @@ void paged_attention_cuda(at::Tensor& out,                  // [num_tokens, num_
   }
   const c10::cuda::CUDAGuard guard(query.device());
   if (validation_enabled()) {
-    const at::Tensor seq_lens_cpu = seq_lens.cpu();
-    const std::optional<at::Tensor> query_start_loc_cpu =
-        query_start_loc.has_value() ? std::optional<at::Tensor>(query_start_loc->cpu()) : std::nullopt;
-    if (query_start_loc_cpu.has_value()) {
-      check_query_start_loc_range(*query_start_loc_cpu, seq_lens_cpu, num_tokens, max_query_len);
-    }
-    check_block_table_range(block_tables.cpu(), seq_lens_cpu, key_cache.size(0), block_size, query_start_loc_cpu,
-                            sliding_window);
+    validate_indices(block_tables, seq_lens, query_start_loc, max_query_len, num_tokens, key_cache.size(0),
+                     block_size, sliding_window);
     check_kv_scale_values(k_scale, v_scale);
     check_sink_values(sinks);
   }
@@ -281,13 +290,8 @@ void mla_attention_cuda(at::Tensor& out,                 // [num_tokens, num_hea
               kv_cache.strides(), ", query strides ", query.strides());
   const c10::cuda::CUDAGuard guard(query.device());
   if (validation_enabled()) {
-    const at::Tensor seq_lens_cpu = seq_lens.cpu();
-    const std::optional<at::Tensor> query_start_loc_cpu =
-        query_start_loc.has_value() ? std::optional<at::Tensor>(query_start_loc->cpu()) : std::nullopt;
-    if (query_start_loc_cpu.has_value()) {
-      check_query_start_loc_range(*query_start_loc_cpu, seq_lens_cpu, num_tokens, max_query_len);
-    }
-    check_block_table_range(block_tables.cpu(), seq_lens_cpu, kv_cache.size(0), block_size, query_start_loc_cpu, 0);
+    validate_indices(block_tables, seq_lens, query_start_loc, max_query_len, num_tokens, kv_cache.size(0), block_size,
+                     0);
   }
   if (num_tokens == 0 || num_seqs == 0) return;
 
@@ -302,9 +306,8 @@ void mla_attention_cuda(at::Tensor& out,                 // [num_tokens, num_hea
                                                        scale, std::nullopt, 0.0, std::nullopt, std::nullopt,
                                                        at::Tensor(), lse);
     params.rows = query_start_loc.has_value() ? QueryRows::kEveryRow : QueryRows::kLastOfEachSeq;
-    // (the sizes checked first: the occupancy query needs an instantiated kernel)
-    const std::string error = plan_mla_attention(num_items, num_heads, kv_lora_rank, row - kv_lora_rank,
-                                                 block_tables.size(1), block_size, 1, 1).error;
+    // (the shape checked first: the occupancy query needs an instantiated kernel)
+    const std::string error = mla_shape_error(kv_lora_rank, row - kv_lora_rank, block_size);
     TORCH_CHECK(error.empty(), "mla_attention: this call cannot be launched on CUDA: ", error);
     int blocks_per_sm = 0;
     C10_CUDA_CHECK(mla_attention_blocks_per_sm(T{}, static_cast<int>(kv_lora_rank),

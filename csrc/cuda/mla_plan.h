@@ -64,6 +64,21 @@ constexpr MlaSmem mla_smem(int64_t row_width) {
   return m;
 }
 
+// "" when the kernel serves this latent row and block size, else why not (instantiated shapes: MlaShapes; block
+// sizes: powers of two from 8, so that a warp's 8 rows of a step lie in one block).
+inline std::string mla_shape_error(int64_t kv_lora_rank, int64_t rope_dim, int64_t block_size) {
+  bool instantiated = false;
+  dispatch_mla(kv_lora_rank, rope_dim, MlaShapes{}, [&](auto, auto) { instantiated = true; });
+  if (!instantiated) {
+    return "kv_lora_rank + rope_dim = " + std::to_string(kv_lora_rank) + " + " + std::to_string(rope_dim) +
+           " has no kernel (instantiated: " + to_string(MlaShapes{}) + ")";
+  }
+  if (block_size < 8 || (block_size & (block_size - 1)) != 0 || block_size > (int64_t{1} << 30)) {
+    return "block_size " + std::to_string(block_size) + " is not supported (supported: powers of two from 8)";
+  }
+  return "";
+}
+
 // The launch of mla_attention over num_items query rows (decode: one per sequence; with query_start_loc: every
 // row): plan_attention's partitions and waves (the same model and batch invariance) for ceil(num_heads / kMlaHeads)
 // thread blocks per item, where paged_attention has a kv head's blocks; the split-KV reduce is
@@ -78,17 +93,8 @@ inline AttentionPlan plan_mla_attention(int64_t num_items, int64_t num_heads, in
     plan.error = "invalid sizes: num_items " + std::to_string(num_items) + ", num_heads " + std::to_string(num_heads);
     return plan;
   }
-  bool instantiated = false;
-  dispatch_mla(kv_lora_rank, rope_dim, MlaShapes{}, [&](auto, auto) { instantiated = true; });
-  if (!instantiated) {
-    plan.error = "kv_lora_rank + rope_dim = " + std::to_string(kv_lora_rank) + " + " + std::to_string(rope_dim) +
-                 " has no kernel (instantiated: " + to_string(MlaShapes{}) + ")";
-    return plan;
-  }
-  if (block_size < 8 || (block_size & (block_size - 1)) != 0 || block_size > (int64_t{1} << 30)) {
-    plan.error = "block_size " + std::to_string(block_size) + " is not supported (supported: powers of two from 8)";
-    return plan;
-  }
+  plan.error = mla_shape_error(kv_lora_rank, rope_dim, block_size);
+  if (!plan.error.empty()) return plan;
   const int64_t head_tiles = (num_heads + kMlaHeads - 1) / kMlaHeads;
   plan = plan_attention(num_items, head_tiles, head_tiles, max_blocks_per_seq, block_size, 0, num_sms, blocks_per_sm,
                         partition_tokens, 0, batch_invariant);
